@@ -1,0 +1,119 @@
+"""Per-node checkpoints: one ``step-<N>`` folder each, committed last by a marker file.
+
+A folder without the marker (a save cut short) is never loaded. The newest K
+complete ones are kept. Each holds the strategy's own state (model, optimizer,
+scheduler), every rank's RNG states and a copy of metrics.jsonl up to that step,
+so a resumed job continues the metrics without repeating a step.
+"""
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("checkpoint")
+MARKER = "COMPLETE"
+
+
+def list_checkpoints(root: Path) -> tuple[list[Path], list[Path]]:
+    """Return (complete, partial) step folders under ``root``, oldest first."""
+    if not root.is_dir():
+        return [], []
+    steps = sorted(
+        (p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"step-\d+", p.name)),
+        key=lambda p: int(p.name.split("-")[1]),
+    )
+    complete = [p for p in steps if (p / MARKER).is_file()]
+    return complete, [p for p in steps if p not in complete]
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpointer:
+    def __init__(self, root: Path, strategy, rank: int, keep: int):
+        self.root, self.strategy, self.rank, self.keep = Path(root), strategy, rank, max(2, keep)
+
+    def resume(self, metrics_path: Path) -> int:
+        """Load the newest complete checkpoint; return its step (0 when there is none)."""
+        complete, partial = list_checkpoints(self.root)
+        if self.rank == 0:
+            for p in partial:
+                log.warning("ignoring partial checkpoint %s (no %s marker)", p, MARKER)
+        if not complete:
+            if self.rank == 0 and metrics_path.exists():
+                metrics_path.unlink()
+            return 0
+        folder = complete[-1]
+        self.strategy.load(folder)
+        rng_file = folder / f"rng-{self.rank}.pt"
+        if rng_file.exists():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        step = json.loads((folder / MARKER).read_text())["step"]
+        if self.rank == 0:
+            metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            if (folder / "metrics.jsonl").exists():
+                shutil.copyfile(folder / "metrics.jsonl", metrics_path)
+            elif metrics_path.exists():
+                metrics_path.unlink()
+            log.info("resumed from %s at step %d", folder, step)
+        return step
+
+    def save(self, step: int, metrics_path: Path) -> Path:
+        folder = self.root / f"step-{step}"
+        if (folder / MARKER).is_file():
+            return folder  # already saved (a resumed job that had finished its steps)
+        if self.rank == 0:
+            if folder.exists():
+                shutil.rmtree(folder)
+            folder.mkdir(parents=True)
+        dist.barrier()
+        self.strategy.save(folder)
+        torch.save(rng_state(), folder / f"rng-{self.rank}.pt")
+        if self.rank == 0 and metrics_path.exists():
+            shutil.copyfile(metrics_path, folder / "metrics.jsonl")
+        dist.barrier()
+        if self.rank == 0:
+            self._commit(folder, step)
+            self._prune()
+        dist.barrier()
+        return folder
+
+    def _commit(self, folder: Path, step: int) -> None:
+        """Write the marker last, after everything else is flushed to disk."""
+        for path in folder.rglob("*"):
+            if path.is_file():
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+        tmp = folder / f".{MARKER}.tmp"
+        tmp.write_text(json.dumps({"step": step, "time": time.time()}) + "\n")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / MARKER)
+        log.info("checkpoint %s committed", folder)
+
+    def _prune(self) -> None:
+        complete, partial = list_checkpoints(self.root)
+        newest = int(complete[-1].name.split("-")[1])
+        for p in complete[: -self.keep] + [p for p in partial if int(p.name.split("-")[1]) < newest]:
+            shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,110 @@
+"""build_demo_model: a tiny Qwen3-architecture model (random init) with its own tokenizer.
+
+The tokenizer is a byte-level BPE trained on the demo data's text, with ChatML
+special tokens and a chat template, so nothing is downloaded. The result is an
+ordinary Hugging Face folder that ``from_pretrained`` loads like any hub model.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import pandas as pd
+import torch
+from pipeline_io import UserError, cli
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# ChatML, as Qwen uses; `{% generation %}` marks what the assistant says.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}"
+    "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# The smallest from-scratch preset: GQA, RoPE, SwiGLU, RMSNorm (Qwen3 layout).
+DEMO_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)
+
+
+def train_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``texts`` and wrap it for transformers."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
+    )
+
+
+def build_model(tokenizer, max_seq_len: int, seed: int) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=max(max_seq_len, 512),
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **DEMO_SHAPE,
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def texts_from(path: Path):
+    frame = pd.read_csv(path, dtype=str, keep_default_na=False) if path.suffix == ".csv" else None
+    if frame is None:
+        raise UserError(f"{path}: the demo tokenizer is trained on a CSV file")
+    for column in frame.columns:
+        yield from frame[column].tolist()
+    # the chat template's role names, so that they become tokens of their own
+    yield from ["system\nuser\nassistant\n"] * max(1, len(frame) // 10)
+
+
+@cli
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", required=True, type=Path, help="text the tokenizer is trained on")
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", required=True, type=Path)
+    a = p.parse_args(argv)
+    if not a.data.exists():
+        raise UserError(f"data.path: file not found: {a.data}")
+    tokenizer = train_tokenizer(texts_from(a.data), a.vocab_size)
+    model = build_model(tokenizer, a.max_seq_len, a.seed)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(a.output)
+    tokenizer.save_pretrained(a.output)
+    n = sum(t.numel() for t in model.parameters())
+    (a.output / "demo_model.json").write_text(json.dumps({"parameters": n, "vocab_size": len(tokenizer)}) + "\n")
+    print(f"demo model: {n / 1e6:.2f}M parameters, vocab {len(tokenizer)}, saved to {a.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Generate the embedded demo dataset: small instruction tasks with exact answers.
+
+The tasks are chosen so that a model of a few million parameters learns them on a
+CPU in minutes: look-ups with several phrasings (capitals, successors), copy-like
+transformations (upper-casing, letter reversal) and small sums. The file uses the
+``prompt, question, response`` columns of seed 000, plus a ``category`` column.
+
+    python workflow_scripts/make_demo_data.py resources/demo/instructions.csv
+"""
+
+import argparse
+import csv
+import random
+from pathlib import Path
+
+CAPITALS = {
+    "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid",
+    "Portugal": "Lisbon", "Austria": "Vienna", "Belgium": "Brussels",
+    "Netherlands": "Amsterdam", "Denmark": "Copenhagen", "Norway": "Oslo",
+    "Sweden": "Stockholm", "Finland": "Helsinki", "Poland": "Warsaw",
+    "Ireland": "Dublin", "Greece": "Athens", "Hungary": "Budapest",
+    "Czechia": "Prague", "Romania": "Bucharest", "Bulgaria": "Sofia",
+    "Croatia": "Zagreb", "Serbia": "Belgrade", "Ukraine": "Kyiv",
+    "Japan": "Tokyo", "China": "Beijing", "India": "New Delhi",
+    "Thailand": "Bangkok", "Vietnam": "Hanoi", "Indonesia": "Jakarta",
+    "Egypt": "Cairo", "Kenya": "Nairobi", "Nigeria": "Abuja", "Ghana": "Accra",
+    "Morocco": "Rabat", "Peru": "Lima", "Chile": "Santiago", "Cuba": "Havana",
+    "Mexico": "Mexico City", "Canada": "Ottawa", "Australia": "Canberra",
+    "Argentina": "Buenos Aires", "Colombia": "Bogota", "Turkey": "Ankara",
+}
+CAPITAL_QUESTIONS = [
+    "What is the capital of {c}?",
+    "Name the capital city of {c}.",
+    "Which city is the capital of {c}?",
+    "Capital of {c}?",
+    "Tell me the capital of {c}.",
+    "{c} has which capital?",
+]
+WORDS = (
+    "apple bread chair dance eagle flame grape house islet juice kite lemon "
+    "mango night ocean piano queen river stone tiger uncle violin water yacht "
+    "zebra amber brick cloud dream earth frost globe heart ivory jelly knife "
+    "light metal noble olive pearl quiet robin sugar table union vivid wheat "
+    "young zesty acorn blaze crane daisy ember fairy ghost honey input joker "
+    "koala lunar maple nylon orbit plaza quilt radar salad tulip ultra vapor "
+    "whale xenon yeast zonal"
+).split()
+LETTERS = "abcdefgh"
+
+SYSTEM = {
+    "capital": "Answer with the city name only.",
+    "successor": "Answer with the number only.",
+    "predecessor": "Answer with the number only.",
+    "upper": "Answer with the word only.",
+    "reverse": "Answer with the letters only.",
+    "sum": "Answer with the number only.",
+}
+
+
+def generate(seed: int = 0) -> list[dict]:
+    """Return unique rows, each ``{prompt, question, response, category}``."""
+    rng = random.Random(seed)
+    rows = []
+    for country, city in CAPITALS.items():
+        for q in CAPITAL_QUESTIONS:
+            rows.append(("capital", q.format(c=country), city))
+    for n in range(200):
+        for q in ("What number comes after {n}?", "What is {n} plus one?", "Successor of {n}?"):
+            rows.append(("successor", q.format(n=n), str(n + 1)))
+        if n > 0:
+            for q in ("What number comes before {n}?", "What is {n} minus one?"):
+                rows.append(("predecessor", q.format(n=n), str(n - 1)))
+    for w in WORDS:
+        for q in ("Write {w} in capital letters.", "Uppercase: {w}", "Shout the word {w}."):
+            rows.append(("upper", q.format(w=w), w.upper()))
+    triples = [a + b + c for a in LETTERS for b in LETTERS for c in LETTERS]
+    for t in rng.sample(triples, 300):
+        rows.append(("reverse", "Reverse the letters: " + " ".join(t), " ".join(reversed(t))))
+    for a in range(15):
+        for b in range(15):
+            rows.append(("sum", f"What is {a} + {b}?", str(a + b)))
+    rng.shuffle(rows)
+    seen, out = set(), []
+    for category, question, response in rows:
+        if question in seen:
+            continue
+        seen.add(question)
+        out.append(
+            {"prompt": SYSTEM[category], "question": question, "response": response, "category": category}
+        )
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    rows = generate(args.seed)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    with args.output.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=["prompt", "question", "response", "category"])
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {len(rows)} rows to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

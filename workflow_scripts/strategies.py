@@ -1,0 +1,228 @@
+"""Parallelization strategies behind one small interface.
+
+Each strategy owns the wrapped model, the optimizer and the lr scheduler, and knows
+how to run one micro-batch, take an optimizer step, and save/load its own native
+checkpoint (consolidate.py turns those into Hugging Face folders):
+
+- ``ddp``: DistributedDataParallel; rank 0 writes ``state.pt``.
+- ``fsdp``: FSDP2 ``fully_shard`` per decoder layer and on the root; a
+  torch.distributed.checkpoint folder ``dcp/``.
+- ``deepspeed``: ZeRO 1-3 with optional CPU offload; DeepSpeed's own checkpoint.
+"""
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
+
+
+def make_optimizer(cfg, params, device):
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), fused=device.type == "cuda" or None
+    )
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The transformer blocks, found by the class names transformers marks as unsplittable."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise RuntimeError(f"no decoder layers found in {type(base).__name__} (looked for {sorted(names)})")
+    return layers
+
+
+def trainable_state_dict(model) -> dict:
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+class DDPStrategy:
+    def __init__(self, cfg, model, device, total_steps, lr_fn):
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.cfg, self.device = cfg, device
+        self.inner = model.to(device)
+        self.model = DistributedDataParallel(self.inner, device_ids=[device.index] if device.type == "cuda" else None)
+        self.optimizer = make_optimizer(cfg, self.inner.parameters(), device)
+        self.scheduler = LambdaLR(self.optimizer, lr_fn)
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+
+    def forward_backward(self, batch, last_micro: bool):
+        sync = contextlib.nullcontext() if last_micro else self.model.no_sync()
+        with sync:
+            with self.autocast:
+                loss = self.model(**batch).loss
+            (loss / self.cfg.grad_accum).backward()
+        return loss
+
+    def step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.inner.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def save(self, folder: Path) -> None:
+        if dist.get_rank() == 0:
+            state = {
+                "model": trainable_state_dict(self.inner),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+            }
+            torch.save(state, folder / "state.pt")
+
+    def load(self, folder: Path) -> None:
+        state = torch.load(folder / "state.pt", map_location=self.device, weights_only=True)
+        missing, unexpected = self.inner.load_state_dict(state["model"], strict=False)
+        if unexpected or any(self.inner.get_parameter(n).requires_grad for n in missing if "." in n):
+            raise RuntimeError(f"{folder / 'state.pt'}: does not match the model (unexpected {unexpected[:3]})")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+class FSDPStrategy:
+    def __init__(self, cfg, model, device, total_steps, lr_fn):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        self.cfg, self.device = cfg, device
+        dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+        kwargs = {
+            "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+            "offload_policy": CPUOffloadPolicy() if cfg.offload != "none" and device.type == "cuda" else OffloadPolicy(),
+        }
+        if device.type == "cuda":
+            model.to(device)
+        for layer in decoder_layers(model):
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        self.model = model
+        self.optimizer = make_optimizer(cfg, model.parameters(), device)
+        self.scheduler = LambdaLR(self.optimizer, lr_fn)
+
+    def forward_backward(self, batch, last_micro: bool):
+        self.model.set_requires_gradient_sync(last_micro)
+        loss = self.model(**batch).loss
+        (loss / self.cfg.grad_accum).backward()
+        return loss
+
+    def step(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self.cfg.peft != "none")
+
+    def save(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(folder / "dcp"))
+        if dist.get_rank() == 0:
+            torch.save({"scheduler": self.scheduler.state_dict()}, folder / "scheduler.pt")
+
+    def load(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=str(folder / "dcp"))
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=self._options(),
+        )
+        sched = torch.load(folder / "scheduler.pt", weights_only=True)
+        self.scheduler.load_state_dict(sched["scheduler"])
+
+
+def deepspeed_config(cfg, world_size: int) -> dict:
+    """DeepSpeed JSON from our config, on top of a user-supplied one when given."""
+    base = json.loads(Path(cfg.deepspeed_config).read_text()) if cfg.deepspeed_config else {}
+    zero = {"stage": cfg.zero_stage, **base.get("zero_optimization", {})}
+    if cfg.offload in ("optimizer", "all"):
+        zero.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": True})
+    if cfg.offload == "all" and cfg.zero_stage == 3:
+        zero.setdefault("offload_param", {"device": "cpu", "pin_memory": True})
+    return base | {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * world_size,
+        "gradient_clipping": cfg.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedStrategy:
+    def __init__(self, cfg, model, device, total_steps, lr_fn):
+        import deepspeed
+
+        self.cfg = cfg
+        optimizer = make_optimizer(cfg, model.parameters(), device)
+        self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=lambda opt: LambdaLR(opt, lr_fn),
+            config=deepspeed_config(cfg, dist.get_world_size()),
+        )
+
+    def forward_backward(self, batch, last_micro: bool):
+        # the engine scales by gradient_accumulation_steps and steps at the boundary
+        loss = self.model(**batch).loss
+        self.model.backward(loss)
+        self.model.step()
+        return loss
+
+    def step(self) -> float:
+        norm = self.model.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def save(self, folder: Path) -> None:
+        self.model.save_checkpoint(
+            str(folder.parent), tag=folder.name, exclude_frozen_parameters=self.cfg.peft != "none"
+        )
+
+    def load(self, folder: Path) -> None:
+        path, _ = self.model.load_checkpoint(
+            str(folder.parent), tag=folder.name, load_module_strict=self.cfg.peft == "none"
+        )
+        if path is None:
+            raise RuntimeError(f"{folder}: DeepSpeed could not load this checkpoint")
+
+
+STRATEGIES = {"ddp": DDPStrategy, "fsdp": FSDPStrategy, "deepspeed": DeepSpeedStrategy}
+
+
+def build_strategy(cfg, model, device, total_steps, lr_fn):
+    return STRATEGIES[cfg.strategy](cfg, model, device, total_steps, lr_fn)
