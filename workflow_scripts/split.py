@@ -21,31 +21,49 @@ REQUIRED = ("question", "response")
 REJECT_COLUMNS = ["source_file", "source_row", "reason", "detail", *FIELDS]
 
 
-def read_table(path: str | Path, fmt: str = "auto") -> pd.DataFrame:
-    """Read a CSV, JSONL, JSON or Parquet file into a DataFrame of strings."""
-    path = Path(path)
+EXTENSIONS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+
+
+def detect_format(path: Path, fmt: str = "auto") -> str:
     if not path.exists():
         raise UserError(f"data.path: file not found: {path}")
     if fmt == "auto":
-        fmt = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}.get(
-            path.suffix.lower()
-        )
+        fmt = EXTENSIONS.get(path.suffix.lower())
         if fmt is None:
             raise UserError(f"data.path: cannot tell the format of {path} from its extension; set data.format")
+    if fmt not in EXTENSIONS.values():
+        raise UserError(f"data.format: unknown format {fmt!r} (csv, tsv, jsonl, json, parquet)")
+    return fmt
+
+
+def _unreadable(path: Path, fmt: str, error: Exception) -> UserError:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return UserError(f"{path}: cannot read as {fmt}: {first}")
+
+
+def read_table(path: str | Path, fmt: str = "auto", nrows: int | None = None) -> pd.DataFrame:
+    """Read a CSV, TSV, JSONL, JSON or Parquet file into a DataFrame (CSV cells as text)."""
+    path = Path(path)
+    fmt = detect_format(path, fmt)
     try:
         if fmt in ("csv", "tsv"):
             # every cell as text: "007" stays "007", an empty cell stays ""
-            return pd.read_csv(path, sep="\t" if fmt == "tsv" else ",", dtype=str, keep_default_na=False)
+            sep = "\t" if fmt == "tsv" else ","
+            return pd.read_csv(path, sep=sep, dtype=str, keep_default_na=False, nrows=nrows)
         if fmt == "jsonl":
-            return pd.read_json(path, lines=True, dtype=False)
+            return pd.read_json(path, lines=True, dtype=False, nrows=nrows)
         if fmt == "json":
             return pd.read_json(path, dtype=False)
-        if fmt == "parquet":
-            return pq.read_table(path).to_pandas()
+        table = pq.read_table(path)
+        return table.slice(0, nrows).to_pandas() if nrows is not None else table.to_pandas()
     except (pa.ArrowInvalid, ValueError, UnicodeDecodeError, pd.errors.ParserError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path}: cannot read as {fmt}: {first}") from None
-    raise UserError(f"data.format: unknown format {fmt!r} (csv, tsv, jsonl, json, parquet)")
+        raise _unreadable(path, fmt, e) from None
+
+
+def check_columns(path: str | Path, fmt: str, columns: dict) -> None:
+    """Fail early, from the file's first rows, when a mapped column is absent."""
+    head = read_table(path, fmt, nrows=5)
+    map_columns(head, columns, str(path))
 
 
 def map_columns(df: pd.DataFrame, columns: dict, source: str) -> pd.DataFrame:

@@ -1,0 +1,51 @@
+# Two commands set everything up on a fresh machine:
+#   make run   install into .venv, run the demo workflow, build results/demo/report.html
+#   make test  install into .venv, run the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell sha256sum requirements.lock | cut -c1-12)
+RUN ?= demo
+# the workflow's shell commands (python, torchrun) must come from the venv
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install run report test lint format lock clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.lock
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first: the CPU wheel here, the CUDA build on a GPU cluster; deepspeed builds against it
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.lock
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+run: install
+	snakemake --cores all
+	snakemake --report results/$(RUN)/report.html
+
+report: install
+	snakemake --report results/$(RUN)/report.html
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	snakemake --lint
+	snakefmt --check .
+	ruff check .
+
+format: install
+	snakefmt .
+	ruff format .
+
+lock: install
+	{ echo "# Exact versions tested (pip freeze); torch==2.13.0 is installed first by the Makefile."; \
+	  echo "# Regenerate with: make lock"; \
+	  $(PY) -m pip freeze | grep -vE "^torch==|^-e |^pip=="; } > requirements.lock
+
+clean:
+	rm -rf results logs .snakemake

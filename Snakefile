@@ -1,0 +1,24 @@
+"""From raw instruction data to evaluated fine-tuned models; see README.md."""
+
+
+configfile: "config/config.yaml"
+
+
+report: "report/workflow.rst"
+
+
+include: "rules/common.smk"
+include: "rules/environment.smk"
+include: "rules/split.smk"
+include: "rules/model.smk"
+include: "rules/tokenization.smk"
+include: "rules/train.smk"
+include: "rules/consolidate.smk"
+include: "rules/evaluation.smk"
+include: "rules/summarize.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        final_outputs(),

@@ -1,0 +1,90 @@
+"""Config validation, paths and input functions shared by every rule file."""
+
+import json
+import sys
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
+SCRIPTS = Path(workflow.basedir) / "workflow_scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+from pipeline_io import UserError  # noqa: E402
+from split import check_columns  # noqa: E402
+
+
+def validate_config(cfg):
+    """Schema validation with defaults, reported as one line naming the key."""
+    import jsonschema
+
+    try:
+        validate(cfg, "../config/schema.yaml")
+    except WorkflowError as e:
+        cause = e.args[0] if e.args else e
+        inner = getattr(e, "__cause__", None) or getattr(e, "__context__", None)
+        if isinstance(inner, jsonschema.ValidationError):
+            key = ".".join(str(p) for p in inner.absolute_path) or "(top level)"
+            raise WorkflowError(f"config key {key}: {inner.message}") from None
+        raise WorkflowError(str(cause).splitlines()[0]) from None
+
+
+validate_config(config)
+
+RUN = config["run"]
+R = f"results/{RUN}"
+LOGS = f"logs/{RUN}"
+NODES = [f"node{i}" for i in range(config["nodes"])]
+MODELS = ["base", *NODES]
+DEMO = config["model"]["name_or_path"] == "demo"
+METRIC = Path(workflow.basedir) / "metrics" / "exact_match"
+
+
+wildcard_constraints:
+    node="|".join(NODES),
+    model="|".join(MODELS),
+    shard="|".join(NODES),
+
+
+# Fail at parse time, before any job runs, when the data cannot be used.
+try:
+    check_columns(config["data"]["path"], config["data"]["format"], config["data"]["columns"])
+except UserError as e:
+    raise WorkflowError(str(e)) from None
+
+
+def base_model():
+    """What from_pretrained loads: the demo build, a local path or a hub id."""
+    return f"{R}/base_model" if DEMO else config["model"]["name_or_path"]
+
+
+def base_model_input():
+    """The base model as a tracked input when it is a file-system path."""
+    if DEMO or Path(config["model"]["name_or_path"]).exists():
+        return base_model()
+    return []
+
+
+def model_for_eval(wildcards):
+    return base_model_input() if wildcards.model == "base" else f"{R}/models/{wildcards.model}"
+
+
+def model_ref(wildcards):
+    return base_model() if wildcards.model == "base" else f"{R}/models/{wildcards.model}"
+
+
+def training_json():
+    """The trainer's flat config: everything in `training`, LoRA settings flattened."""
+    t = dict(config["training"])
+    lora = t.pop("lora")
+    t |= {f"lora_{k}": v for k, v in lora.items()}
+    return json.dumps(t, sort_keys=True)
+
+
+def final_outputs():
+    return [
+        f"{R}/env/check.json",
+        f"{R}/data/manifest.json",
+        f"{R}/eval/summary.csv",
+        f"{R}/eval/loss_curves.png",
+    ]

@@ -1,0 +1,20 @@
+rule check_environment:
+    output:
+        report(
+            f"{R}/env/check.json",
+            caption="../report/environment.rst",
+            category="Environment",
+        ),
+    params:
+        strategy=config["training"]["strategy"],
+        peft=config["training"]["peft"],
+        procs=config["training"]["procs_per_node"],
+        precision=config["training"]["precision"],
+    log:
+        f"{LOGS}/check_environment.log",
+    conda:
+        "../envs/train.yaml"
+    shell:
+        "python {SCRIPTS}/environment.py --strategy {params.strategy} --peft {params.peft}"
+        " --procs-per-node {params.procs} --precision {params.precision}"
+        " --output {output} > {log} 2>&1"

@@ -1,0 +1,22 @@
+rule summarize:
+    input:
+        results=expand(f"{R}/eval/{{model}}.json", model=MODELS),
+        metrics=expand(f"{R}/train/{{node}}/metrics.jsonl", node=NODES),
+    output:
+        summary=report(
+            f"{R}/eval/summary.csv",
+            caption="../report/summary.rst",
+            category="Evaluation",
+        ),
+        curves=report(
+            f"{R}/eval/loss_curves.png",
+            caption="../report/loss_curves.rst",
+            category="Training",
+        ),
+    log:
+        f"{LOGS}/summarize.log",
+    conda:
+        "../envs/eval.yaml"
+    shell:
+        "python {SCRIPTS}/summarize.py --results {input.results} --metrics {input.metrics}"
+        " --summary {output.summary} --curves {output.curves} > {log} 2>&1"

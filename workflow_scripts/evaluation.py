@@ -1,0 +1,118 @@
+"""evaluate_model: held-out loss, perplexity and exact match of greedy answers for one model.
+
+The eval set is the tokenized cache that training's caches come from, so the model
+sees exactly the token ids training produced: the loss uses ``labels`` as they are,
+and generation starts from the first ``prompt_length`` ids of each example.
+"""
+
+import argparse
+import math
+from pathlib import Path
+
+import evaluate
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from pipeline_io import cli, write_json
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+IGNORE = -100
+
+
+def batches(frame: pd.DataFrame, size: int):
+    for start in range(0, len(frame), size):
+        yield frame.iloc[start : start + size]
+
+
+@torch.no_grad()
+def eval_loss(model, frame: pd.DataFrame, pad_id: int, batch_size: int) -> tuple[float, int]:
+    """Token-weighted mean cross-entropy over all label tokens of the eval set."""
+    total, count = 0.0, 0
+    for batch in batches(frame, batch_size):
+        width = int(batch["length"].max())
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (x, y) in enumerate(zip(batch["input_ids"], batch["labels"], strict=True)):
+            ids[i, : len(x)], labels[i, : len(y)], mask[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        loss = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="sum"
+        )
+        total += loss.item()
+        count += int((labels[:, 1:] != IGNORE).sum())
+    return total / max(count, 1), count
+
+
+@torch.no_grad()
+def generate(model, tokenizer, frame: pd.DataFrame, batch_size: int, max_new_tokens: int) -> list[str]:
+    """Greedy answers, prompts left-padded so every row's answer starts at the same column."""
+    answers = []
+    for batch in batches(frame, batch_size):
+        prompts = [list(x[:n]) for x, n in zip(batch["input_ids"], batch["prompt_length"], strict=True)]
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, pr in enumerate(prompts):
+            ids[i, width - len(pr) :], mask[i, width - len(pr) :] = torch.tensor(pr), 1
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        answers += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    return [a.strip() for a in answers]
+
+
+def score(predictions: list[str], references: list[str], metric_dir: Path) -> float:
+    metric = evaluate.load(str(metric_dir))
+    return metric.compute(predictions=predictions, references=references)["exact_match"]
+
+
+@cli
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="Hugging Face folder or hub id")
+    p.add_argument("--name", required=True, help="name in the summary (base, node0, ...)")
+    p.add_argument("--eval", required=True, type=Path, help="tokenized eval set")
+    p.add_argument("--metric", required=True, type=Path, help="folder of the exact_match evaluate module")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-samples", type=int, default=0, help="0 = the whole eval set")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", required=True, type=Path)
+    a = p.parse_args(argv)
+    torch.manual_seed(a.seed)
+    frame = pd.read_parquet(a.eval)
+    if a.max_samples:
+        frame = frame.iloc[: a.max_samples]
+    tokenizer = AutoTokenizer.from_pretrained(a.model)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+
+    loss, tokens = eval_loss(model, frame, tokenizer.pad_token_id, a.batch_size)
+    predictions = generate(model, tokenizer, frame, a.batch_size, a.max_new_tokens)
+    references = frame["response"].tolist()
+    result = {
+        "model": a.name,
+        "path": a.model,
+        "examples": len(frame),
+        "label_tokens": tokens,
+        "eval_loss": loss,
+        "perplexity": math.exp(min(loss, 50)),
+        "exact_match": score(predictions, references, a.metric),
+    }
+    if frame["category"].astype(bool).any():
+        frame = frame.assign(hit=[p.strip() == r.strip() for p, r in zip(predictions, references, strict=True)])
+        result["exact_match_by_category"] = frame.groupby("category")["hit"].mean().to_dict()
+    result["samples"] = [
+        {"reference": r, "prediction": p} for r, p in zip(references[:20], predictions[:20], strict=True)
+    ]
+    write_json(a.output, result)
+    print(f"{a.name}: eval_loss {loss:.4f} perplexity {result['perplexity']:.2f} exact_match {result['exact_match']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

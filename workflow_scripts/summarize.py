@@ -1,0 +1,65 @@
+"""summarize: one table of every evaluated model and the training curves of every node."""
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+import pandas as pd
+from pipeline_io import atomic_path, cli
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLUMNS = ["model", "eval_loss", "perplexity", "exact_match"]
+
+
+def summary_table(results: list[dict]) -> pd.DataFrame:
+    """One row per model, base first, with the change against base."""
+    frame = pd.DataFrame(results)[COLUMNS]
+    order = {"base": -1}
+    frame = frame.sort_values("model", key=lambda s: s.map(lambda m: order.get(m, 0)), kind="stable")
+    base = frame[frame["model"] == "base"]
+    if len(base):
+        frame["eval_loss_vs_base"] = frame["eval_loss"] / base["eval_loss"].iloc[0]
+        frame["exact_match_delta"] = frame["exact_match"] - base["exact_match"].iloc[0]
+    return frame.reset_index(drop=True)
+
+
+def read_metrics(path: Path) -> pd.DataFrame:
+    return pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+
+
+def plot_curves(curves: dict[str, pd.DataFrame], path: Path) -> None:
+    fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, frame in curves.items():
+        ax_loss.plot(frame["step"], frame["loss"], label=name)
+        ax_lr.plot(frame["step"], frame["lr"], label=name)
+    ax_loss.set(xlabel="step", ylabel="training loss", title="Loss per node", yscale="log")
+    ax_lr.set(xlabel="step", ylabel="learning rate", title="Learning rate")
+    for ax in (ax_loss, ax_lr):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+@cli
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--results", nargs="+", required=True, type=Path, help="eval/<model>.json files")
+    p.add_argument("--metrics", nargs="+", required=True, type=Path, help="train/node<i>/metrics.jsonl files")
+    p.add_argument("--summary", required=True, type=Path)
+    p.add_argument("--curves", required=True, type=Path)
+    a = p.parse_args(argv)
+    table = summary_table([json.loads(p.read_text()) for p in a.results])
+    with atomic_path(a.summary) as tmp:
+        table.to_csv(tmp, index=False, float_format="%.6g")
+    plot_curves({p.parent.name: read_metrics(p) for p in a.metrics}, a.curves)
+    print(table.to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()
