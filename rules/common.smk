@@ -14,6 +14,12 @@ from pipeline_io import UserError  # noqa: E402
 from split import check_columns  # noqa: E402
 
 
+def fail(message):
+    """Stop at parse time with one line on stderr, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
 def validate_config(cfg):
     """Schema validation with defaults, reported as one line naming the key."""
     import jsonschema
@@ -25,8 +31,8 @@ def validate_config(cfg):
         inner = getattr(e, "__cause__", None) or getattr(e, "__context__", None)
         if isinstance(inner, jsonschema.ValidationError):
             key = ".".join(str(p) for p in inner.absolute_path) or "(top level)"
-            raise WorkflowError(f"config key {key}: {inner.message}") from None
-        raise WorkflowError(str(cause).splitlines()[0]) from None
+            fail(f"config key {key}: {inner.message}")
+        fail(str(cause).splitlines()[0])
 
 
 validate_config(config)
@@ -50,7 +56,7 @@ wildcard_constraints:
 try:
     check_columns(config["data"]["path"], config["data"]["format"], config["data"]["columns"])
 except UserError as e:
-    raise WorkflowError(str(e)) from None
+    fail(e)
 
 
 def base_model():

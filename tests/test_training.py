@@ -1,0 +1,98 @@
+"""train_node and consolidate_node: data plan, schedule, and every strategy with LoRA under torchrun."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import BIN, REPO, tool_env
+from train import DataPlan, TrainConfig, lr_lambda, micro_batch_indices
+
+
+def test_steps_per_epoch_halve_when_ranks_double():
+    one = DataPlan(examples=1024, world_size=2, micro_batch_size=4, grad_accum=2, epochs=1, max_steps=None)
+    two = DataPlan(examples=1024, world_size=4, micro_batch_size=4, grad_accum=2, epochs=1, max_steps=None)
+    assert one.steps_per_epoch == 64 and two.steps_per_epoch == 32
+
+
+def test_an_epoch_visits_each_example_once_across_ranks():
+    plan = DataPlan(examples=96, world_size=2, micro_batch_size=4, grad_accum=3, epochs=1, max_steps=None)
+    seen = [
+        i
+        for step in range(plan.steps_per_epoch)
+        for micro in range(3)
+        for rank in range(2)
+        for i in micro_batch_indices(plan, 0, step, micro, rank)
+    ]
+    assert sorted(seen) == list(range(96))
+    # the next epoch uses another order
+    assert micro_batch_indices(plan, 0, 0, 0, 0) != micro_batch_indices(plan, 0, plan.steps_per_epoch, 0, 0)
+
+
+def test_cosine_schedule_warms_up_then_decays_to_min():
+    cfg = TrainConfig(warmup_ratio=0.1, min_lr_ratio=0.1, schedule="cosine")
+    f = lr_lambda(cfg, 100)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(100) == pytest.approx(0.1)
+    assert all(f(s) >= f(s + 1) for s in range(10, 100))
+
+
+def test_unknown_training_key_is_rejected():
+    with pytest.raises(Exception, match="unknown key"):
+        TrainConfig.from_json('{"learning_rate": 1}')
+
+
+def train_and_consolidate(tmp_path, demo_assets, **overrides):
+    cfg = {"lr": 3e-3, "micro_batch_size": 8, "max_steps": 8, "log_every": 2, "checkpoint_every": 4} | overrides
+    log_dir, state = tmp_path / "train", tmp_path / "train" / "train_state.json"
+    cmd = [
+        str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(REPO / "workflow_scripts/train.py"),
+        "--config", json.dumps(cfg), "--data", str(demo_assets["node0"]), "--base-model", str(demo_assets["base"]),
+        "--log-dir", str(log_dir), "--checkpoint-root", str(tmp_path / "ckpt"), "--state", str(state),
+    ]  # fmt: skip
+    env = tool_env() | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    losses = [json.loads(line)["loss"] for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    out = tmp_path / "model"
+    cmd = [sys.executable, str(REPO / "workflow_scripts/consolidate.py"), "--state", str(state), "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return losses, out
+
+
+@pytest.mark.parametrize(
+    "strategy,extra",
+    [("ddp", {}), ("fsdp", {}), ("deepspeed", {"zero_stage": 3})],
+    ids=["ddp", "fsdp", "deepspeed-zero3"],
+)
+def test_lora_trains_and_consolidates(tmp_path, demo_assets, strategy, extra):
+    losses, out = train_and_consolidate(tmp_path, demo_assets, strategy=strategy, peft="lora", lora_r=4, **extra)
+    assert losses[-1] < losses[0]
+    report = json.loads((out / "consolidation.json").read_text())
+    assert report["lora_b_tensors"] == 4 * 4  # 4 layers x q, k, v, o
+    assert report["max_logit_diff"] <= 1e-5 and report["generation_ok"]
+    from safetensors.torch import load_file
+
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    lora_b = {k: v for k, v in adapter.items() if "lora_B" in k}
+    assert len(lora_b) == 16 and all(torch.count_nonzero(v) for v in lora_b.values())
+    assert all(v.shape[1] == 4 for v in lora_b.values())
+
+
+def test_truncated_checkpoint_fails_consolidation_with_one_line(tmp_path, demo_assets):
+    _, _ = train_and_consolidate(tmp_path, demo_assets, strategy="ddp", max_steps=4)
+    state = json.loads((tmp_path / "train" / "train_state.json").read_text())
+    weights = tmp_path / "ckpt"
+    target = next(weights.rglob("state.pt"))
+    assert str(target).startswith(state["checkpoint"])
+    target.write_bytes(target.read_bytes()[:1000])
+    cmd = [
+        sys.executable, str(REPO / "workflow_scripts/consolidate.py"),
+        "--state", str(tmp_path / "train" / "train_state.json"), "--output", str(tmp_path / "again"),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and "state.pt" in last
