@@ -64,6 +64,15 @@ def base_model():
     return f"{R}/base_model" if DEMO else config["model"]["name_or_path"]
 
 
+def base_model_ref(wildcards):
+    return base_model()
+
+
+def script_path(name):
+    """Path of a workflow script, passed to shell commands through params."""
+    return str(SCRIPTS / name)
+
+
 def base_model_input():
     """The base model as a tracked input when it is a file-system path."""
     if DEMO or Path(config["model"]["name_or_path"]).exists():
@@ -88,7 +97,9 @@ def training_json():
 
 
 def final_outputs():
+    """The report's inputs and each node's model (so a deleted model is rebuilt)."""
     return [
+        *expand(f"{R}/models/{{node}}", node=NODES),
         f"{R}/env/check.json",
         f"{R}/data/manifest.json",
         f"{R}/eval/summary.csv",

@@ -7,5 +7,7 @@ rule consolidate_node:
         f"{LOGS}/consolidate_node/{{node}}.log",
     conda:
         "../envs/train.yaml"
+    params:
+        script=script_path("consolidate.py"),
     shell:
-        "python {SCRIPTS}/consolidate.py --state {input.state} --output {output.model} > {log} 2>&1"
+        "python {params.script} --state {input.state} --output {output.model} > {log} 2>&1"

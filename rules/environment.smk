@@ -5,16 +5,17 @@ rule check_environment:
             caption="../report/environment.rst",
             category="Environment",
         ),
-    params:
-        strategy=config["training"]["strategy"],
-        peft=config["training"]["peft"],
-        procs=config["training"]["procs_per_node"],
-        precision=config["training"]["precision"],
     log:
         f"{LOGS}/check_environment.log",
     conda:
         "../envs/train.yaml"
+    params:
+        script=script_path("environment.py"),
+        strategy=config["training"]["strategy"],
+        peft=config["training"]["peft"],
+        procs=config["training"]["procs_per_node"],
+        precision=config["training"]["precision"],
     shell:
-        "python {SCRIPTS}/environment.py --strategy {params.strategy} --peft {params.peft}"
+        "python {params.script} --strategy {params.strategy} --peft {params.peft}"
         " --procs-per-node {params.procs} --precision {params.precision}"
         " --output {output} > {log} 2>&1"

@@ -4,18 +4,19 @@ rule evaluate_model:
         eval=f"{R}/data/tokenized/eval.parquet",
     output:
         result=f"{R}/eval/{{model}}.json",
+    log:
+        f"{LOGS}/evaluate_model/{{model}}.log",
+    conda:
+        "../envs/eval.yaml"
     params:
+        script=script_path("evaluation.py"),
         model=model_ref,
         metric=METRIC,
         batch_size=config["eval"]["batch_size"],
         max_new_tokens=config["eval"]["max_new_tokens"],
         max_samples=config["eval"]["max_samples"],
-    log:
-        f"{LOGS}/evaluate_model/{{model}}.log",
-    conda:
-        "../envs/eval.yaml"
     shell:
-        "python {SCRIPTS}/evaluation.py --model {params.model} --name {wildcards.model}"
+        "python {params.script} --model {params.model} --name {wildcards.model}"
         " --eval {input.eval} --metric {params.metric} --batch-size {params.batch_size}"
         " --max-new-tokens {params.max_new_tokens} --max-samples {params.max_samples}"
         " --output {output.result} > {log} 2>&1"

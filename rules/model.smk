@@ -3,15 +3,16 @@ rule build_demo_model:
         data=config["data"]["path"],
     output:
         model=directory(f"{R}/base_model"),
-    params:
-        vocab=config["model"]["demo_vocab_size"],
-        max_len=config["data"]["max_seq_len"],
-        seed=config["model"]["seed"],
     log:
         f"{LOGS}/build_demo_model.log",
     conda:
         "../envs/data.yaml"
+    params:
+        script=script_path("demo_model.py"),
+        vocab=config["model"]["demo_vocab_size"],
+        max_len=config["data"]["max_seq_len"],
+        seed=config["model"]["seed"],
     shell:
-        "python {SCRIPTS}/demo_model.py --data {input.data} --vocab-size {params.vocab}"
+        "python {params.script} --data {input.data} --vocab-size {params.vocab}"
         " --max-seq-len {params.max_len} --seed {params.seed} --output {output.model}"
         " > {log} 2>&1"

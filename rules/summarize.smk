@@ -17,6 +17,8 @@ rule summarize:
         f"{LOGS}/summarize.log",
     conda:
         "../envs/eval.yaml"
+    params:
+        script=script_path("summarize.py"),
     shell:
-        "python {SCRIPTS}/summarize.py --results {input.results} --metrics {input.metrics}"
+        "python {params.script} --results {input.results} --metrics {input.metrics}"
         " --summary {output.summary} --curves {output.curves} > {log} 2>&1"

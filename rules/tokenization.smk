@@ -5,16 +5,17 @@ rule tokenize_shard:
     output:
         tokens=f"{R}/data/tokenized/{{shard}}.parquet",
         stats=f"{R}/data/tokenized/{{shard}}.json",
-    params:
-        tokenizer=base_model(),
-        max_len=config["data"]["max_seq_len"],
-        overlength=config["data"]["overlength"],
     log:
         f"{LOGS}/tokenize_shard/{{shard}}.log",
     conda:
         "../envs/data.yaml"
+    params:
+        script=script_path("tokenization.py"),
+        tokenizer=base_model_ref,
+        max_len=config["data"]["max_seq_len"],
+        overlength=config["data"]["overlength"],
     shell:
-        "python {SCRIPTS}/tokenization.py --shard {input.shard} --tokenizer {params.tokenizer}"
+        "python {params.script} --shard {input.shard} --tokenizer {params.tokenizer}"
         " --max-seq-len {params.max_len} --overlength {params.overlength}"
         " --output {output.tokens} --stats {output.stats} > {log} 2>&1"
 

@@ -6,23 +6,24 @@ rule train_node:
     output:
         metrics=f"{R}/train/{{node}}/metrics.jsonl",
         state=f"{R}/train/{{node}}/train_state.json",
-    params:
-        config=training_json(),
-        base=base_model(),
-        log_dir=f"{R}/train/{{node}}",
-        # not an output: Snakemake deletes the outputs of failed jobs, and the retry resumes from here
-        checkpoints=f"{R}/checkpoints/{{node}}",
-        procs=config["training"]["procs_per_node"],
-    threads: config["training"]["procs_per_node"]
     log:
         f"{LOGS}/train_node/{{node}}.log",
     conda:
         "../envs/train.yaml"
+    threads: config["training"]["procs_per_node"]
+    params:
+        script=script_path("train.py"),
+        config=training_json(),
+        base=base_model_ref,
+        log_dir=f"{R}/train/{{node}}",
+        # not an output: Snakemake deletes the outputs of failed jobs, and the retry resumes from here
+        checkpoints=f"{R}/checkpoints/{{node}}",
+        procs=config["training"]["procs_per_node"],
     shell:
         # the job's cores are shared among its ranks, not given to each
         "n=$(( {threads} / {params.procs} > 1 ? {threads} / {params.procs} : 1 ));"
         " export OMP_NUM_THREADS=$n MKL_NUM_THREADS=$n OPENBLAS_NUM_THREADS=$n;"
         " torchrun --standalone --nproc_per_node {params.procs} --max-restarts 0"
-        " {SCRIPTS}/train.py --config {params.config:q} --data {input.tokens}"
+        " {params.script} --config {params.config:q} --data {input.tokens}"
         " --base-model {params.base} --log-dir {params.log_dir}"
         " --checkpoint-root {params.checkpoints} --state {output.state} > {log} 2>&1"

@@ -89,7 +89,9 @@ def demo_assets(tmp_path_factory):
     model = build_model(tokenizer, 128, seed=0)
     model.save_pretrained(root / "base")
     tokenizer.save_pretrained(root / "base")
-    mapped = map_columns(read_table(DEMO_CSV), {"prompt": "prompt", "question": "question", "response": "response"}, "x")
+    mapped = map_columns(
+        read_table(DEMO_CSV), {"prompt": "prompt", "question": "question", "response": "response"}, "x"
+    )
     shards, evalset, _ = split_rows(mapped, 2, 0.1, 0)
     paths = {}
     for name, frame in (("node0", shards[0]), ("eval", evalset)):

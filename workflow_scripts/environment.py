@@ -99,7 +99,9 @@ def main(argv=None) -> None:
         raise UserError("; ".join(found))
     write_json(a.output, report)
     gpu = report["gpu"]
-    print(f"environment ok: torch {report['packages']['torch']}, {gpu.get('gpu_count', 0)} GPU(s), {report['attention']}")
+    print(
+        f"environment ok: torch {report['packages']['torch']}, {gpu.get('gpu_count', 0)} GPU(s), {report['attention']}"
+    )
 
 
 if __name__ == "__main__":

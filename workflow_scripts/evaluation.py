@@ -35,7 +35,7 @@ def eval_loss(model, frame: pd.DataFrame, pad_id: int, batch_size: int) -> tuple
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for i, (x, y) in enumerate(zip(batch["input_ids"], batch["labels"], strict=True)):
             ids[i, : len(x)], labels[i, : len(y)], mask[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits.float().cpu()
         loss = F.cross_entropy(
             logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="sum"
         )
@@ -56,14 +56,14 @@ def generate(model, tokenizer, frame: pd.DataFrame, batch_size: int, max_new_tok
         for i, pr in enumerate(prompts):
             ids[i, width - len(pr) :], mask[i, width - len(pr) :] = torch.tensor(pr), 1
         out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
+            input_ids=ids.to(model.device),
+            attention_mask=mask.to(model.device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )
-        answers += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+        answers += tokenizer.batch_decode(out[:, width:].cpu(), skip_special_tokens=True)
     return [a.strip() for a in answers]
 
 
@@ -90,7 +90,8 @@ def main(argv=None) -> None:
     if a.max_samples:
         frame = frame.iloc[: a.max_samples]
     tokenizer = AutoTokenizer.from_pretrained(a.model)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).to(device).eval()
 
     loss, tokens = eval_loss(model, frame, tokenizer.pad_token_id, a.batch_size)
     predictions = generate(model, tokenizer, frame, a.batch_size, a.max_new_tokens)
@@ -111,7 +112,9 @@ def main(argv=None) -> None:
         {"reference": r, "prediction": p} for r, p in zip(references[:20], predictions[:20], strict=True)
     ]
     write_json(a.output, result)
-    print(f"{a.name}: eval_loss {loss:.4f} perplexity {result['perplexity']:.2f} exact_match {result['exact_match']:.3f}")
+    print(
+        f"{a.name}: eval_loss {loss:.4f} perplexity {result['perplexity']:.2f} exact_match {result['exact_match']:.3f}"
+    )
 
 
 if __name__ == "__main__":

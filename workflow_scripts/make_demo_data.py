@@ -14,19 +14,48 @@ import random
 from pathlib import Path
 
 CAPITALS = {
-    "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid",
-    "Portugal": "Lisbon", "Austria": "Vienna", "Belgium": "Brussels",
-    "Netherlands": "Amsterdam", "Denmark": "Copenhagen", "Norway": "Oslo",
-    "Sweden": "Stockholm", "Finland": "Helsinki", "Poland": "Warsaw",
-    "Ireland": "Dublin", "Greece": "Athens", "Hungary": "Budapest",
-    "Czechia": "Prague", "Romania": "Bucharest", "Bulgaria": "Sofia",
-    "Croatia": "Zagreb", "Serbia": "Belgrade", "Ukraine": "Kyiv",
-    "Japan": "Tokyo", "China": "Beijing", "India": "New Delhi",
-    "Thailand": "Bangkok", "Vietnam": "Hanoi", "Indonesia": "Jakarta",
-    "Egypt": "Cairo", "Kenya": "Nairobi", "Nigeria": "Abuja", "Ghana": "Accra",
-    "Morocco": "Rabat", "Peru": "Lima", "Chile": "Santiago", "Cuba": "Havana",
-    "Mexico": "Mexico City", "Canada": "Ottawa", "Australia": "Canberra",
-    "Argentina": "Buenos Aires", "Colombia": "Bogota", "Turkey": "Ankara",
+    "France": "Paris",
+    "Germany": "Berlin",
+    "Italy": "Rome",
+    "Spain": "Madrid",
+    "Portugal": "Lisbon",
+    "Austria": "Vienna",
+    "Belgium": "Brussels",
+    "Netherlands": "Amsterdam",
+    "Denmark": "Copenhagen",
+    "Norway": "Oslo",
+    "Sweden": "Stockholm",
+    "Finland": "Helsinki",
+    "Poland": "Warsaw",
+    "Ireland": "Dublin",
+    "Greece": "Athens",
+    "Hungary": "Budapest",
+    "Czechia": "Prague",
+    "Romania": "Bucharest",
+    "Bulgaria": "Sofia",
+    "Croatia": "Zagreb",
+    "Serbia": "Belgrade",
+    "Ukraine": "Kyiv",
+    "Japan": "Tokyo",
+    "China": "Beijing",
+    "India": "New Delhi",
+    "Thailand": "Bangkok",
+    "Vietnam": "Hanoi",
+    "Indonesia": "Jakarta",
+    "Egypt": "Cairo",
+    "Kenya": "Nairobi",
+    "Nigeria": "Abuja",
+    "Ghana": "Accra",
+    "Morocco": "Rabat",
+    "Peru": "Lima",
+    "Chile": "Santiago",
+    "Cuba": "Havana",
+    "Mexico": "Mexico City",
+    "Canada": "Ottawa",
+    "Australia": "Canberra",
+    "Argentina": "Buenos Aires",
+    "Colombia": "Bogota",
+    "Turkey": "Ankara",
 }
 CAPITAL_QUESTIONS = [
     "What is the capital of {c}?",
@@ -85,9 +114,7 @@ def generate(seed: int = 0) -> list[dict]:
         if question in seen:
             continue
         seen.add(question)
-        out.append(
-            {"prompt": SYSTEM[category], "question": question, "response": response, "category": category}
-        )
+        out.append({"prompt": SYSTEM[category], "question": question, "response": response, "category": category})
     return out
 
 

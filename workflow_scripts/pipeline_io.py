@@ -20,9 +20,7 @@ def cli(main):
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
-        logging.basicConfig(
-            level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr
-        )
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
         try:
             return main(*args, **kwargs)
         except UserError as e:

@@ -139,8 +139,10 @@ def split_rows(df: pd.DataFrame, nodes: int, eval_fraction: float, seed: int, so
             record["category"] = row["category"]
         record["_dest"] = assign(chash, seed, eval_fraction, nodes)
         kept.append(record)
-    frame = pd.DataFrame(kept, columns=[*FIELDS, "source_row", "content_hash", "_dest"]
-                         + (["category"] if "category" in df.columns else []))
+    frame = pd.DataFrame(
+        kept,
+        columns=[*FIELDS, "source_row", "content_hash", "_dest"] + (["category"] if "category" in df.columns else []),
+    )
     shards = [frame[frame["_dest"] == i].drop(columns="_dest").reset_index(drop=True) for i in range(nodes)]
     evalset = frame[frame["_dest"] == "eval"].drop(columns="_dest").reset_index(drop=True)
     return shards, evalset, pd.DataFrame(rejects, columns=REJECT_COLUMNS)

@@ -24,9 +24,7 @@ def make_optimizer(cfg, params, device):
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), fused=device.type == "cuda" or None
-    )
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), fused=device.type == "cuda" or None)
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -98,7 +96,9 @@ class FSDPStrategy:
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         kwargs = {
             "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
-            "offload_policy": CPUOffloadPolicy() if cfg.offload != "none" and device.type == "cuda" else OffloadPolicy(),
+            "offload_policy": CPUOffloadPolicy()
+            if cfg.offload != "none" and device.type == "cuda"
+            else OffloadPolicy(),
         }
         if device.type == "cuda":
             model.to(device)

@@ -40,5 +40,7 @@ class ExactMatch(evaluate.Metric):
     def _compute(self, predictions, references, ignore_case=False):
         if not predictions:
             return {"exact_match": 0.0}
-        hits = sum(_norm(p, ignore_case) == _norm(r, ignore_case) for p, r in zip(predictions, references))
+        hits = sum(
+            _norm(p, ignore_case) == _norm(r, ignore_case) for p, r in zip(predictions, references, strict=False)
+        )
         return {"exact_match": hits / len(predictions)}
