@@ -1,6 +1,7 @@
 """Config validation, paths and input functions shared by every rule file."""
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ SCRIPTS = Path(workflow.basedir) / "workflow_scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 from pipeline_io import UserError  # noqa: E402
-from split import check_columns  # noqa: E402
+from data_formats import check_columns, delimiter_arg, resolve_paths  # noqa: E402
 
 
 def fail(message):
@@ -53,10 +54,70 @@ wildcard_constraints:
 
 
 # Fail at parse time, before any job runs, when the data cannot be used.
+DATA = config["data"]
 try:
-    check_columns(config["data"]["path"], config["data"]["format"], config["data"]["columns"])
+    for spec in filter(None, [DATA["path"], DATA["eval_path"]]):
+        check_columns(spec, DATA["format"], DATA["mapping"], DATA["columns"], delimiter_arg(DATA["delimiter"]))
 except UserError as e:
     fail(e)
+
+
+def data_inputs():
+    """Every input data file (a folder or glob expands to its files)."""
+    specs = filter(None, [DATA["path"], DATA["eval_path"]])
+    return [str(p) for spec in specs for p in resolve_paths(spec)]
+
+
+def data_spec(wildcards):
+    """data.path as the user wrote it (a folder or glob stays one argument)."""
+    return DATA["path"]
+
+
+def optional(flag, value):
+    return f"{flag} {shlex.quote(str(value))}" if value not in (None, "") else ""
+
+
+def split_args(wildcards):
+    """Command-line arguments of split.py from the data config."""
+    return " ".join(
+        filter(
+            None,
+            [
+                optional("--data", DATA["path"]),
+                optional("--eval-data", DATA["eval_path"]),
+                optional("--format", DATA["format"]),
+                optional("--delimiter", DATA["delimiter"]),
+                optional("--mapping", DATA["mapping"]),
+                optional("--columns", json.dumps(DATA["columns"])),
+                optional("--category-column", DATA["category_column"]),
+                optional("--nodes", config["nodes"]),
+                optional("--eval-fraction", DATA["eval_fraction"]),
+                optional("--seed", DATA["seed"]),
+                optional("--balance", DATA["balance"]),
+                optional("--tokenizer", base_model()),
+                optional("--chat-template", DATA["chat_template"]),
+                optional("--max-seq-len", DATA["max_seq_len"]),
+                optional("--overlength", DATA["overlength"]),
+                optional("--max-reject-fraction", DATA["max_reject_fraction"]),
+            ],
+        )
+    )
+
+
+def tokenize_args(wildcards):
+    """Command-line arguments of tokenization.py; none of them names the run."""
+    return " ".join(
+        filter(
+            None,
+            [
+                optional("--tokenizer", base_model()),
+                optional("--chat-template", DATA["chat_template"]),
+                optional("--max-seq-len", DATA["max_seq_len"]),
+                optional("--overlength", DATA["overlength"]),
+                optional("--cache-dir", DATA["cache_dir"]),
+            ],
+        )
+    )
 
 
 def base_model():
@@ -102,6 +163,7 @@ def final_outputs():
         *expand(f"{R}/models/{{node}}", node=NODES),
         f"{R}/env/check.json",
         f"{R}/data/manifest.json",
+        f"{R}/data/report.json",
         f"{R}/eval/summary.csv",
         f"{R}/eval/loss_curves.png",
     ]

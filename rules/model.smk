@@ -1,6 +1,6 @@
 rule build_demo_model:
     input:
-        data=config["data"]["path"],
+        data=data_inputs(),
     output:
         model=directory(f"{R}/base_model"),
     log:
@@ -9,10 +9,15 @@ rule build_demo_model:
         "../envs/data.yaml"
     params:
         script=script_path("demo_model.py"),
+        data=data_spec,
+        format=config["data"]["format"],
+        mapping=config["data"]["mapping"],
+        columns=json.dumps(config["data"]["columns"]),
         vocab=config["model"]["demo_vocab_size"],
         max_len=config["data"]["max_seq_len"],
         seed=config["model"]["seed"],
     shell:
-        "python {params.script} --data {input.data} --vocab-size {params.vocab}"
+        "python {params.script} --data {params.data:q} --format {params.format} --mapping {params.mapping}"
+        " --columns {params.columns:q} --vocab-size {params.vocab}"
         " --max-seq-len {params.max_len} --seed {params.seed} --output {output.model}"
         " > {log} 2>&1"

@@ -4,6 +4,7 @@ rule tokenize_shard:
         tokenizer=base_model_input(),
     output:
         tokens=f"{R}/data/tokenized/{{shard}}.parquet",
+        packing=f"{R}/data/tokenized/{{shard}}.packing.parquet",
         stats=f"{R}/data/tokenized/{{shard}}.json",
     log:
         f"{LOGS}/tokenize_shard/{{shard}}.log",
@@ -11,13 +12,10 @@ rule tokenize_shard:
         "../envs/data.yaml"
     params:
         script=script_path("tokenization.py"),
-        tokenizer=base_model_ref,
-        max_len=config["data"]["max_seq_len"],
-        overlength=config["data"]["overlength"],
+        args=tokenize_args,
     shell:
-        "python {params.script} --shard {input.shard} --tokenizer {params.tokenizer}"
-        " --max-seq-len {params.max_len} --overlength {params.overlength}"
-        " --output {output.tokens} --stats {output.stats} > {log} 2>&1"
+        "python {params.script} --shard {input.shard} {params.args}"
+        " --output {output.tokens} --packing {output.packing} --stats {output.stats} > {log} 2>&1"
 
 
 use rule tokenize_shard as tokenize_eval with:
@@ -26,6 +24,7 @@ use rule tokenize_shard as tokenize_eval with:
         tokenizer=base_model_input(),
     output:
         tokens=f"{R}/data/tokenized/eval.parquet",
+        packing=f"{R}/data/tokenized/eval.packing.parquet",
         stats=f"{R}/data/tokenized/eval.json",
     log:
         f"{LOGS}/tokenize_shard/eval.log",

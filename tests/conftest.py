@@ -1,5 +1,6 @@
 """Shared fixtures: the demo model and tokenized shards built once, and a Snakemake runner."""
 
+import json
 import os
 import subprocess
 import sys
@@ -77,25 +78,39 @@ def planned_jobs(proc: subprocess.CompletedProcess) -> dict[str, int]:
     return counts
 
 
+def split_files(tmp: Path, data, nodes: int = 2, **options) -> dict:
+    """Run split.py's run_split on ``data`` into ``tmp``; returns the result and output paths."""
+    from types import SimpleNamespace
+
+    from split import run_split
+
+    args = {
+        "data": str(data), "eval_data": None, "format": "auto", "delimiter": None, "mapping": "columns",
+        "columns": "{}", "category_column": "category", "nodes": nodes, "eval_fraction": 0.1, "seed": 0,
+        "balance": "rows", "tokenizer": None, "chat_template": None, "max_seq_len": None,
+        "overlength": "truncate", "max_reject_fraction": 1.0,
+        "splits": [tmp / f"node{i}.parquet" for i in range(nodes)], "eval": tmp / "eval.parquet",
+        "rejects": tmp / "rejects.parquet",
+    } | options  # fmt: skip
+    if isinstance(args["columns"], dict):
+        args["columns"] = json.dumps(args["columns"])
+    tmp.mkdir(parents=True, exist_ok=True)
+    result = run_split(SimpleNamespace(**args))
+    return result | {"splits": args["splits"], "eval": args["eval"], "rejects": args["rejects"]}
+
+
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory):
     """The demo base model, one node's tokenized shard and the tokenized eval set."""
     from demo_model import build_model, texts_from, train_tokenizer
-    from split import map_columns, read_table, split_rows
-    from tokenization import tokenize_frame
+    from tokenization import tokenize_shard
 
     root = tmp_path_factory.mktemp("assets")
-    tokenizer = train_tokenizer(texts_from(DEMO_CSV), 1024)
+    tokenizer = train_tokenizer(texts_from(str(DEMO_CSV)), 1024)
     model = build_model(tokenizer, 128, seed=0)
     model.save_pretrained(root / "base")
     tokenizer.save_pretrained(root / "base")
-    mapped = map_columns(
-        read_table(DEMO_CSV), {"prompt": "prompt", "question": "question", "response": "response"}, "x"
-    )
-    shards, evalset, _ = split_rows(mapped, 2, 0.1, 0)
-    paths = {}
-    for name, frame in (("node0", shards[0]), ("eval", evalset)):
-        tokens, _ = tokenize_frame(tokenizer, frame, 128, "truncate")
-        paths[name] = root / f"{name}.parquet"
-        tokens.to_parquet(paths[name])
-    return {"base": root / "base", "node0": paths["node0"], "eval": paths["eval"], "root": root}
+    out = split_files(root / "split", DEMO_CSV)
+    tokenize_shard(tokenizer, out["splits"][0], root / "node0.parquet", 128, "truncate")
+    tokenize_shard(tokenizer, out["eval"], root / "eval.parquet", 128, "truncate")
+    return {"base": root / "base", "node0": root / "node0.parquet", "eval": root / "eval.parquet", "root": root}

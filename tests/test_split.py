@@ -1,72 +1,263 @@
-"""split_dataset: readers, validation, deterministic and stable assignment, one-line errors."""
+"""split_dataset: readers, mappings, validation with quarantine, stable assignment, one-line errors."""
 
 import json
 import subprocess
 import sys
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, tool_env
+from conftest import REPO, split_files, tool_env
+from data_formats import check_columns, column_names, iter_records, to_examples
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pipeline_io import UserError
-from split import assign, check_columns, content_hash, map_columns, read_table, split_rows
+from split import content_hash, is_eval, node_by_hash
 
-COLUMNS = {"prompt": "prompt", "question": "question", "response": "response"}
+SHARED = REPO.parent / "shared" / "data"
 
 
-def frame(rows):
-    return map_columns(pd.DataFrame(rows, columns=["prompt", "question", "response"]), COLUMNS, "t.csv")
+def read(paths) -> pd.DataFrame:
+    return pd.concat([pq.read_table(p).to_pandas() for p in paths], ignore_index=True)
+
+
+def kept_and_rejected(out) -> tuple[pd.DataFrame, pd.DataFrame]:
+    return read([*out["splits"], out["eval"]]), pq.read_table(out["rejects"]).to_pandas()
+
+
+def assert_accounted(out, rows_in: int) -> None:
+    kept, rejects = kept_and_rejected(out)
+    assert out["rows_in"] == rows_in == len(kept) + len(rejects)
+    assert kept["content_hash"].is_unique
+
+
+# ---------------------------------------------------------------- hashing and assignment
 
 
 def test_content_hash_ignores_whitespace_only():
-    assert content_hash("s", "what  is\n1+1?", "2") == content_hash(" s", "what is 1+1?", "2 ")
-    assert content_hash("s", "what is 1+1?", "2") != content_hash("s", "what is 1+1?", "3")
+    a = [{"role": "user", "content": "what  is\n1+1?"}, {"role": "assistant", "content": "2"}]
+    b = [{"role": "user", "content": "what is 1+1? "}, {"role": "assistant", "content": " 2"}]
+    c = [{"role": "user", "content": "what is 1+1?"}, {"role": "assistant", "content": "3"}]
+    assert content_hash(a) == content_hash(b) != content_hash(c)
 
 
-def test_assign_is_deterministic_and_respects_fraction():
-    hashes = [content_hash("", f"q{i}", "a") for i in range(4000)]
-    first = [assign(h, 7, 0.1, 3) for h in hashes]
-    assert first == [assign(h, 7, 0.1, 3) for h in hashes]
-    share = sum(d == "eval" for d in first) / len(first)
+def test_assignment_is_deterministic_and_respects_fraction():
+    hashes = [f"{i:064x}" for i in range(4000)]
+    share = sum(is_eval(h, 7, 0.1) for h in hashes) / len(hashes)
     assert 0.08 < share < 0.12
-    assert {d for d in first if d != "eval"} == {0, 1, 2}
-    assert first != [assign(h, 8, 0.1, 3) for h in hashes]  # the seed matters
+    assert {node_by_hash(h, 7, 3) for h in hashes} == {0, 1, 2}
+    assert [node_by_hash(h, 7, 3) for h in hashes] == [node_by_hash(h, 7, 3) for h in hashes]
+    assert [node_by_hash(h, 7, 3) for h in hashes] != [node_by_hash(h, 8, 3) for h in hashes]
 
 
-def test_every_row_ends_in_exactly_one_place_with_reasons():
-    rows = [["p", f"q{i}", f"a{i}"] for i in range(50)]
-    rows += [["p", "q1", "a1"], ["p", "q 1 ", " a1"], ["p", "x", ""], ["p", "", "y"], ["p", None, "z"]]
-    shards, evalset, rejects = split_rows(frame(rows), 3, 0.2, 0, "t.csv")
-    assert sum(map(len, shards)) + len(evalset) + len(rejects) == len(rows)
-    assert rejects["reason"].value_counts().to_dict() == {"duplicate": 1, "empty_response": 1, "missing_field": 2}
-    assert set(rejects["source_file"]) == {"t.csv"}
-    kept = pd.concat([*shards, evalset])["content_hash"]
-    assert kept.is_unique
-
-
-def test_appending_rows_keeps_assignments():
-    rows = [["p", f"q{i}", f"a{i}"] for i in range(200)]
-    before = split_rows(frame(rows), 4, 0.1, 3)
-    after = split_rows(frame(rows + [["p", f"new{i}", "n"] for i in range(100)]), 4, 0.1, 3)
-    for old, new in zip([*before[0], before[1]], [*after[0], after[1]], strict=True):
-        assert set(old["content_hash"]) <= set(new["content_hash"])
+# ---------------------------------------------------------------- formats and mappings
 
 
 def test_readers_agree_across_formats(tmp_path):
-    data = pd.DataFrame({"instruction": ["a", "b\nwith newline, comma"], "output": ["007", "x"]})
+    data = pd.DataFrame({"question": ["a", 'b\nwith newline, comma "quoted"'], "response": ["007", "x"]})
     data.to_csv(tmp_path / "d.csv", index=False)
+    data.to_csv(tmp_path / "d.tsv", index=False, sep="\t")
+    data.to_csv(tmp_path / "semi.txt", index=False, sep=";")
     data.to_json(tmp_path / "d.jsonl", orient="records", lines=True)
+    data.to_json(tmp_path / "d.json", orient="records")
     data.to_parquet(tmp_path / "d.parquet")
-    for name in ("d.csv", "d.jsonl", "d.parquet"):
-        got = read_table(tmp_path / name)
-        assert got["instruction"].tolist() == ["a", "b\nwith newline, comma"]
-        assert got["output"].tolist() == ["007", "x"]  # text stays text
+    cases = [("d.csv", "auto", None), ("d.tsv", "auto", None), ("semi.txt", "csv", ";")]
+    cases += [("d.jsonl", "auto", None), ("d.json", "auto", None), ("d.parquet", "auto", None)]
+    for name, fmt, delim in cases:
+        (batch,) = list(iter_records(str(tmp_path / name), fmt, delim))
+        assert [r.fields["question"] for r in batch] == ["a", 'b\nwith newline, comma "quoted"'], name
+        assert [r.fields["response"] for r in batch] == ["007", "x"], name  # text stays text
+
+
+def test_folder_and_glob_read_every_file_in_order(tmp_path):
+    for i in range(3):
+        pd.DataFrame({"question": [f"q{i}"], "response": ["r"]}).to_csv(tmp_path / f"part{i}.csv", index=False)
+    by_folder = [r.fields["question"] for b in iter_records(str(tmp_path)) for r in b]
+    by_glob = [r.fields["question"] for b in iter_records(str(tmp_path / "part*.csv")) for r in b]
+    assert by_folder == by_glob == ["q0", "q1", "q2"]
+
+
+@pytest.mark.parametrize(
+    "mapping,fields,expected",
+    [
+        ("columns", {"prompt": "Be brief.", "question": "2+2?", "response": "4"},
+         [("system", "Be brief."), ("user", "2+2?"), ("assistant", "4")]),
+        ("columns", {"prompt": "", "question": "2+2?", "response": "4"}, [("user", "2+2?"), ("assistant", "4")]),
+        ("alpaca", {"instruction": "Add.", "input": "2 and 2", "output": "4"},
+         [("user", "Add.\n\n2 and 2"), ("assistant", "4")]),
+        ("alpaca", {"instruction": "Say hi.", "input": "", "output": "hi"}, [("user", "Say hi."), ("assistant", "hi")]),
+        ("chat", {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+                               {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
+                               {"role": "assistant", "content": "d"}]},
+         [("system", "S"), ("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d")]),
+    ],
+    ids=["seed000", "seed000-no-system", "alpaca", "alpaca-no-input", "chat-multiturn"],
+)  # fmt: skip
+def test_mappings(mapping, fields, expected):
+    ((messages, problem),) = to_examples(fields, mapping, column_names(mapping, {}))
+    assert problem is None
+    assert [(t["role"], t["content"]) for t in messages] == expected
+
+
+def test_prompt_completion_is_a_columns_mapping():
+    names = column_names("columns", {"prompt": None, "question": "prompt", "response": "completion"})
+    ((messages, _),) = to_examples({"prompt": "Q", "completion": "A"}, "columns", names)
+    assert [(t["role"], t["content"]) for t in messages] == [("user", "Q"), ("assistant", "A")]
+
+
+def test_nested_instances_expand_to_one_example_each():
+    fields = {"instruction": "Translate.", "instances": [{"input": "hola", "output": "hello"},
+                                                        {"input": "", "output": "hi"}, {"input": "x"}]}  # fmt: skip
+    out = to_examples(fields, "nested", column_names("nested", {}))
+    assert out[0][0][0]["content"] == "Translate.\n\nhola" and out[0][0][1]["content"] == "hello"
+    assert out[1][0][0]["content"] == "Translate."
+    assert out[2] == (None, ("missing_field", "an instance has no 'output'"))
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="../shared/data not present")
+def test_shared_self_instruct_data_splits_with_every_row_accounted(tmp_path):
+    rows = sum(len(json.loads(line)["instances"]) for line in (SHARED / "self_instruct_seed_tasks.jsonl").open())
+    out = split_files(tmp_path, SHARED / "self_instruct_seed_tasks.jsonl", mapping="nested")
+    assert_accounted(out, rows)
+    kept, _ = kept_and_rejected(out)
+    assert any("\u2019" in m or "é" in m for m in kept["messages"])  # non-ASCII survives
+
+
+# ---------------------------------------------------------------- rejects
+
+
+def test_every_reject_reason_is_recorded(tmp_path):
+    good = [{"question": f"q{i}", "response": f"a{i}"} for i in range(40)]
+    lines = [json.dumps(r) for r in good]
+    lines += [
+        json.dumps({"question": "q1", "response": "a1"}),  # duplicate
+        json.dumps({"question": "blank", "response": "  "}),  # empty_response
+        json.dumps({"question": "no answer"}),  # missing_field
+        '{"question": "broken json",',  # invalid_json
+        json.dumps({"question": "long " * 400, "response": "x"}),  # too_long
+    ]
+    data = tmp_path / "d.jsonl"
+    data.write_bytes("\n".join(lines).encode() + b'\n{"question": "bad \xff", "response": "x"}\n')  # invalid_utf8
+    chat = tmp_path / "chat.jsonl"
+    good_chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    chat.write_text(
+        json.dumps({"messages": [{"role": "assistant", "content": "first"}]})
+        + "\n"
+        + json.dumps({"messages": good_chat})
+    )
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text(json.dumps({"question": "q3", "response": "something else"}) + "\n")
+
+    from demo_model import train_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    train_tokenizer(["long q a x system user assistant"] * 10, 300).save_pretrained(tok_dir)
+    out = split_files(tmp_path / "o", data, tokenizer=str(tok_dir), max_seq_len=200, overlength="drop",
+                      eval_data=str(held_out))  # fmt: skip
+    assert_accounted(out, len(lines) + 1 + 1)  # + the invalid UTF-8 row + the eval file's row
+    _, rejects = kept_and_rejected(out)
+    reasons = rejects.set_index("source_row")["reason"].to_dict()
+    assert reasons == {3: "eval_overlap", 40: "duplicate", 41: "empty_response", 42: "missing_field",
+                       43: "invalid_json", 44: "too_long", 45: "invalid_utf8"}  # fmt: skip
+    assert rejects["record"].notna().all()  # the rejected input is kept
+    assert set(rejects["source_file"]) == {str(data)}
+    chat_out = split_files(tmp_path / "c", chat, mapping="chat")
+    assert pq.read_table(chat_out["rejects"]).column("reason").to_pylist() == ["bad_turn_order"]
+
+
+def test_truncate_keeps_and_error_stops(tmp_path):
+    from demo_model import train_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    train_tokenizer(["long q a x system user assistant"] * 10, 300).save_pretrained(tok_dir)
+    data = tmp_path / "d.csv"
+    pd.DataFrame({"question": ["short", "long " * 300], "response": ["a", "b"]}).to_csv(data, index=False)
+    out = split_files(tmp_path / "t", data, tokenizer=str(tok_dir), max_seq_len=100, overlength="truncate")
+    assert out["rows_in"] == 2 and sum(out["rows"][:-1]) == 2
+    with pytest.raises(UserError, match=r"d.csv: row 1 has \d+ tokens, above data.max_seq_len=100"):
+        split_files(tmp_path / "e", data, tokenizer=str(tok_dir), max_seq_len=100, overlength="error")
+    assert not list((tmp_path / "e").iterdir())  # nothing half-written
+
+
+def test_max_reject_fraction_names_the_reasons(tmp_path):
+    data = tmp_path / "d.csv"
+    pd.DataFrame({"question": ["a", "b", "c", "d"], "response": ["1", "", "", "4"]}).to_csv(data, index=False)
+    with pytest.raises(UserError, match=r"2 of 4 rows rejected \(\{'empty_response': 2\}\), above"):
+        split_files(tmp_path / "o", data, max_reject_fraction=0.25)
+    assert not list((tmp_path / "o").iterdir())
+
+
+# ---------------------------------------------------------------- splitting
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rows=st.lists(
+        st.tuples(st.sampled_from(["", "sys"]), st.text(max_size=12), st.text(max_size=6)), min_size=1, max_size=60
+    ),
+    nodes=st.integers(1, 4),
+    balance=st.sampled_from(["rows", "tokens"]),
+)
+def test_no_row_is_lost_or_duplicated(tmp_path_factory, rows, nodes, balance):
+    tmp = tmp_path_factory.mktemp("prop")
+    data = tmp / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "question": q, "response": r}) + "\n" for p, q, r in rows))
+    out = split_files(tmp, data, nodes=nodes, balance=balance, eval_fraction=0.3) if any(
+        q.strip() and r.strip() for _, q, r in rows
+    ) else None  # fmt: skip
+    if out is None:
+        with pytest.raises(UserError, match="no usable rows"):
+            split_files(tmp / "none", data, nodes=nodes)
+        return
+    kept, rejects = kept_and_rejected(out)
+    assert len(kept) + len(rejects) == len(rows)
+    assert sorted(kept["source_row"].tolist() + rejects["source_row"].tolist()) == list(range(len(rows)))
+
+
+@pytest.mark.parametrize("balance", ["rows", "tokens"])
+def test_appending_rows_keeps_assignments(tmp_path, balance):
+    rows = [{"question": f"q{i}", "response": f"a{i}"} for i in range(300)]
+    before, after = tmp_path / "before.jsonl", tmp_path / "after.jsonl"
+    before.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    after.write_text(
+        "".join(json.dumps(r) + "\n" for r in rows + [{"question": f"n{i}", "response": "n"} for i in range(200)])
+    )
+    a = split_files(tmp_path / "a", before, nodes=3, balance=balance)
+    b = split_files(tmp_path / "b", after, nodes=3, balance=balance)
+    for old, new in zip([*a["splits"], a["eval"]], [*b["splits"], b["eval"]], strict=True):
+        old_hashes = set(pq.read_table(old).column("content_hash").to_pylist())
+        assert old_hashes <= set(pq.read_table(new).column("content_hash").to_pylist())
+
+
+def test_token_balance_evens_out_tokens(tmp_path):
+    from demo_model import train_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    train_tokenizer(["word " * 10, "system user assistant"] * 10, 300).save_pretrained(tok_dir)
+    rows = [{"question": "word " * (1 + (i * 37) % 50), "response": "x"} for i in range(400)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = split_files(tmp_path / "o", data, nodes=4, balance="tokens", tokenizer=str(tok_dir))
+    tokens = out["tokens"][:4]
+    assert max(tokens) - min(tokens) <= 60  # within one long row
+
+
+# ---------------------------------------------------------------- errors
 
 
 def test_missing_column_and_file_are_one_line_errors(tmp_path):
     with pytest.raises(UserError, match=r"column 'answer' \(data.columns.response\) not found"):
-        check_columns(REPO / "resources/demo/instructions.csv", "auto", COLUMNS | {"response": "answer"})
+        check_columns(str(REPO / "resources/demo/instructions.csv"), "auto", "columns", {"response": "answer"})
     with pytest.raises(UserError, match="file not found"):
-        check_columns(tmp_path / "nope.csv", "auto", COLUMNS)
+        check_columns(str(tmp_path / "nope.csv"), "auto", "columns", {})
+    with pytest.raises(UserError, match="no file matches"):
+        check_columns(str(tmp_path / "*.jsonl"), "auto", "columns", {})
+    (tmp_path / "x.bin").write_text("?")
+    with pytest.raises(UserError, match="cannot tell the format"):
+        check_columns(str(tmp_path / "x.bin"), "auto", "columns", {})
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(UserError, match="bad.parquet: cannot read as Parquet"):
+        check_columns(str(tmp_path / "bad.parquet"), "auto", "columns", {})
 
 
 def test_cli_writes_outputs_and_exits_2_with_one_line(tmp_path):
@@ -81,13 +272,13 @@ def test_cli_writes_outputs_and_exits_2_with_one_line(tmp_path):
         ]  # fmt: skip
         return subprocess.run(cmd, capture_output=True, text=True, env=tool_env())
 
-    bad = run(COLUMNS | {"question": "q"})
+    bad = run({"question": "q"})
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "'q'" in bad.stderr
     assert not list(tmp_path.iterdir())  # nothing half-written
 
-    ok = run(COLUMNS)
+    ok = run({})
     assert ok.returncode == 0, ok.stderr
     manifest = json.loads((tmp_path / "m.json").read_text())
     total = sum(n["rows"] for n in manifest["nodes"]) + manifest["eval"]["rows"] + manifest["rejects"]["rows"]
-    assert total == manifest["source"]["rows"] == 2003
+    assert total == manifest["rows_in"] == 2003

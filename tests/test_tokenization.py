@@ -1,36 +1,74 @@
-"""tokenize_shard: chat template, response-only labels, length policy, same ids for evaluation."""
+"""tokenize_shard: chat template, answer-only labels, length policy, packing, content-addressed cache."""
+
+import json
+import subprocess
+import sys
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
+from conftest import REPO, split_files, tool_env
 from demo_model import train_tokenizer
 from pipeline_io import UserError
-from tokenization import IGNORE, encode, fit_length, messages_for, tokenize_frame
+from tokenization import (
+    IGNORE,
+    ChatRenderer,
+    encode,
+    encode_messages,
+    fit_length,
+    messages_for,
+    pack_best_fit_decreasing,
+    packing_stats,
+)
+
+CONVERSATIONS = [
+    messages_for("Answer with the number only.", "What is 3 + 4?", "7"),
+    messages_for("", "hi", "yes"),
+    [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "one"},
+        {"role": "user", "content": "second"},
+        {"role": "assistant", "content": "two"},
+    ],
+]
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    texts = ["What is 3 + 4? 7 Answer with the number only. system user assistant"] * 20
+    texts = ["What is 3 + 4? 7 Answer with the number only. first second one two system user assistant"] * 20
     return train_tokenizer(texts, 400)
 
 
-def test_labels_cover_only_the_answer_and_eos(tokenizer):
+def test_renderer_matches_apply_chat_template(tokenizer):
+    render = ChatRenderer(tokenizer)
+    for conv in CONVERSATIONS:
+        assert render(conv) == tokenizer.apply_chat_template(conv, tokenize=False)
+        gen = tokenizer.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=False)
+        assert render(conv[:-1], add_generation_prompt=True) == gen
+
+
+def test_labels_cover_only_the_answers_and_eos(tokenizer):
     (ex,) = encode(tokenizer, ["Answer with the number only."], ["What is 3 + 4?"], ["7"])
     n = ex["prompt_length"]
     assert all(x == IGNORE for x in ex["labels"][:n])
     answer = [t for t in ex["labels"] if t != IGNORE]
     assert answer[-1] == tokenizer.eos_token_id
     assert tokenizer.decode(answer, skip_special_tokens=True) == "7"
-    assert len(ex["input_ids"]) == len(ex["labels"])
+    (multi,) = encode_messages(tokenizer, [CONVERSATIONS[2]])
+    labelled = tokenizer.decode([t for t in multi["labels"] if t != IGNORE])
+    assert labelled == "one<|im_end|>two<|im_end|>"
 
 
 def test_evaluation_prompt_ids_equal_training_prefix(tokenizer):
-    """What evaluation feeds the model is exactly the training sequence's prompt part."""
-    cases = [("Answer with the number only.", "What is 3 + 4?", "7"), ("", "hi", "yes")]
-    for system, user, answer in cases:
-        (ex,) = encode(tokenizer, [system], [user], [answer])
-        rendered = tokenizer.apply_chat_template(messages_for(system, user), add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
-        assert ex["input_ids"][: ex["prompt_length"]] == ids
+    """What evaluation feeds the model is exactly the prompt part of the cached training sequence."""
+    for conv, ex in zip(CONVERSATIONS, encode_messages(tokenizer, CONVERSATIONS), strict=True):
+        prompt = ex["input_ids"][: ex["prompt_length"]]
+        # evaluation reads these ids from the same cache; they decode to the generation prompt
+        rendered = tokenizer.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=False)
+        assert tokenizer.decode(prompt) == rendered
+        (again,) = encode_messages(tokenizer, [conv])
+        assert again["input_ids"] == ex["input_ids"]
 
 
 def test_length_policies(tokenizer):
@@ -43,10 +81,62 @@ def test_length_policies(tokenizer):
     assert fit_length(ex, 10_000, "error") is ex
 
 
-def test_tokenize_frame_counts(tokenizer):
-    frame = pd.DataFrame(
-        {"prompt": ["s", "s"], "question": ["q", "q2"], "response": ["a", "b " * 200], "content_hash": ["h1", "h2"]}
+def test_best_fit_decreasing_packs_tightly():
+    import random
+
+    rng = random.Random(0)
+    lengths = [min(2048, int(rng.paretovariate(1.2) * 60)) for _ in range(5000)]
+    bins = pack_best_fit_decreasing(lengths, 2048)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 2048 for b in bins)
+    stats = packing_stats(lengths, bins, 2048)
+    assert stats["packing_efficiency"] > 0.98
+    assert stats["pad_to_longest_efficiency"] < stats["packing_efficiency"]
+
+
+def run_tokenize(tmp_path, shard, tok_dir, cache, name, *extra):
+    cmd = [
+        sys.executable, str(REPO / "workflow_scripts/tokenization.py"), "--shard", str(shard),
+        "--tokenizer", str(tok_dir), "--max-seq-len", "64", "--cache-dir", str(cache),
+        "--output", str(tmp_path / f"{name}.parquet"), "--packing", str(tmp_path / f"{name}.packing.parquet"),
+        "--stats", str(tmp_path / f"{name}.json"), *extra,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads((tmp_path / f"{name}.json").read_text())
+
+
+def test_cache_hits_across_runs_and_misses_on_tokenizer_or_template(tmp_path, tokenizer):
+    data = tmp_path / "d.csv"
+    pd.DataFrame({"question": [f"What is {i} + 4?" for i in range(50)], "response": ["7"] * 50}).to_csv(
+        data, index=False
     )
-    out, stats = tokenize_frame(tokenizer, frame, 64, "drop")
-    assert stats["examples"] == 1 and stats["dropped_too_long"] == 1
-    assert out["length"].tolist() == [len(out["input_ids"][0])]
+    tok_dir = tmp_path / "tok"
+    tokenizer.save_pretrained(tok_dir)
+    cache = tmp_path / "cache"
+    # two runs with different names write the same shard bytes
+    shard_a = split_files(tmp_path / "runA", data, nodes=1)["splits"][0]
+    shard_b = split_files(tmp_path / "runB", data, nodes=1)["splits"][0]
+    assert shard_a.read_bytes() == shard_b.read_bytes()
+    first = run_tokenize(tmp_path, shard_a, tok_dir, cache, "a")
+    second = run_tokenize(tmp_path, shard_b, tok_dir, cache, "b")
+    assert (first["cache"], second["cache"]) == ("miss", "hit")
+    assert pq.read_table(tmp_path / "a.parquet").equals(pq.read_table(tmp_path / "b.parquet"))
+    # another template: a miss
+    template = tmp_path / "template.jinja"
+    template.write_text(tokenizer.chat_template.replace("<|im_start|>", "<|im_start|> "))
+    assert run_tokenize(tmp_path, shard_a, tok_dir, cache, "c", "--chat-template", str(template))["cache"] == "miss"
+    # another tokenizer: a miss
+    other = tmp_path / "tok2"
+    train_tokenizer(
+        ["completely different text for another vocabulary system user assistant"] * 20, 350
+    ).save_pretrained(other)
+    assert run_tokenize(tmp_path, shard_a, other, cache, "d")["cache"] == "miss"
+    # another shard: a miss
+    data2 = tmp_path / "d2.csv"
+    pd.DataFrame({"question": ["What is 1 + 1?"], "response": ["2"]}).to_csv(data2, index=False)
+    shard_c = split_files(tmp_path / "runC", data2, nodes=1)["splits"][0]
+    assert run_tokenize(tmp_path, shard_c, tok_dir, cache, "e")["cache"] == "miss"
+    stats = json.loads((tmp_path / "a.json").read_text())
+    assert stats["examples"] == pq.read_metadata(shard_a).num_rows  # every row of the shard
+    assert 0 < stats["packing_efficiency"] <= 1

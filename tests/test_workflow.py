@@ -26,7 +26,10 @@ def check_outputs(root, nodes=("node0", "node1")):
         assert (model_dir / "tokenizer.json").exists()
     manifest = json.loads((root / "data" / "manifest.json").read_text())
     rows = sum(n["rows"] for n in manifest["nodes"]) + manifest["eval"]["rows"] + manifest["rejects"]["rows"]
-    assert rows == manifest["source"]["rows"]
+    assert rows == manifest["rows_in"]
+    data_report = json.loads((root / "data" / "report.json").read_text())
+    assert set(data_report["shards"]) == {*nodes, "eval"}
+    assert (root / "data" / "overview.png").stat().st_size > 10_000
     assert json.loads((root / "env" / "check.json").read_text())["ok"]
     assert (root / "eval" / "loss_curves.png").stat().st_size > 10_000
 
@@ -83,7 +86,8 @@ def test_report_builds(ddp_run):
     workdir, config = ddp_run
     snakemake(workdir, config, "--report", str(workdir / "report.html"))
     html = (workdir / "report.html").read_text(errors="replace")
-    assert "summary.csv" in html and "loss_curves.png" in html
+    for name in ("summary.csv", "loss_curves.png", "overview.png", "check.json"):
+        assert name in html
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])

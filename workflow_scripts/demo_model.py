@@ -9,9 +9,9 @@ import argparse
 import json
 from pathlib import Path
 
-import pandas as pd
 import torch
-from pipeline_io import UserError, cli
+from data_formats import column_names, iter_records, to_examples
+from pipeline_io import cli
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -74,28 +74,36 @@ def build_model(tokenizer, max_seq_len: int, seed: int) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(config)
 
 
-def texts_from(path: Path):
-    frame = pd.read_csv(path, dtype=str, keep_default_na=False) if path.suffix == ".csv" else None
-    if frame is None:
-        raise UserError(f"{path}: the demo tokenizer is trained on a CSV file")
-    for column in frame.columns:
-        yield from frame[column].tolist()
+def texts_from(spec: str, fmt: str = "auto", mapping: str = "columns", columns: dict | None = None):
+    """Every turn's text of every readable example, and the chat roles, for tokenizer training."""
+    names = column_names(mapping, columns or {})
+    n = 0
+    for records in iter_records(spec, fmt):
+        for rec in records:
+            if rec.error:
+                continue
+            for messages, _ in to_examples(rec.fields, mapping, names):
+                if messages:
+                    n += 1
+                    yield from (t["content"] for t in messages)
     # the chat template's role names, so that they become tokens of their own
-    yield from ["system\nuser\nassistant\n"] * max(1, len(frame) // 10)
+    yield from ["system\nuser\nassistant\n"] * max(1, n // 10)
 
 
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True, type=Path, help="text the tokenizer is trained on")
+    p.add_argument("--data", required=True, help="data the tokenizer is trained on (file, folder or glob)")
+    p.add_argument("--format", default="auto")
+    p.add_argument("--mapping", default="columns")
+    p.add_argument("--columns", default="{}", help="JSON mapping field -> column name")
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", required=True, type=Path)
     a = p.parse_args(argv)
-    if not a.data.exists():
-        raise UserError(f"data.path: file not found: {a.data}")
-    tokenizer = train_tokenizer(texts_from(a.data), a.vocab_size)
+    texts = texts_from(a.data, a.format, a.mapping, json.loads(a.columns))
+    tokenizer = train_tokenizer(texts, a.vocab_size)
     model = build_model(tokenizer, a.max_seq_len, a.seed)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id

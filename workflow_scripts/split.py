@@ -1,167 +1,293 @@
 """split_dataset: read raw instruction data, validate it, and split it into per-node shards.
 
-Every input row ends in exactly one place: a node's shard, the shared eval set, or
-``rejects.parquet`` with a reason. Assignment is by a hash of the row's content and
-a seed, so it is deterministic and appending rows never moves an existing one.
+Every input example ends in exactly one place: a node's shard, the shared eval set,
+or ``rejects.parquet`` with its source file, row and a reason code. The data is
+read and written in record batches, so memory stays bounded whatever the file size.
+
+Assignment is deterministic and stable: the eval set is chosen by a hash of the
+prompt (all but the final answer, so one question never straddles train and eval)
+and a seed; nodes by a hash of the whole content (``balance: rows``) or by the
+least-loaded node in input order (``balance: tokens``). Appending rows never moves
+an existing row.
 """
 
 import argparse
 import hashlib
 import json
 import re
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+from data_formats import check_columns, column_names, conversation_text, delimiter_arg, iter_records, to_examples
 from pipeline_io import UserError, atomic_path, cli, file_sha256, write_json
 
-FIELDS = ("prompt", "question", "response")
-REQUIRED = ("question", "response")
-REJECT_COLUMNS = ["source_file", "source_row", "reason", "detail", *FIELDS]
+REASONS = (
+    "missing_field",
+    "empty_response",
+    "invalid_utf8",
+    "invalid_json",
+    "bad_turn_order",
+    "too_long",
+    "duplicate",
+    "eval_overlap",
+)
+SPLIT_SCHEMA = pa.schema(
+    [
+        ("messages", pa.string()),  # JSON list of {role, content}
+        ("response", pa.string()),
+        ("content_hash", pa.string()),
+        ("source_file", pa.string()),
+        ("source_row", pa.int64()),
+        ("tokens", pa.int32()),
+        ("category", pa.string()),
+    ]
+)
+REJECT_SCHEMA = pa.schema(
+    [
+        ("source_file", pa.string()),
+        ("source_row", pa.int64()),
+        ("reason", pa.string()),
+        ("detail", pa.string()),
+        ("record", pa.string()),  # the input row as JSON, so nothing is lost
+    ]
+)
 
-
-EXTENSIONS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
-
-
-def detect_format(path: Path, fmt: str = "auto") -> str:
-    if not path.exists():
-        raise UserError(f"data.path: file not found: {path}")
-    if fmt == "auto":
-        fmt = EXTENSIONS.get(path.suffix.lower())
-        if fmt is None:
-            raise UserError(f"data.path: cannot tell the format of {path} from its extension; set data.format")
-    if fmt not in EXTENSIONS.values():
-        raise UserError(f"data.format: unknown format {fmt!r} (csv, tsv, jsonl, json, parquet)")
-    return fmt
-
-
-def _unreadable(path: Path, fmt: str, error: Exception) -> UserError:
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return UserError(f"{path}: cannot read as {fmt}: {first}")
-
-
-def read_table(path: str | Path, fmt: str = "auto", nrows: int | None = None) -> pd.DataFrame:
-    """Read a CSV, TSV, JSONL, JSON or Parquet file into a DataFrame (CSV cells as text)."""
-    path = Path(path)
-    fmt = detect_format(path, fmt)
-    try:
-        if fmt in ("csv", "tsv"):
-            # every cell as text: "007" stays "007", an empty cell stays ""
-            sep = "\t" if fmt == "tsv" else ","
-            return pd.read_csv(path, sep=sep, dtype=str, keep_default_na=False, nrows=nrows)
-        if fmt == "jsonl":
-            return pd.read_json(path, lines=True, dtype=False, nrows=nrows)
-        if fmt == "json":
-            return pd.read_json(path, dtype=False)
-        table = pq.read_table(path)
-        return table.slice(0, nrows).to_pandas() if nrows is not None else table.to_pandas()
-    except (pa.ArrowInvalid, ValueError, UnicodeDecodeError, pd.errors.ParserError) as e:
-        raise _unreadable(path, fmt, e) from None
-
-
-def check_columns(path: str | Path, fmt: str, columns: dict) -> None:
-    """Fail early, from the file's first rows, when a mapped column is absent."""
-    head = read_table(path, fmt, nrows=5)
-    map_columns(head, columns, str(path))
-
-
-def map_columns(df: pd.DataFrame, columns: dict, source: str) -> pd.DataFrame:
-    """Rename the user's columns onto prompt/question/response; keep a few extras."""
-    out = pd.DataFrame({"source_row": range(len(df))})
-    for field in FIELDS:
-        name = columns.get(field)
-        if name is None:
-            if field in REQUIRED:
-                raise UserError(f"data.columns.{field} is not set")
-            out[field] = ""
-            continue
-        if name not in df.columns:
-            raise UserError(
-                f"{source}: column {name!r} (data.columns.{field}) not found; the file has {list(df.columns)}"
-            )
-        out[field] = df[name].to_numpy()
-    if "category" in df.columns:
-        out["category"] = df["category"].astype(str).to_numpy()
-    return out
+__all__ = ["check_columns"]  # re-exported for rules/common.smk
 
 
 def normalize(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-def content_hash(prompt: str, question: str, response: str) -> str:
-    """Hash of the normalized content; equal for rows that differ only in whitespace."""
-    key = "\x1f".join(normalize(t) for t in (prompt, question, response))
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+def content_hash(messages: list[dict]) -> str:
+    """Hash of the normalized conversation; equal for rows that differ only in whitespace."""
+    norm = [{"role": t["role"], "content": normalize(t["content"])} for t in messages]
+    return hashlib.sha256(conversation_text(norm).encode("utf-8")).hexdigest()
 
 
-def assign(chash: str, seed: int, eval_fraction: float, nodes: int):
-    """Return "eval" or a node index for a row with content hash ``chash``."""
-    h = hashlib.sha256(f"{seed}:{chash}".encode()).digest()
-    if int.from_bytes(h[:8], "big") / 2**64 < eval_fraction:
-        return "eval"
-    return int.from_bytes(h[8:16], "big") % nodes
+def prompt_hash(messages: list[dict]) -> str:
+    return content_hash(messages[:-1])
 
 
-def _as_text(value):
-    if value is None or (isinstance(value, float) and pd.isna(value)):
-        return None
-    return value if isinstance(value, str) else str(value)
+def unit(key: str, seed: int, salt: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{salt}:{key}".encode()).digest()[:8], "big")
 
 
-def split_rows(df: pd.DataFrame, nodes: int, eval_fraction: float, seed: int, source: str = ""):
-    """Validate and split mapped rows. Returns (list of node frames, eval frame, rejects frame)."""
-    kept, rejects, seen = [], [], set()
-    for row in df.to_dict("records"):
-        text = {f: _as_text(row[f]) for f in FIELDS}
-        reject = None
-        missing = [f for f in REQUIRED if text[f] is None]
-        if missing:
-            reject = ("missing_field", f"{missing[0]} is null")
-        elif not text["response"].strip():
-            reject = ("empty_response", "response is blank")
-        elif not text["question"].strip():
-            reject = ("missing_field", "question is blank")
-        else:
-            chash = content_hash(text["prompt"] or "", text["question"], text["response"])
-            if chash in seen:
-                reject = ("duplicate", f"same content as an earlier row ({chash[:12]})")
-        if reject:
-            rejects.append(
-                {"source_file": source, "source_row": row["source_row"], "reason": reject[0], "detail": reject[1]}
-                | {f: text[f] for f in FIELDS}
+def is_eval(phash: str, seed: int, eval_fraction: float) -> bool:
+    return unit(phash, seed, "eval") / 2**64 < eval_fraction
+
+
+def node_by_hash(chash: str, seed: int, nodes: int) -> int:
+    return unit(chash, seed, "node") % nodes
+
+
+@dataclass
+class Splitter:
+    """Validation and assignment state carried from one batch to the next."""
+
+    nodes: int
+    eval_fraction: float
+    seed: int = 0
+    balance: str = "rows"
+    max_len: int | None = None
+    overlength: str = "truncate"
+    count_tokens: object = None  # callable(list of conversations) -> list of token counts
+    eval_prompts: set | None = None  # prompt hashes of a separate eval file
+    seen: set = field(default_factory=set)
+    node_tokens: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.node_tokens = [0] * self.nodes
+
+    def process(self, records, mapping: str, names: dict, category_column: str | None, force_eval: bool = False):
+        """Return (kept rows with a "dest", rejected rows) for one batch of Records."""
+        kept, rejects, candidates = [], [], []
+        for rec in records:
+            if rec.error:
+                rejects.append(reject(rec, *rec.error))
+                continue
+            for messages, problem in to_examples(rec.fields, mapping, names):
+                if problem:
+                    rejects.append(reject(rec, *problem))
+                elif not messages[-1]["content"].strip():
+                    rejects.append(reject(rec, "empty_response", "the answer is blank"))
+                elif not all(t["content"].strip() for t in messages if t["role"] == "user"):
+                    rejects.append(reject(rec, "missing_field", "a user turn is blank"))
+                else:
+                    category = rec.fields.get(category_column) if category_column else None
+                    candidates.append((rec, messages, "" if category is None else str(category)))
+        counts = self.count_tokens([m for _, m, _ in candidates]) if self.count_tokens and candidates else None
+        for i, (rec, messages, category) in enumerate(candidates):
+            tokens = counts[i] if counts else 0
+            if self.max_len and tokens > self.max_len:
+                if self.overlength == "error":
+                    raise UserError(
+                        f"{rec.source_file}: row {rec.source_row} has {tokens} tokens, above data.max_seq_len="
+                        f"{self.max_len} (data.overlength: error)"
+                    )
+                if self.overlength == "drop":
+                    rejects.append(reject(rec, "too_long", f"{tokens} tokens > max_seq_len {self.max_len}"))
+                    continue
+            chash, phash = content_hash(messages), prompt_hash(messages)
+            if not force_eval and self.eval_prompts is not None and phash in self.eval_prompts:
+                rejects.append(reject(rec, "eval_overlap", "its prompt is in the eval set"))
+                continue
+            if chash in self.seen:
+                rejects.append(reject(rec, "duplicate", f"same content as an earlier row ({chash[:12]})"))
+                continue
+            self.seen.add(chash)
+            kept.append(
+                {
+                    "messages": json.dumps(messages, ensure_ascii=False),
+                    "response": messages[-1]["content"],
+                    "content_hash": chash,
+                    "source_file": rec.source_file,
+                    "source_row": rec.source_row,
+                    "tokens": tokens,
+                    "category": category,
+                    "dest": self.destination(chash, phash, tokens, force_eval),
+                }
             )
-            continue
-        seen.add(chash)
-        record = {f: text[f] or "" for f in FIELDS} | {"source_row": row["source_row"], "content_hash": chash}
-        if "category" in row:
-            record["category"] = row["category"]
-        record["_dest"] = assign(chash, seed, eval_fraction, nodes)
-        kept.append(record)
-    frame = pd.DataFrame(
-        kept,
-        columns=[*FIELDS, "source_row", "content_hash", "_dest"] + (["category"] if "category" in df.columns else []),
+        return kept, rejects
+
+    def destination(self, chash: str, phash: str, tokens: int, force_eval: bool):
+        if force_eval or (self.eval_prompts is None and is_eval(phash, self.seed, self.eval_fraction)):
+            return "eval"
+        if self.balance == "tokens":
+            node = min(range(self.nodes), key=lambda n: (self.node_tokens[n], n))
+        else:
+            node = node_by_hash(chash, self.seed, self.nodes)
+        self.node_tokens[node] += tokens
+        return node
+
+
+def reject(rec, reason: str, detail: str) -> dict:
+    record = json.dumps(rec.fields, ensure_ascii=False, default=str) if rec.fields is not None else None
+    return {
+        "source_file": rec.source_file,
+        "source_row": rec.source_row,
+        "reason": reason,
+        "detail": detail,
+        "record": record,
+    }
+
+
+class Outputs:
+    """Parquet writers for every shard, the eval set and the rejects, renamed into place on success."""
+
+    def __init__(self, splits: list[Path], eval_path: Path, rejects: Path):
+        self.targets = [*map(Path, splits), Path(eval_path), Path(rejects)]
+        self.contexts = [atomic_path(p) for p in self.targets]
+        tmps = [c.__enter__() for c in self.contexts]
+        schemas = [SPLIT_SCHEMA] * (len(splits) + 1) + [REJECT_SCHEMA]
+        self.writers = [pq.ParquetWriter(t, s) for t, s in zip(tmps, schemas, strict=True)]
+        self.rows = [0] * len(self.writers)
+        self.tokens = [0] * len(self.writers)
+
+    def write(self, kept: list[dict], rejects: list[dict]) -> None:
+        nodes = len(self.writers) - 2
+        groups: dict[int, list[dict]] = {}
+        for row in kept:
+            groups.setdefault(nodes if row["dest"] == "eval" else row["dest"], []).append(row)
+        for idx, rows in groups.items():
+            self.writers[idx].write_table(pa.Table.from_pylist(rows, schema=SPLIT_SCHEMA))
+            self.rows[idx] += len(rows)
+            self.tokens[idx] += sum(r["tokens"] for r in rows)
+        if rejects:
+            self.writers[-1].write_table(pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA))
+            self.rows[-1] += len(rejects)
+
+    def close(self, ok: bool) -> None:
+        for w in self.writers:
+            w.close()
+        for c in self.contexts:
+            if ok:
+                c.__exit__(None, None, None)
+            else:
+                c.__exit__(RuntimeError, RuntimeError("failed"), None)
+
+
+def token_counter(tokenizer_path: str | None, chat_template: str | None):
+    """A function giving each conversation's token count as tokenize_shard will produce it."""
+    if not tokenizer_path:
+        return None
+    from tokenization import ChatRenderer, encode_messages
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    if chat_template:
+        tokenizer.chat_template = Path(chat_template).read_text()
+    render = ChatRenderer(tokenizer)
+    return lambda convs: [len(e["input_ids"]) for e in encode_messages(tokenizer, convs, render)]
+
+
+def run_split(a) -> dict:
+    mapping, names = a.mapping, column_names(a.mapping, json.loads(a.columns))
+    delimiter = delimiter_arg(a.delimiter)
+    check_columns(a.data, a.format, mapping, names, delimiter)
+    splitter = Splitter(
+        a.nodes,
+        a.eval_fraction,
+        a.seed,
+        a.balance,
+        a.max_seq_len,
+        a.overlength,
+        token_counter(a.tokenizer, a.chat_template),
     )
-    shards = [frame[frame["_dest"] == i].drop(columns="_dest").reset_index(drop=True) for i in range(nodes)]
-    evalset = frame[frame["_dest"] == "eval"].drop(columns="_dest").reset_index(drop=True)
-    return shards, evalset, pd.DataFrame(rejects, columns=REJECT_COLUMNS)
-
-
-def write_parquet(frame: pd.DataFrame, path) -> None:
-    with atomic_path(path) as tmp:
-        pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), tmp)
+    outputs = Outputs(a.splits, a.eval, a.rejects)
+    reasons, rows_in, ok = Counter(), 0, False
+    try:
+        if a.eval_data:  # a separate held-out file: all of it is eval, and overlaps leave training
+            check_columns(a.eval_data, a.format, mapping, names, delimiter)
+            eval_prompts = set()
+            for records in iter_records(a.eval_data, a.format, delimiter):
+                kept, rejects = splitter.process(records, mapping, names, a.category_column, force_eval=True)
+                outputs.write(kept, rejects)
+                rows_in += len(kept) + len(rejects)
+                reasons.update(r["reason"] for r in rejects)
+                eval_prompts.update(prompt_hash(json.loads(r["messages"])) for r in kept)
+            splitter.eval_prompts = eval_prompts
+        for records in iter_records(a.data, a.format, delimiter):
+            kept, rejects = splitter.process(records, mapping, names, a.category_column)
+            outputs.write(kept, rejects)
+            rows_in += len(kept) + len(rejects)
+            reasons.update(r["reason"] for r in rejects)
+        n_rej = sum(reasons.values())
+        if rows_in == 0 or n_rej == rows_in:
+            raise UserError(f"{a.data}: no usable rows left ({rows_in} read, {n_rej} rejected: {dict(reasons)})")
+        if n_rej / rows_in > a.max_reject_fraction:
+            raise UserError(
+                f"{a.data}: {n_rej} of {rows_in} rows rejected ({dict(reasons)}), above "
+                f"data.max_reject_fraction={a.max_reject_fraction}"
+            )
+        assert rows_in == sum(outputs.rows), "row accounting broken"
+        ok = True
+    finally:
+        outputs.close(ok)
+    return {"rows_in": rows_in, "reasons": dict(reasons), "rows": outputs.rows, "tokens": outputs.tokens}
 
 
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True)
+    p.add_argument("--data", required=True, help="a file, a folder or a glob")
+    p.add_argument("--eval-data", default=None, help="optional separate held-out file")
     p.add_argument("--format", default="auto")
+    p.add_argument("--delimiter", default=None)
+    p.add_argument("--mapping", default="columns")
     p.add_argument("--columns", required=True, help="JSON mapping field -> column name")
+    p.add_argument("--category-column", default="category")
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--eval-fraction", type=float, required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--balance", choices=["rows", "tokens"], default="rows")
+    p.add_argument("--tokenizer", default=None, help="tokenizer for lengths (too_long, balance: tokens)")
+    p.add_argument("--chat-template", default=None)
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--overlength", choices=["drop", "truncate", "error"], default="truncate")
     p.add_argument("--max-reject-fraction", type=float, default=1.0)
     p.add_argument("--splits", nargs="+", required=True, help="one output path per node")
     p.add_argument("--eval", required=True)
@@ -170,44 +296,32 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if len(a.splits) != a.nodes:
         raise UserError(f"nodes is {a.nodes} but {len(a.splits)} split paths were given")
+    result = run_split(a)
+    rows, tokens = result["rows"], result["tokens"]
+    from data_formats import resolve_paths
 
-    raw = read_table(a.data, a.format)
-    mapped = map_columns(raw, json.loads(a.columns), str(a.data))
-    shards, evalset, rejects = split_rows(mapped, a.nodes, a.eval_fraction, a.seed, str(a.data))
-    n_in, n_rej = len(mapped), len(rejects)
-    if n_in == 0 or n_rej == n_in:
-        raise UserError(f"{a.data}: no usable rows left ({n_in} read, {n_rej} rejected)")
-    if n_rej / n_in > a.max_reject_fraction:
-        by_reason = rejects["reason"].value_counts().to_dict()
-        raise UserError(
-            f"{a.data}: {n_rej} of {n_in} rows rejected ({by_reason}), above data.max_reject_fraction"
-            f"={a.max_reject_fraction}"
-        )
-    assert n_in == sum(map(len, shards)) + len(evalset) + n_rej, "row accounting broken"
-
-    for frame, path in zip(shards, a.splits, strict=True):
-        write_parquet(frame, path)
-    write_parquet(evalset, a.eval)
-    write_parquet(rejects, a.rejects)
     write_json(
         a.manifest,
         {
-            "source": {"path": str(a.data), "sha256": file_sha256(a.data), "rows": n_in},
+            "sources": [{"path": str(f), "sha256": file_sha256(f)} for f in resolve_paths(a.data)],
+            "rows_in": result["rows_in"],
             "nodes": [
-                {"node": i, "rows": len(f), "path": str(pth), "sha256": file_sha256(pth)}
-                for i, (f, pth) in enumerate(zip(shards, a.splits, strict=True))
+                {"node": i, "rows": rows[i], "tokens": tokens[i], "path": str(pth), "sha256": file_sha256(pth)}
+                for i, pth in enumerate(a.splits)
             ],
-            "eval": {"rows": len(evalset), "path": str(a.eval), "sha256": file_sha256(a.eval)},
-            "rejects": {
-                "rows": n_rej,
-                "by_reason": rejects["reason"].value_counts().to_dict(),
-                "path": str(a.rejects),
+            "eval": {"rows": rows[-2], "tokens": tokens[-2], "path": str(a.eval), "sha256": file_sha256(a.eval)},
+            "rejects": {"rows": rows[-1], "by_reason": result["reasons"], "path": str(a.rejects)},
+            "settings": {
+                "seed": a.seed,
+                "eval_fraction": a.eval_fraction,
+                "balance": a.balance,
+                "mapping": a.mapping,
+                "max_seq_len": a.max_seq_len,
+                "overlength": a.overlength,
             },
-            "seed": a.seed,
-            "eval_fraction": a.eval_fraction,
         },
     )
-    print(f"{n_in} rows: {[len(s) for s in shards]} per node, {len(evalset)} eval, {n_rej} rejected")
+    print(f"{result['rows_in']} rows: {rows[:-2]} per node, {rows[-2]} eval, {rows[-1]} rejected {result['reasons']}")
 
 
 if __name__ == "__main__":

@@ -1,98 +1,49 @@
-"""tokenize_shard: render conversations with the chat template and tokenize them.
+"""tokenize_shard: render conversations with the chat template, tokenize, mask, pack, cache.
 
-Output: one Parquet row per example with ``input_ids``, ``labels`` (-100 on the
-prompt, so the loss is on the assistant's answer only), ``length`` and
-``prompt_length`` (the number of tokens evaluation feeds the model before it
-generates). The same ``encode`` serves training and evaluation, so both see the
-same token ids.
+One Parquet row per example: ``input_ids``, ``labels`` (-100 everywhere but the
+assistant turns, so the loss is on the answers only), ``length`` and
+``prompt_length`` (the ids evaluation feeds the model before it generates the last
+answer). Training and evaluation read the same ids from this cache.
+
+A conversation is rendered once and cut at the assistant turns; each piece is
+tokenized on its own (all pieces of a batch in one call of the fast tokenizer),
+so a turn's tokens never depend on what follows it.
+
+The cache is content-addressed: the key hashes the shard's bytes, the tokenizer
+files, the chat template, the length policy and the packing settings, so two runs
+with the same data and tokenizer share one entry whatever their names or learning
+rates, and a changed tokenizer, template or shard is a miss.
 """
 
 import argparse
+import bisect
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
 from pathlib import Path
 
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pipeline_io import UserError, atomic_path, cli, write_json
+from pipeline_io import UserError, atomic_path, cli, file_sha256, write_json
+from tqdm import tqdm
 from transformers import AutoTokenizer
 
+log = logging.getLogger("tokenize")
 IGNORE = -100
-
-
-def messages_for(prompt: str, question: str, response: str | None = None) -> list[dict]:
-    messages = [{"role": "system", "content": prompt}] if prompt else []
-    messages.append({"role": "user", "content": question})
-    if response is not None:
-        messages.append({"role": "assistant", "content": response})
-    return messages
-
-
-def render(tokenizer, prompts, questions, responses) -> tuple[list[str], list[str]]:
-    """Return (prefix texts ending in the generation prompt, completions after them)."""
-    prefixes, completions = [], []
-    for p, q, r in zip(prompts, questions, responses, strict=True):
-        prefix = tokenizer.apply_chat_template(messages_for(p, q), add_generation_prompt=True, tokenize=False)
-        full = tokenizer.apply_chat_template(messages_for(p, q, r), tokenize=False)
-        if not full.startswith(prefix):
-            raise UserError("chat template: the rendered conversation does not start with its generation prompt")
-        prefixes.append(prefix)
-        completions.append(full[len(prefix) :])
-    return prefixes, completions
-
-
-def encode(tokenizer, prompts, questions, responses) -> list[dict]:
-    """Tokenize a batch of examples; labels cover the answer up to and including EOS."""
-    prefixes, completions = render(tokenizer, prompts, questions, responses)
-    prefix_ids = tokenizer(prefixes, add_special_tokens=False)["input_ids"]
-    completion_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
-    eos = tokenizer.eos_token_id
-    out = []
-    for pre, comp in zip(prefix_ids, completion_ids, strict=True):
-        end = comp.index(eos) + 1 if eos in comp else len(comp)
-        labels = [IGNORE] * len(pre) + comp[:end] + [IGNORE] * (len(comp) - end)
-        out.append({"input_ids": pre + comp, "labels": labels, "prompt_length": len(pre)})
-    return out
-
-
-def fit_length(example: dict, max_len: int, policy: str) -> dict | None:
-    """Apply the over-length policy: keep, truncate, drop (None) or raise."""
-    if len(example["input_ids"]) <= max_len:
-        return example
-    if policy == "error":
-        raise UserError(f"an example has {len(example['input_ids'])} tokens, above data.max_seq_len={max_len}")
-    if policy == "drop" or example["prompt_length"] >= max_len:
-        return None
-    return {k: v[:max_len] if isinstance(v, list) else v for k, v in example.items()}
-
-
-def tokenize_frame(tokenizer, frame: pd.DataFrame, max_len: int, policy: str, batch_size: int = 512):
-    """Tokenize a split frame. Returns (tokenized frame, stats)."""
-    rows, dropped, truncated = [], 0, 0
-    for start in range(0, len(frame), batch_size):
-        batch = frame.iloc[start : start + batch_size]
-        encoded = encode(tokenizer, batch["prompt"].tolist(), batch["question"].tolist(), batch["response"].tolist())
-        for example, (_, src) in zip(encoded, batch.iterrows(), strict=True):
-            fitted = fit_length(example, max_len, policy)
-            if fitted is None:
-                dropped += 1
-                continue
-            truncated += fitted is not example
-            rows.append(
-                fitted
-                | {
-                    "length": len(fitted["input_ids"]),
-                    "response": src["response"],
-                    "content_hash": src["content_hash"],
-                    "category": src.get("category", ""),
-                }
-            )
-    columns = ["input_ids", "labels", "length", "prompt_length", "response", "content_hash", "category"]
-    out = pd.DataFrame(rows, columns=columns)
-    tokens = int(out["length"].sum()) if len(out) else 0
-    stats = {"examples": len(out), "tokens": tokens, "dropped_too_long": dropped, "truncated": truncated}
-    return out, stats
-
-
+CACHE_VERSION = 2
+PAD_BATCH = 8  # micro-batch size of the pad-to-longest comparison
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
 SCHEMA = pa.schema(
     [
         ("input_ids", pa.list_(pa.int32())),
@@ -106,25 +57,268 @@ SCHEMA = pa.schema(
 )
 
 
+def messages_for(prompt: str, question: str, response: str | None = None) -> list[dict]:
+    messages = [{"role": "system", "content": prompt}] if prompt else []
+    messages.append({"role": "user", "content": question})
+    if response is not None:
+        messages.append({"role": "assistant", "content": response})
+    return messages
+
+
+class ChatRenderer:
+    """The tokenizer's chat template, compiled once and rendered directly.
+
+    ``apply_chat_template`` re-validates its arguments on every call, which costs more
+    than the rendering itself; the output is the same (a test checks it).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.extra = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            self.compiled = _compile_jinja_template(tokenizer.chat_template)
+        except (ImportError, AttributeError):  # a transformers without the helper: the slow path
+            self.compiled = None
+
+    def __call__(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        if self.compiled is None:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        return self.compiled.render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.extra
+        )
+
+
+def segments(render, messages: list[dict]) -> list[tuple[str, bool]]:
+    """Cut the rendered conversation into (text, is_answer) pieces at each assistant turn."""
+    full = render(messages)
+    pieces, pos = [], 0
+    for i, turn in enumerate(messages):
+        if turn["role"] != "assistant":
+            continue
+        start = len(render(messages[:i], add_generation_prompt=True))
+        end = len(full) if i == len(messages) - 1 else len(render(messages[: i + 1]))
+        if not (pos <= start <= end <= len(full)):
+            raise UserError("chat template: a conversation does not render as a prefix of its continuation")
+        pieces += [(full[pos:start], False), (full[start:end], True)]
+        pos = end
+    if pos < len(full):
+        pieces.append((full[pos:], False))
+    return pieces
+
+
+def encode_messages(tokenizer, conversations: list[list[dict]], render: ChatRenderer | None = None) -> list[dict]:
+    """Tokenize a batch of conversations; labels cover each answer up to and including EOS."""
+    render = render or ChatRenderer(tokenizer)
+    cut = [segments(render, m) for m in conversations]
+    flat = [text for pieces in cut for text, _ in pieces]
+    ids = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+    eos, out, k = tokenizer.eos_token_id, [], 0
+    for pieces in cut:
+        input_ids, labels, prompt_length = [], [], 0
+        for _, is_answer in pieces:
+            piece = ids[k]
+            k += 1
+            if is_answer:
+                prompt_length = len(input_ids)  # ends up at the last answer
+                end = piece.index(eos) + 1 if eos in piece else len(piece)
+                labels += piece[:end] + [IGNORE] * (len(piece) - end)
+            else:
+                labels += [IGNORE] * len(piece)
+            input_ids += piece
+        out.append({"input_ids": input_ids, "labels": labels, "prompt_length": prompt_length})
+    return out
+
+
+def encode(tokenizer, prompts, questions, responses) -> list[dict]:
+    """Single-turn convenience over encode_messages."""
+    convs = [messages_for(p, q, r) for p, q, r in zip(prompts, questions, responses, strict=True)]
+    return encode_messages(tokenizer, convs)
+
+
+def fit_length(example: dict, max_len: int, policy: str) -> dict | None:
+    """Apply the over-length policy: keep, truncate, drop (None) or raise."""
+    if len(example["input_ids"]) <= max_len:
+        return example
+    if policy == "error":
+        raise UserError(f"an example has {len(example['input_ids'])} tokens, above data.max_seq_len={max_len}")
+    if policy == "drop" or example["prompt_length"] >= max_len:
+        return None
+    return {k: v[:max_len] if isinstance(v, list) else v for k, v in example.items()}
+
+
+# ---------------------------------------------------------------- packing
+
+
+def pack_best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: each sequence, longest first, into the fullest bin it still fits.
+
+    Bins are kept in buckets by space left, and the distinct space values (at most
+    ``capacity``) in a sorted list, so each placement costs O(log capacity).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    buckets: dict[int, list[int]] = {}  # space left -> bins with exactly that space
+    spaces: list[int] = []  # sorted keys of the non-empty buckets
+    for i in order:
+        n = min(lengths[i], capacity)
+        at = bisect.bisect_left(spaces, n)
+        if at < len(spaces):
+            space = spaces[at]
+            b = buckets[space].pop()
+            if not buckets[space]:
+                del buckets[space]
+                spaces.pop(at)
+        else:
+            space, b = capacity, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        left = space - n
+        if left > 0:
+            if left not in buckets:
+                buckets[left] = []
+                bisect.insort(spaces, left)
+            buckets[left].append(b)
+    return bins
+
+
+def packing_stats(lengths: list[int], bins: list[list[int]], capacity: int, seed: int = 0) -> dict:
+    real = sum(lengths)
+    shuffled = lengths[:]
+    random.Random(seed).shuffle(shuffled)
+    padded = sum(
+        max(shuffled[i : i + PAD_BATCH]) * len(shuffled[i : i + PAD_BATCH]) for i in range(0, len(shuffled), PAD_BATCH)
+    )
+    return {
+        "bins": len(bins),
+        "packing_efficiency": real / (len(bins) * capacity) if bins else 0.0,
+        "pad_to_longest_efficiency": real / padded if padded else 0.0,
+        "pad_batch": PAD_BATCH,
+    }
+
+
+# ---------------------------------------------------------------- cache
+
+
+def tokenizer_fingerprint(tokenizer, source: str) -> str:
+    """Hash of the tokenizer's files and its chat template."""
+    h = hashlib.sha256()
+    folder = Path(source)
+    if folder.is_dir():
+        for name in TOKENIZER_FILES:
+            if (folder / name).is_file():
+                h.update(name.encode() + file_sha256(folder / name).encode())
+    else:  # a hub id: the resolved tokenizer's own serialization
+        h.update(tokenizer.backend_tokenizer.to_str().encode() if hasattr(tokenizer, "backend_tokenizer") else b"")
+    h.update((tokenizer.chat_template or "").encode())
+    return h.hexdigest()
+
+
+def cache_key(shard: Path, tokenizer_hash: str, settings: dict) -> str:
+    text = json.dumps([CACHE_VERSION, file_sha256(shard), tokenizer_hash, settings], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.link")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+# ---------------------------------------------------------------- stage
+
+
+def tokenize_shard(tokenizer, shard: Path, tokens_out: Path, max_len: int, policy: str, batch_rows: int = 2048):
+    """Stream the shard through render → tokenize → mask → fit, writing as it goes."""
+    file = pq.ParquetFile(shard)
+    render = ChatRenderer(tokenizer)
+    lengths, dropped, truncated = [], 0, 0
+    with atomic_path(tokens_out) as tmp, pq.ParquetWriter(tmp, SCHEMA) as writer:
+        bar = tqdm(total=file.metadata.num_rows, desc=f"tokenize {shard.name}", unit="ex", mininterval=5)
+        for batch in file.iter_batches(batch_size=batch_rows, columns=["messages", "content_hash", "category"]):
+            rows = batch.to_pylist()
+            encoded = encode_messages(tokenizer, [json.loads(r["messages"]) for r in rows], render)
+            out = {name: [] for name in SCHEMA.names}
+            for row, ex in zip(rows, encoded, strict=True):
+                fitted = fit_length(ex, max_len, policy)
+                if fitted is None:
+                    dropped += 1
+                    continue
+                truncated += fitted is not ex
+                messages = json.loads(row["messages"])
+                for key in ("input_ids", "labels", "prompt_length"):
+                    out[key].append(fitted[key])
+                out["length"].append(len(fitted["input_ids"]))
+                out["response"].append(messages[-1]["content"])
+                out["content_hash"].append(row["content_hash"])
+                out["category"].append(row["category"] or "")
+            lengths += out["length"]
+            writer.write_table(pa.Table.from_pydict(out, schema=SCHEMA))
+            bar.update(len(rows))
+        bar.close()
+    return lengths, {
+        "examples": len(lengths),
+        "tokens": sum(lengths),
+        "dropped_too_long": dropped,
+        "truncated": truncated,
+    }
+
+
+def write_packing(lengths: list[int], capacity: int, path: Path) -> dict:
+    bins = pack_best_fit_decreasing(lengths, capacity)
+    table = pa.table({"bin": pa.array(range(len(bins)), pa.int32()), "examples": pa.array(bins, pa.list_(pa.int32()))})
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+    return packing_stats(lengths, bins, capacity)
+
+
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shard", required=True, type=Path)
     p.add_argument("--tokenizer", required=True)
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file replacing the tokenizer's")
     p.add_argument("--max-seq-len", type=int, required=True)
     p.add_argument("--overlength", choices=["drop", "truncate", "error"], default="truncate")
+    p.add_argument("--pack-len", type=int, default=0, help="bin size of the packing plan (0 = max-seq-len)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="content-addressed cache shared between runs")
     p.add_argument("--output", required=True, type=Path)
+    p.add_argument("--packing", required=True, type=Path)
     p.add_argument("--stats", required=True, type=Path)
     a = p.parse_args(argv)
     tokenizer = AutoTokenizer.from_pretrained(a.tokenizer)
+    if a.chat_template:
+        tokenizer.chat_template = Path(a.chat_template).read_text()
     if tokenizer.chat_template is None:
-        raise UserError(f"{a.tokenizer}: the tokenizer has no chat template")
-    frame = pd.read_parquet(a.shard)
-    out, stats = tokenize_frame(tokenizer, frame, a.max_seq_len, a.overlength)
-    with atomic_path(a.output) as tmp:
-        pq.write_table(pa.Table.from_pandas(out, schema=SCHEMA, preserve_index=False), tmp)
-    write_json(a.stats, stats | {"shard": str(a.shard), "max_seq_len": a.max_seq_len})
-    print(f"{a.shard}: {stats}")
+        raise UserError(f"{a.tokenizer}: the tokenizer has no chat template; set data.chat_template")
+    pack_len = a.pack_len or a.max_seq_len
+    settings = {"max_seq_len": a.max_seq_len, "overlength": a.overlength, "pack_len": pack_len}
+    key = cache_key(a.shard, tokenizer_fingerprint(tokenizer, a.tokenizer), settings)
+    entry = (a.cache_dir / key) if a.cache_dir else None
+    if entry and (entry / "stats.json").is_file():
+        stats = json.loads((entry / "stats.json").read_text()) | {"cache": "hit"}
+        log.info("cache hit %s", entry)
+    else:
+        work = entry or a.output.parent / f".{a.output.stem}.work"
+        lengths, stats = tokenize_shard(tokenizer, a.shard, work / "tokens.parquet", a.max_seq_len, a.overlength)
+        stats |= write_packing(lengths, pack_len, work / "packing.parquet") | {"key": key, "settings": settings}
+        write_json(work / "stats.json", stats)  # written last: marks the entry complete
+        stats |= {"cache": "miss" if entry else "off"}
+    source = entry or a.output.parent / f".{a.output.stem}.work"
+    link_or_copy(source / "tokens.parquet", a.output)
+    link_or_copy(source / "packing.parquet", a.packing)
+    write_json(a.stats, stats | {"shard": str(a.shard)})
+    if not entry:
+        shutil.rmtree(source, ignore_errors=True)
+    print(f"{a.shard}: {stats['examples']} examples, {stats['tokens']} tokens, cache {stats['cache']}")
 
 
 if __name__ == "__main__":

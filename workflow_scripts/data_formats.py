@@ -1,0 +1,329 @@
+"""Readers and mappings: any common instruction format in, one internal form out.
+
+Readers stream record batches (CSV, TSV, JSONL, JSON array, Parquet; one file, a
+folder or a glob). Mappings turn a record into a conversation — a list of
+``{"role", "content"}`` turns ending with the assistant — or into a reject reason:
+
+- ``columns``: system / user / assistant columns (seed 000's ``prompt, question,
+  response``; ``prompt, completion`` with ``prompt: null``...).
+- ``alpaca``: ``instruction``, optional ``input``, ``output``.
+- ``chat``: a ``messages`` list of ``{role, content}`` turns (multi-turn, optional system).
+- ``nested``: one ``instruction`` with a list of ``instances`` ``{input, output}``,
+  one example per instance (the self-instruct format of ../shared/data).
+"""
+
+import glob
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+from pipeline_io import UserError
+
+EXTENSIONS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+FORMATS = ("csv", "tsv", "jsonl", "json", "parquet")
+MAPPINGS = ("columns", "alpaca", "chat", "nested")
+DEFAULT_COLUMNS = {
+    "columns": {"prompt": "prompt", "question": "question", "response": "response"},
+    "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": None},
+    "chat": {"messages": "messages"},
+    "nested": {"instruction": "instruction", "instances": "instances", "input": "input", "output": "output"},
+}
+REQUIRED = {
+    "columns": ("question", "response"),
+    "alpaca": ("instruction", "output"),
+    "chat": ("messages",),
+    "nested": ("instruction", "instances"),
+}
+
+
+@dataclass
+class Record:
+    """One input row: where it came from, and its fields or why it could not be read."""
+
+    source_file: str
+    source_row: int
+    fields: dict | None  # the record; for an unreadable one, what could be recovered of it
+    error: tuple[str, str] | None = None  # (reason, detail)
+
+
+# ---------------------------------------------------------------- files
+
+
+def resolve_paths(spec: str) -> list[Path]:
+    """One file, every data file in a folder, or a glob; sorted, so the order is stable."""
+    path = Path(spec)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in EXTENSIONS and p.is_file())
+        if not files:
+            raise UserError(f"data.path: folder {spec} has no .csv/.tsv/.jsonl/.json/.parquet files")
+        return files
+    if any(ch in spec for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        if not files:
+            raise UserError(f"data.path: no file matches {spec}")
+        return files
+    if not path.exists():
+        raise UserError(f"data.path: file not found: {spec}")
+    return [path]
+
+
+def detect_format(path: Path, fmt: str = "auto") -> str:
+    if fmt != "auto":
+        if fmt not in FORMATS:
+            raise UserError(f"data.format: unknown format {fmt!r} ({', '.join(FORMATS)})")
+        return fmt
+    found = EXTENSIONS.get(path.suffix.lower())
+    if found is None:
+        raise UserError(f"data.path: cannot tell the format of {path} from its extension; set data.format")
+    return found
+
+
+# ---------------------------------------------------------------- readers
+
+
+def _decode(value, column: str):
+    """Bytes from the CSV reader to text; invalid UTF-8 becomes an error for this row only."""
+    if value is None or isinstance(value, str):
+        return value
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"column {column!r}: invalid UTF-8 at byte {e.start}") from None
+
+
+def _csv_batches(path: Path, delimiter: str, batch_bytes: int) -> Iterator[list[dict | tuple]]:
+    parse = pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
+    read = pacsv.ReadOptions(block_size=batch_bytes)
+    try:
+        names = pacsv.open_csv(path, read_options=read, parse_options=parse).schema.names
+        # every cell as raw bytes: "007" stays "007", and bad UTF-8 is caught per row
+        convert = pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.binary()), strings_can_be_null=False)
+        reader = pacsv.open_csv(path, read_options=read, parse_options=parse, convert_options=convert)
+        for batch in reader:
+            rows = []
+            for row in batch.to_pylist():
+                try:
+                    rows.append({k: _decode(v, k) for k, v in row.items()})
+                except ValueError as e:
+                    raw = {
+                        k: v.decode("utf-8", "backslashreplace") if isinstance(v, bytes) else v for k, v in row.items()
+                    }
+                    rows.append(("invalid_utf8", str(e), raw))
+            yield rows
+    except pa.ArrowInvalid as e:
+        raise UserError(f"{path}: cannot read as CSV: {str(e).splitlines()[0]}") from None
+
+
+def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[list[dict | tuple]]:
+    rows = []
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue  # blank lines are not rows
+            try:
+                obj = json.loads(line.decode("utf-8"))
+                rows.append(
+                    obj if isinstance(obj, dict) else ("invalid_json", "line is not a JSON object", {"line": obj})
+                )
+            except UnicodeDecodeError as e:
+                raw = {"line": line.decode("utf-8", "backslashreplace").rstrip("\n")}
+                rows.append(("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the line", raw))
+            except json.JSONDecodeError as e:
+                rows.append(("invalid_json", f"{e.msg} at column {e.colno}", {"line": line.decode().rstrip("\n")}))
+            if len(rows) >= batch_rows:
+                yield rows
+                rows = []
+    if rows:
+        yield rows
+
+
+def _json_batches(path: Path, batch_rows: int) -> Iterator[list[dict | tuple]]:
+    # A JSON array has to be parsed whole; use JSONL or Parquet for large data.
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot read as JSON: {str(e).splitlines()[0]}") from None
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+        data = next(iter(data.values()))  # {"data": [...]}
+    if not isinstance(data, list):
+        raise UserError(f"{path}: a JSON file must hold an array of objects")
+    for start in range(0, len(data), batch_rows):
+        chunk = data[start : start + batch_rows]
+        yield [r if isinstance(r, dict) else ("invalid_json", "item is not an object", {"item": r}) for r in chunk]
+
+
+def _parquet_batches(path: Path, batch_rows: int) -> Iterator[list[dict | tuple]]:
+    try:
+        file = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise UserError(f"{path}: cannot read as Parquet: {str(e).splitlines()[0]}") from None
+    for batch in file.iter_batches(batch_size=batch_rows):
+        yield batch.to_pylist()
+
+
+def iter_records(spec: str, fmt: str = "auto", delimiter: str | None = None, batch_rows: int = 8192):
+    """Yield lists of Records, a batch at a time, from every file ``spec`` names."""
+    for path in resolve_paths(spec):
+        kind = detect_format(path, fmt)
+        if kind in ("csv", "tsv"):
+            sep = delimiter or ("\t" if kind == "tsv" else ",")
+            batches = _csv_batches(path, sep, batch_bytes=4 << 20)
+        elif kind == "jsonl":
+            batches = _jsonl_batches(path, batch_rows)
+        elif kind == "json":
+            batches = _json_batches(path, batch_rows)
+        else:
+            batches = _parquet_batches(path, batch_rows)
+        row = 0
+        for rows in batches:
+            out = []
+            for item in rows:
+                if isinstance(item, tuple):
+                    out.append(Record(str(path), row, item[2], item[:2]))
+                else:
+                    out.append(Record(str(path), row, item))
+                row += 1
+            yield out
+
+
+def peek_columns(spec: str, fmt: str = "auto", delimiter: str | None = None) -> tuple[Path, list[str]]:
+    """The first file's column names, read from its start only."""
+    path = resolve_paths(spec)[0]
+    kind = detect_format(path, fmt)
+    if kind in ("csv", "tsv"):
+        sep = delimiter or ("\t" if kind == "tsv" else ",")
+        try:
+            reader = pacsv.open_csv(path, parse_options=pacsv.ParseOptions(delimiter=sep, newlines_in_values=True))
+        except pa.ArrowInvalid as e:
+            raise UserError(f"{path}: cannot read as CSV: {str(e).splitlines()[0]}") from None
+        return path, reader.schema.names
+    if kind == "parquet":
+        try:
+            return path, pq.ParquetFile(path).schema_arrow.names
+        except (pa.ArrowInvalid, OSError) as e:
+            raise UserError(f"{path}: cannot read as Parquet: {str(e).splitlines()[0]}") from None
+    for batch in iter_records(str(path), kind, batch_rows=50):
+        names = []
+        for rec in batch:
+            if not rec.error:
+                names += [k for k in rec.fields if k not in names]
+        return path, names
+    return path, []
+
+
+# ---------------------------------------------------------------- mappings
+
+
+def column_names(mapping: str, columns: dict) -> dict:
+    """The mapping's column names: its defaults, overridden by data.columns where it names them."""
+    if mapping not in MAPPINGS:
+        raise UserError(f"data.mapping: unknown mapping {mapping!r} ({', '.join(MAPPINGS)})")
+    names = dict(DEFAULT_COLUMNS[mapping])
+    names.update({k: v for k, v in columns.items() if k in names})
+    return names
+
+
+def check_columns(spec: str, fmt: str, mapping: str, columns: dict, delimiter: str | None = None) -> None:
+    """Fail early, from the first file's header, when a mapped column is absent."""
+    path, present = peek_columns(spec, fmt, delimiter)
+    names = column_names(mapping, columns)
+    for field in REQUIRED[mapping] + tuple(k for k in names if k not in REQUIRED[mapping]):
+        name = names.get(field)
+        if name is None:
+            if field in REQUIRED[mapping]:
+                raise UserError(f"data.columns.{field} is not set (needed by data.mapping {mapping})")
+            continue
+        if mapping == "nested" and field in ("input", "output"):
+            continue  # keys inside each instance, not columns
+        # an optional field under its default name may be absent; a name the user chose may not
+        optional_default = field not in REQUIRED[mapping] and name == DEFAULT_COLUMNS[mapping].get(field)
+        if present and name not in present and not optional_default:
+            raise UserError(f"{path}: column {name!r} (data.columns.{field}) not found; the file has {present}")
+
+
+def _text(value) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, float) and value != value:  # NaN from pandas-written files
+        return None
+    return value if isinstance(value, str) else str(value)
+
+
+def _join(instruction: str, extra: str | None) -> str:
+    return f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
+
+
+def to_examples(fields: dict, mapping: str, names: dict) -> list[tuple[list[dict], None] | tuple[None, tuple]]:
+    """Map one record to ``[(messages, None)]`` or ``[(None, (reason, detail))]`` (several for nested)."""
+
+    def get(field):
+        return _text(fields.get(names[field])) if names.get(field) else None
+
+    if mapping == "columns":
+        system, user, answer = get("prompt"), get("question"), get("response")
+        if user is None or answer is None:
+            missing = "question" if user is None else "response"
+            return [(None, ("missing_field", f"{names[missing]} is missing or null"))]
+        turns = [{"role": "system", "content": system}] if system and system.strip() else []
+        return [(turns + [{"role": "user", "content": user}, {"role": "assistant", "content": answer}], None)]
+    if mapping == "alpaca":
+        instruction, extra, answer, system = get("instruction"), get("input"), get("output"), get("system")
+        if instruction is None or answer is None:
+            missing = "instruction" if instruction is None else "output"
+            return [(None, ("missing_field", f"{names[missing]} is missing or null"))]
+        turns = [{"role": "system", "content": system}] if system and system.strip() else []
+        user = {"role": "user", "content": _join(instruction, extra)}
+        return [(turns + [user, {"role": "assistant", "content": answer}], None)]
+    if mapping == "chat":
+        return [_chat(fields.get(names["messages"]), names["messages"])]
+    instruction, instances = get("instruction"), fields.get(names["instances"])
+    if instruction is None:
+        return [(None, ("missing_field", f"{names['instruction']} is missing or null"))]
+    if not isinstance(instances, list) or not instances:
+        return [(None, ("missing_field", f"{names['instances']} is not a non-empty list"))]
+    out = []
+    for inst in instances:
+        if not isinstance(inst, dict) or _text(inst.get(names["output"])) is None:
+            out.append((None, ("missing_field", f"an instance has no {names['output']!r}")))
+            continue
+        user = _join(instruction, _text(inst.get(names["input"])))
+        answer = {"role": "assistant", "content": _text(inst[names["output"]])}
+        out.append(([{"role": "user", "content": user}, answer], None))
+    return out
+
+
+def _chat(messages, column: str):
+    if isinstance(messages, str):
+        try:
+            messages = json.loads(messages)
+        except json.JSONDecodeError:
+            return None, ("invalid_json", f"{column} is a string that is not JSON")
+    if not isinstance(messages, list) or not messages:
+        return None, ("missing_field", f"{column} is missing or not a list")
+    turns = []
+    for m in messages:
+        if not isinstance(m, dict) or _text(m.get("role")) is None or _text(m.get("content")) is None:
+            return None, ("missing_field", "a turn lacks role or content")
+        turns.append({"role": str(m["role"]), "content": _text(m["content"])})
+    roles = [t["role"] for t in turns]
+    body = roles[1:] if roles[0] == "system" else roles
+    expected = ["user", "assistant"] * (len(body) // 2)
+    if len(body) < 2 or body != expected:
+        return None, ("bad_turn_order", f"roles {roles}: expected optional system, then user/assistant pairs")
+    return turns, None
+
+
+def conversation_text(messages: list[dict]) -> str:
+    """Stable text of a conversation, for hashing."""
+    return json.dumps([[t["role"], t["content"]] for t in messages], ensure_ascii=False)
+
+
+def delimiter_arg(value: str | None) -> str | None:
+    """'\\t' and 'tab' from config or the command line mean a tab."""
+    if value in (None, ""):
+        return None
+    return {"tab": "\t", "\\t": "\t"}.get(value, value)
