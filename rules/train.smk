@@ -27,3 +27,5 @@ rule train_node:
         " {params.script} --config {params.config:q} --data {input.tokens}"
         " --base-model {params.base} --log-dir {params.log_dir}"
         " --checkpoint-root {params.checkpoints} --state {output.state} > {log} 2>&1"
+        # torchrun reports a signal as a plain failure; the trainer's marker tells preemption apart
+        " || {{ rc=$?; test -f {params.log_dir}/preempted.json && exit 75; exit $rc; }}"

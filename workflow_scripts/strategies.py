@@ -81,9 +81,12 @@ class DDPStrategy:
 
     def load(self, folder: Path) -> None:
         state = torch.load(folder / "state.pt", map_location=self.device, weights_only=True)
-        missing, unexpected = self.inner.load_state_dict(state["model"], strict=False)
-        if unexpected or any(self.inner.get_parameter(n).requires_grad for n in missing if "." in n):
-            raise RuntimeError(f"{folder / 'state.pt'}: does not match the model (unexpected {unexpected[:3]})")
+        # only trainable tensors are saved; tied weights appear once in named_parameters
+        needed = {n for n, p in self.inner.named_parameters() if p.requires_grad}
+        _, unexpected = self.inner.load_state_dict(state["model"], strict=False)
+        lacking = sorted(needed - set(state["model"]))
+        if unexpected or lacking:
+            raise RuntimeError(f"{folder / 'state.pt'}: does not match the model ({unexpected[:2]} {lacking[:2]})")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 

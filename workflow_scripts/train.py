@@ -15,6 +15,8 @@ import json
 import logging
 import math
 import os
+import signal
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +30,7 @@ from strategies import build_strategy
 
 log = logging.getLogger("train")
 IGNORE = -100
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed on SIGTERM/SIGUSR1; a retry resumes
 
 
 @dataclasses.dataclass
@@ -60,6 +63,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     collective_timeout_s: int = 600
+    peak_tflops: float = 989.0  # per GPU, for MFU (H100 SXM dense bf16)
 
     @classmethod
     def from_json(cls, text: str) -> "TrainConfig":
@@ -223,6 +227,36 @@ class MetricsLog:
             self.writer.close()
 
 
+class StopSignal:
+    """SIGTERM or SIGUSR1 (SLURM preemption or time limit) asks for a checkpoint and a clean exit.
+
+    The handler only sets a flag; the loop finishes its step, and every rank agrees
+    (an all-reduce of the flags) before all of them checkpoint together.
+    """
+
+    def __init__(self):
+        self.received = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def agreed(self, device) -> bool:
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def peak_memory_gb(device) -> float:
+    """Peak GPU memory allocated, or on CPU the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def run_key(cfg: TrainConfig, data_sha: str, base: str) -> str:
     """Checkpoints are only resumed by a job with the same config, data and base model."""
     text = json.dumps([dataclasses.asdict(cfg), data_sha, base], sort_keys=True)
@@ -263,6 +297,8 @@ def main(argv=None) -> None:
 
     # model, parallelized
     model, attn = load_model(a.base_model, cfg, device)
+    n_params = sum(t.numel() for t in model.parameters())  # before sharding hides them
+    n_trainable = sum(t.numel() for t in model.parameters() if t.requires_grad)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     strategy = build_strategy(cfg, model, device, plan.total_steps, lr_lambda(cfg, plan.total_steps))
 
@@ -281,13 +317,16 @@ def main(argv=None) -> None:
         "attention": attn,
         "strategy": cfg.strategy,
         "peft": cfg.peft,
-        "trainable_parameters": sum(t.numel() for t in model.parameters() if t.requires_grad),
+        "parameters": n_params,
+        "trainable_parameters": n_trainable,
     }
     if rank == 0:
+        (a.log_dir / "preempted.json").unlink(missing_ok=True)
         write_json(a.log_dir / "plan.json", plan_record)
         log.info("plan: %s", plan_record)
 
     metrics = MetricsLog(a.log_dir, rank, start_step)
+    stop = StopSignal()
     strategy.model.train()
     tokens, clock = 0, time.perf_counter()
     for step in range(start_step, plan.total_steps):
@@ -304,13 +343,19 @@ def main(argv=None) -> None:
             stats = torch.tensor([loss_sum.item() / cfg.grad_accum, float(tokens)], device=device)
             dist.all_reduce(stats)
             elapsed = time.perf_counter() - clock
+            tokens_per_s = stats[1].item() / elapsed
+            # 6 N flops per token for forward and backward (attention's extra term left out)
+            model_tflops = 6 * n_params * tokens_per_s / world / 1e12
             metrics.write(
                 {
                     "step": done,
                     "loss": stats[0].item() / world,
                     "lr": strategy.current_lr(),
                     "grad_norm": grad_norm,
-                    "tokens_per_s": stats[1].item() / elapsed,
+                    "tokens_per_s": tokens_per_s,
+                    "tflops_per_rank": model_tflops,
+                    "mfu": model_tflops / cfg.peak_tflops if device.type == "cuda" else None,
+                    "peak_memory_gb": peak_memory_gb(device),
                     "epoch": step / plan.steps_per_epoch,
                 },
                 plan.total_steps,
@@ -318,6 +363,16 @@ def main(argv=None) -> None:
             tokens, clock = 0, time.perf_counter()
         if done % cfg.checkpoint_every == 0 and done < plan.total_steps:
             ckpt.save(done, a.log_dir / "metrics.jsonl")
+        if done < plan.total_steps and stop.agreed(device):
+            if done % cfg.checkpoint_every:
+                ckpt.save(done, a.log_dir / "metrics.jsonl")
+            if rank == 0:
+                write_json(a.log_dir / "preempted.json", {"step": done, "signal": stop.received, "time": time.time()})
+                log.warning("%s: checkpointed at step %d; exiting %d so a retry resumes", stop.received or "signal",
+                            done, EXIT_PREEMPTED)  # fmt: skip
+            metrics.close()
+            dist.destroy_process_group()
+            sys.exit(EXIT_PREEMPTED)
 
     final = ckpt.save(plan.total_steps, a.log_dir / "metrics.jsonl")
     metrics.close()

@@ -1,0 +1,113 @@
+"""Preemption-safe training: SIGTERM checkpoints and exits 75, the rerun resumes exactly; partial
+checkpoints are ignored; one dead rank ends the whole job."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from conftest import BIN, REPO, tool_env
+
+CONFIG = {"lr": 3e-3, "micro_batch_size": 8, "max_steps": 14, "log_every": 1, "checkpoint_every": 4, "seed": 3}
+
+
+def command(tmp_path, demo_assets, cfg):
+    return [
+        str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(REPO / "workflow_scripts/train.py"),
+        "--config", json.dumps(cfg), "--data", str(demo_assets["node0"]), "--base-model", str(demo_assets["base"]),
+        "--log-dir", str(tmp_path / "train"), "--checkpoint-root", str(tmp_path / "ckpt"),
+        "--state", str(tmp_path / "train" / "train_state.json"),
+    ]  # fmt: skip
+
+
+ENV = tool_env() | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def train(tmp_path, demo_assets, cfg=CONFIG):
+    proc = subprocess.run(command(tmp_path, demo_assets, cfg), capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def losses(tmp_path):
+    lines = (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines)]
+
+
+def final_weights(tmp_path, strategy):
+    state = json.loads((tmp_path / "train" / "train_state.json").read_text())
+    folder = state["checkpoint"]
+    if strategy == "ddp":
+        return torch.load(f"{folder}/state.pt", weights_only=True)["model"]
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(f"{folder}/dcp", f"{folder}/full.pt")
+    del dcp
+    return torch.load(f"{folder}/full.pt", weights_only=False)["model"]
+
+
+def wait_for(predicate, timeout=300):
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sigterm_then_rerun_equals_uninterrupted_run(tmp_path, demo_assets, strategy):
+    cfg = CONFIG | {"strategy": strategy}
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(a, demo_assets, cfg)
+
+    proc = subprocess.Popen(command(b, demo_assets, cfg), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    assert wait_for(lambda: any((b / "ckpt").glob("*/step-4/COMPLETE")))
+    os.killpg(proc.pid, signal.SIGTERM)  # as SLURM does: the whole job step
+    _, err = proc.communicate(timeout=300)
+    # the workers exit 75; torchrun turns a signal into 1, and the rule maps its marker back to 75
+    assert proc.returncode != 0 and "exiting 75" in err, err[-3000:]
+    assert json.loads((b / "train" / "preempted.json").read_text())["signal"] == "SIGTERM"
+    stopped = max(int(p.parent.name.split("-")[1]) for p in (b / "ckpt").glob("*/step-*/COMPLETE"))
+    assert 4 <= stopped < 14
+
+    resumed = train(b, demo_assets, cfg)
+    assert f"at step {stopped}" in resumed.stderr  # resumed, not restarted
+    assert losses(b) == losses(a)  # every step once, bit for bit
+    wa, wb = final_weights(a, strategy), final_weights(b, strategy)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_partial_checkpoint_is_ignored_and_reported(tmp_path, demo_assets):
+    cfg = CONFIG | {"max_steps": 8}
+    train(tmp_path / "a", demo_assets, cfg)
+    b = tmp_path / "b"
+    train(b, demo_assets, cfg)
+    (last,) = list((b / "ckpt").glob("*/step-8"))
+    (last / "COMPLETE").unlink()  # as if killed -9 while saving
+    (last / "state.pt").write_bytes(b"truncated")
+    rerun = train(b, demo_assets, cfg)
+    assert "ignoring partial checkpoint" in rerun.stderr and "step-8" in rerun.stderr
+    assert "at step 4" in rerun.stderr
+    assert losses(b) == losses(tmp_path / "a")
+
+
+def test_one_dead_rank_ends_every_rank(tmp_path, demo_assets):
+    cfg = CONFIG | {"max_steps": 100000, "checkpoint_every": 100000}
+    proc = subprocess.Popen(command(tmp_path, demo_assets, cfg), env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    assert wait_for(lambda: (tmp_path / "train" / "metrics.jsonl").exists())
+    out = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "train.py"], capture_output=True, text=True)
+    workers = [int(x) for x in out.stdout.split()]
+    assert len(workers) == 2
+    start = time.time()
+    os.kill(workers[-1], signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert time.time() - start < 60
+    assert wait_for(lambda: all(not os.path.exists(f"/proc/{w}") for w in workers), timeout=5)
