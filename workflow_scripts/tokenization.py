@@ -115,7 +115,14 @@ def encode_messages(tokenizer, conversations: list[list[dict]], render: ChatRend
     render = render or ChatRenderer(tokenizer)
     cut = [segments(render, m) for m in conversations]
     flat = [text for pieces in cut for text, _ in pieces]
-    ids = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # the Rust tokenizer directly: transformers' per-encoding wrapper costs ~15%
+        if backend.truncation or backend.padding:
+            backend.no_truncation()
+            backend.no_padding()
+        ids = [e.ids for e in backend.encode_batch(flat, add_special_tokens=False)] if flat else []
+    else:
+        ids = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
     eos, out, k = tokenizer.eos_token_id, [], 0
     for pieces in cut:
         input_ids, labels, prompt_length = [], [], 0
