@@ -11,6 +11,7 @@ from snakemake.utils import validate
 SCRIPTS = Path(workflow.basedir) / "workflow_scripts"
 sys.path.insert(0, str(SCRIPTS))
 
+from demo_model import preset_name  # noqa: E402
 from pipeline_io import UserError  # noqa: E402
 from data_formats import check_columns, delimiter_arg, resolve_paths  # noqa: E402
 
@@ -43,7 +44,11 @@ R = f"results/{RUN}"
 LOGS = f"logs/{RUN}"
 NODES = [f"node{i}" for i in range(config["nodes"])]
 MODELS = ["base", *NODES]
-DEMO = config["model"]["name_or_path"] == "demo"
+try:
+    PRESET = preset_name(config["model"]["name_or_path"])  # demo, a from-scratch size, or None
+except UserError as e:
+    fail(e)
+DEMO = PRESET is not None  # the base model is built by build_demo_model
 METRIC = Path(workflow.basedir) / "metrics" / "exact_match"
 
 

@@ -16,8 +16,10 @@ rule build_demo_model:
         vocab=config["model"]["demo_vocab_size"],
         max_len=config["data"]["max_seq_len"],
         seed=config["model"]["seed"],
+        preset=PRESET,
     shell:
         "python {params.script} --data {params.data:q} --format {params.format} --mapping {params.mapping}"
         " --columns {params.columns:q} --vocab-size {params.vocab}"
-        " --max-seq-len {params.max_len} --seed {params.seed} --output {output.model}"
+        " --max-seq-len {params.max_len} --seed {params.seed} --preset {params.preset}"
+        " --output {output.model}"
         " > {log} 2>&1"

@@ -96,3 +96,19 @@ def test_truncated_checkpoint_fails_consolidation_with_one_line(tmp_path, demo_a
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and "state.pt" in last
+
+
+@pytest.mark.parametrize(
+    "size,billions", [("350m", 0.35), ("1b", 1), ("3b", 3), ("7b", 7), ("13b", 13), ("30b", 30), ("70b", 70)]
+)
+def test_from_scratch_presets_have_their_size(size, billions):
+    from demo_model import preset_config
+    from transformers import AutoModelForCausalLM
+
+    config = preset_config(size, 32000, 2048)
+    assert config.num_key_value_heads < config.num_attention_heads  # GQA
+    assert config.hidden_act == "silu" and config.rms_norm_eps  # SwiGLU, RMSNorm
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    n = sum(p.numel() for p in model.parameters()) / 1e9
+    assert 0.8 * billions <= n <= 1.2 * billions, n

@@ -1,4 +1,4 @@
-"""build_demo_model: a tiny Qwen3-architecture model (random init) with its own tokenizer.
+"""build_demo_model: a from-scratch Qwen3-architecture model (random init) with its own tokenizer.
 
 The tokenizer is a byte-level BPE trained on the demo data's text, with ChatML
 special tokens and a chat template, so nothing is downloaded. The result is an
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from data_formats import column_names, iter_records, to_examples
-from pipeline_io import cli
+from pipeline_io import UserError, cli
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -28,15 +28,49 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-# The smallest from-scratch preset: GQA, RoPE, SwiGLU, RMSNorm (Qwen3 layout).
-DEMO_SHAPE = dict(
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-)
+# From-scratch presets (seed 001's table), Qwen3 layout: GQA, RoPE, SwiGLU, RMSNorm.
+# "demo" is the smallest: a few million parameters that train on a CPU in minutes.
+PRESETS = {
+    "demo": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64),
+    "350m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
+                 num_key_value_heads=4, head_dim=64),
+    "1b": dict(hidden_size=2048, intermediate_size=5120, num_hidden_layers=24, num_attention_heads=16,
+               num_key_value_heads=4, head_dim=128),
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8, head_dim=128),
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128),
+    "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                num_key_value_heads=8, head_dim=128),
+    "30b": dict(hidden_size=6656, intermediate_size=17920, num_hidden_layers=60, num_attention_heads=52,
+                num_key_value_heads=4, head_dim=128),
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, head_dim=128),
+}  # fmt: skip
+DEMO_SHAPE = PRESETS["demo"]
+
+
+def preset_name(name_or_path: str) -> str | None:
+    """ "demo" or "preset:<size>" name a from-scratch model; anything else is a path or hub id."""
+    if name_or_path == "demo":
+        return "demo"
+    if name_or_path.startswith("preset:"):
+        size = name_or_path.split(":", 1)[1].lower()
+        if size not in PRESETS:
+            raise UserError(f"model.name_or_path: unknown preset {size!r} (one of {', '.join(PRESETS)})")
+        return size
+    return None
+
+
+def preset_config(size: str, vocab_size: int, max_seq_len: int, **tokens) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        max_position_embeddings=max(max_seq_len, 512),
+        tie_word_embeddings=size == "demo",
+        **tokens,
+        **PRESETS[size],
+    )
 
 
 def train_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
@@ -60,18 +94,10 @@ def train_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer, max_seq_len: int, seed: int) -> Qwen3ForCausalLM:
+def build_model(tokenizer, max_seq_len: int, seed: int, size: str = "demo") -> Qwen3ForCausalLM:
     torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=max(max_seq_len, 512),
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        **DEMO_SHAPE,
-    )
-    return Qwen3ForCausalLM(config)
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    return Qwen3ForCausalLM(preset_config(size, len(tokenizer), max_seq_len, **ids))
 
 
 def texts_from(spec: str, fmt: str = "auto", mapping: str = "columns", columns: dict | None = None):
@@ -100,11 +126,12 @@ def main(argv=None) -> None:
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="demo", help="demo or a size: " + ", ".join(PRESETS))
     p.add_argument("--output", required=True, type=Path)
     a = p.parse_args(argv)
     texts = texts_from(a.data, a.format, a.mapping, json.loads(a.columns))
     tokenizer = train_tokenizer(texts, a.vocab_size)
-    model = build_model(tokenizer, a.max_seq_len, a.seed)
+    model = build_model(tokenizer, a.max_seq_len, a.seed, preset_name(a.preset) or a.preset)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(a.output)
