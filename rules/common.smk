@@ -49,7 +49,7 @@ try:
 except UserError as e:
     fail(e)
 DEMO = PRESET is not None  # the base model is built by build_demo_model
-METRIC = Path(workflow.basedir) / "metrics" / "exact_match"
+METRICS = Path(workflow.basedir) / "metrics"
 
 
 wildcard_constraints:

@@ -11,12 +11,12 @@ rule evaluate_model:
     params:
         script=script_path("evaluation.py"),
         model=model_ref,
-        metric=METRIC,
+        metrics=METRICS,
         batch_size=config["eval"]["batch_size"],
         max_new_tokens=config["eval"]["max_new_tokens"],
         max_samples=config["eval"]["max_samples"],
     shell:
         "python {params.script} --model {params.model} --name {wildcards.model}"
-        " --eval {input.eval} --metric {params.metric} --batch-size {params.batch_size}"
+        " --eval {input.eval} --metrics {params.metrics} --batch-size {params.batch_size}"
         " --max-new-tokens {params.max_new_tokens} --max-samples {params.max_samples}"
         " --output {output.result} > {log} 2>&1"

@@ -114,3 +114,26 @@ def test_bad_input_stops_with_one_line(tmp_path, override, needle):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and needle in errors[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_evaluation_is_deterministic(ddp_run):
+    import subprocess
+    import sys
+
+    from conftest import REPO, tool_env
+
+    workdir, _ = ddp_run
+    root = workdir / "results" / "t"
+    again = workdir / "again.json"
+    cmd = [
+        sys.executable, str(REPO / "workflow_scripts/evaluation.py"), "--model", str(root / "models" / "node0"),
+        "--name", "node0", "--eval", str(root / "data" / "tokenized" / "eval.parquet"),
+        "--metrics", str(REPO / "metrics"), "--batch-size", "32", "--max-new-tokens", "8", "--max-samples", "48",
+        "--output", str(again),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), cwd=workdir)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first = json.loads((root / "eval" / "node0.json").read_text())
+    second = json.loads(again.read_text())
+    for key in ("eval_loss", "perplexity", "exact_match", "rouge_l", "bleu", "chrf", "samples"):
+        assert first[key] == second[key], key

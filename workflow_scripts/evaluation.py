@@ -67,9 +67,12 @@ def generate(model, tokenizer, frame: pd.DataFrame, batch_size: int, max_new_tok
     return [a.strip() for a in answers]
 
 
-def score(predictions: list[str], references: list[str], metric_dir: Path) -> float:
-    metric = evaluate.load(str(metric_dir))
-    return metric.compute(predictions=predictions, references=references)["exact_match"]
+def score(predictions: list[str], references: list[str], metrics_dir: Path) -> dict:
+    """Every evaluate module kept in the repo: exact match, ROUGE-L, BLEU and chrF."""
+    out = {}
+    for name in ("exact_match", "rouge_l", "bleu_chrf"):
+        out |= evaluate.load(str(metrics_dir / name)).compute(predictions=predictions, references=references)
+    return out
 
 
 @cli
@@ -78,7 +81,7 @@ def main(argv=None) -> None:
     p.add_argument("--model", required=True, help="Hugging Face folder or hub id")
     p.add_argument("--name", required=True, help="name in the summary (base, node0, ...)")
     p.add_argument("--eval", required=True, type=Path, help="tokenized eval set")
-    p.add_argument("--metric", required=True, type=Path, help="folder of the exact_match evaluate module")
+    p.add_argument("--metrics", required=True, type=Path, help="folder of the repo's evaluate modules")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--max-samples", type=int, default=0, help="0 = the whole eval set")
@@ -103,13 +106,15 @@ def main(argv=None) -> None:
         "label_tokens": tokens,
         "eval_loss": loss,
         "perplexity": math.exp(min(loss, 50)),
-        "exact_match": score(predictions, references, a.metric),
-    }
+    } | score(predictions, references, a.metrics)
     if frame["category"].astype(bool).any():
         frame = frame.assign(hit=[p.strip() == r.strip() for p, r in zip(predictions, references, strict=True)])
         result["exact_match_by_category"] = frame.groupby("category")["hit"].mean().to_dict()
     result["samples"] = [
-        {"reference": r, "prediction": p} for r, p in zip(references[:20], predictions[:20], strict=True)
+        {"prompt": tokenizer.decode(ids[:n], skip_special_tokens=True)[-300:], "reference": r, "prediction": p}
+        for ids, n, r, p in zip(
+            frame["input_ids"][:20], frame["prompt_length"][:20], references[:20], predictions[:20], strict=True
+        )
     ]
     write_json(a.output, result)
     print(

@@ -11,12 +11,13 @@ from pipeline_io import atomic_path, cli
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLUMNS = ["model", "eval_loss", "perplexity", "exact_match"]
+COLUMNS = ["model", "eval_loss", "perplexity", "exact_match", "rouge_l", "bleu", "chrf"]
 
 
 def summary_table(results: list[dict]) -> pd.DataFrame:
     """One row per model, base first, with the change against base."""
-    frame = pd.DataFrame(results)[COLUMNS]
+    frame = pd.DataFrame(results)
+    frame = frame[[c for c in COLUMNS if c in frame.columns]]
     order = {"base": -1}
     frame = frame.sort_values("model", key=lambda s: s.map(lambda m: order.get(m, 0)), kind="stable")
     base = frame[frame["model"] == "base"]
