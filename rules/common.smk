@@ -139,6 +139,13 @@ def script_path(name):
     return str(SCRIPTS / name)
 
 
+def preflight_model(wildcards):
+    """The preflight needs only the model's shape: a preset by name, or the model's config."""
+    if DEMO:
+        return "demo" if PRESET == "demo" else f"preset:{PRESET}"
+    return base_model()
+
+
 def base_model_input():
     """The base model as a tracked input when it is a file-system path."""
     if DEMO or Path(config["model"]["name_or_path"]).exists():
@@ -162,6 +169,15 @@ def training_json():
     return json.dumps(t, sort_keys=True)
 
 
+MEMORY_KEYS = ["strategy", "zero_stage", "offload", "peft", "lora", "procs_per_node", "precision",
+               "micro_batch_size", "gradient_checkpointing", "gpu_memory_gb"]  # fmt: skip
+
+
+def memory_json():
+    """The training keys that change memory use (so a new learning rate does not rerun the plan)."""
+    return json.dumps({k: config["training"][k] for k in MEMORY_KEYS}, sort_keys=True)
+
+
 def final_outputs():
     """The report's inputs and each node's model (so a deleted model is rebuilt)."""
     return [
@@ -169,6 +185,7 @@ def final_outputs():
         f"{R}/env/check.json",
         f"{R}/data/manifest.json",
         f"{R}/data/report.json",
+        f"{R}/plan/memory.json",
         f"{R}/eval/summary.csv",
         f"{R}/eval/loss_curves.png",
     ]

@@ -1,6 +1,7 @@
 rule train_node:
     input:
         env=f"{R}/env/check.json",
+        plan=f"{R}/plan/memory.json",
         tokens=f"{R}/data/tokenized/{{node}}.parquet",
         base=base_model_input(),
     output:

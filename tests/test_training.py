@@ -112,3 +112,43 @@ def test_from_scratch_presets_have_their_size(size, billions):
         model = AutoModelForCausalLM.from_config(config)
     n = sum(p.numel() for p in model.parameters()) / 1e9
     assert 0.8 * billions <= n <= 1.2 * billions, n
+
+
+def memory_config(**kw):
+    base = {"strategy": "ddp", "zero_stage": 2, "offload": "none", "peft": "none",
+            "lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}, "procs_per_node": 8, "precision": "bf16",
+            "micro_batch_size": 1, "gradient_checkpointing": False, "gpu_memory_gb": 80}  # fmt: skip
+    return base | kw
+
+
+def test_preflight_estimate_orders_the_strategies():
+    from demo_model import preset_config
+    from preflight import estimate
+
+    config = preset_config("7b", 32000, 4096)
+    n = 6_500_000_000
+
+    def total(**kw):
+        return estimate(config, n, memory_config(**kw), 8, 4096)["total_gb"]
+
+    ddp, zero2, zero3 = total(), total(strategy="deepspeed"), total(strategy="deepspeed", zero_stage=3)
+    assert ddp > zero2 > zero3
+    assert total(strategy="fsdp") == pytest.approx(zero3, rel=0.01)
+    assert total(gradient_checkpointing=True) < ddp
+    assert total(peft="lora") < ddp / 3
+    assert total(strategy="deepspeed", zero_stage=3, offload="all") < zero3
+    # 7B full fine-tune under DDP: 16 bytes per parameter does not fit in 80 GB
+    assert ddp > 80 and zero3 < 80
+
+
+def test_preflight_fails_with_advice(tmp_path):
+    cmd = [
+        sys.executable, str(REPO / "workflow_scripts/preflight.py"), "--model", "preset:7b",
+        "--training", json.dumps(memory_config(procs_per_node=1)), "--seq-len", "4096",
+        "--vocab-size", "32000", "--output", str(tmp_path / "m.json"), "--table", str(tmp_path / "m.csv"),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env())
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "needs about" in last and "training.gpu_memory_gb is 80" in last and "gradient_checkpointing" in last
+    assert json.loads((tmp_path / "m.json").read_text())["fits"] is False

@@ -64,6 +64,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     collective_timeout_s: int = 600
     peak_tflops: float = 989.0  # per GPU, for MFU (H100 SXM dense bf16)
+    gpu_memory_gb: float = 80.0  # what the preflight plan checks against
 
     @classmethod
     def from_json(cls, text: str) -> "TrainConfig":

@@ -1,0 +1,22 @@
+localrules:
+    plan_training,
+
+
+rule plan_training:
+    output:
+        plan=f"{R}/plan/memory.json",
+        table=report(f"{R}/plan/memory.csv", caption="../report/plan.rst", category="Plan"),
+    log:
+        f"{LOGS}/plan_training.log",
+    conda:
+        "../envs/train.yaml"
+    params:
+        script=script_path("preflight.py"),
+        model=preflight_model,
+        training=memory_json(),
+        seq_len=config["data"]["max_seq_len"],
+        vocab=config["model"]["demo_vocab_size"],
+    shell:
+        "python {params.script} --model {params.model} --training {params.training:q}"
+        " --seq-len {params.seq_len} --vocab-size {params.vocab}"
+        " --output {output.plan} --table {output.table} > {log} 2>&1"
