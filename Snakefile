@@ -17,6 +17,7 @@ include: "rules/preflight.smk"
 include: "rules/train.smk"
 include: "rules/consolidate.smk"
 include: "rules/evaluation.smk"
+include: "rules/soup.smk"
 include: "rules/summarize.smk"
 
 

@@ -43,7 +43,8 @@ RUN = config["run"]
 R = f"results/{RUN}"
 LOGS = f"logs/{RUN}"
 NODES = [f"node{i}" for i in range(config["nodes"])]
-MODELS = ["base", *NODES]
+SOUPS = ["soup_uniform", "soup_greedy"] if config["eval"]["soup"] else []
+MODELS = ["base", *NODES, *SOUPS]
 try:
     PRESET = preset_name(config["model"]["name_or_path"])  # demo, a from-scratch size, or None
 except UserError as e:

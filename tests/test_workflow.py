@@ -11,9 +11,9 @@ pytestmark = pytest.mark.e2e
 DOWNSTREAM_OF_TRAINING = {"train_node", "consolidate_node", "evaluate_model", "summarize", "all"}
 
 
-def check_outputs(root, nodes=("node0", "node1")):
+def check_outputs(root, nodes=("node0", "node1"), soups=False):
     summary = pd.read_csv(root / "eval" / "summary.csv")
-    assert summary["model"].tolist() == ["base", *nodes]
+    assert summary["model"].tolist() == ["base", *nodes, *(["soup_uniform", "soup_greedy"] if soups else [])]
     assert set(summary.columns) >= {"model", "eval_loss", "perplexity", "exact_match"}
     base_loss = summary.set_index("model").loc["base", "eval_loss"]
     for node in nodes:
@@ -91,9 +91,13 @@ def test_report_builds(ddp_run):
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
-def test_other_strategies_end_to_end(tmp_path, strategy):
-    snakemake(tmp_path, tiny_config("t", strategy, zero_stage=3))
-    check_outputs(tmp_path / "results" / "t")
+def test_other_strategies_end_to_end_with_soups(tmp_path, strategy):
+    config = tiny_config("t", strategy, zero_stage=3)
+    config["eval"]["soup"] = True
+    snakemake(tmp_path, config)
+    root = tmp_path / "results" / "t"
+    check_outputs(root, soups=True)
+    assert json.loads((root / "models" / "soup_uniform" / "soup.json").read_text())["members"] == ["node0", "node1"]
 
 
 @pytest.mark.parametrize(

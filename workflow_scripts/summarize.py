@@ -18,8 +18,8 @@ def summary_table(results: list[dict]) -> pd.DataFrame:
     """One row per model, base first, with the change against base."""
     frame = pd.DataFrame(results)
     frame = frame[[c for c in COLUMNS if c in frame.columns]]
-    order = {"base": -1}
-    frame = frame.sort_values("model", key=lambda s: s.map(lambda m: order.get(m, 0)), kind="stable")
+    frame = frame.sort_values("model", key=lambda s: s.map(lambda m: -1 if m == "base" else int(m.startswith("soup"))),
+                              kind="stable")  # fmt: skip
     base = frame[frame["model"] == "base"]
     if len(base):
         frame["eval_loss_vs_base"] = frame["eval_loss"] / base["eval_loss"].iloc[0]

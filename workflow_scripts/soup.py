@@ -1,0 +1,81 @@
+"""make_soup: average the node models' weights (a "model soup", Wortsman et al. 2022).
+
+- uniform: the mean of every node's weights;
+- greedy: nodes sorted by held-out loss, best first; each is added only if the soup's
+  held-out loss improves. The held-out set is the shared eval set, so the greedy soup's
+  eval numbers are optimistic by the selection; the uniform soup's are not.
+Both are saved as Hugging Face folders and evaluated like any other model.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import pandas as pd
+import torch
+from evaluation import eval_loss
+from pipeline_io import UserError, cli, write_json
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def load_state(path: Path) -> dict:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def average(states: list[dict]) -> dict:
+    """Element-wise mean in fp32; every state must have the same keys and shapes."""
+    keys = states[0].keys()
+    for s in states[1:]:
+        if s.keys() != keys or any(s[k].shape != states[0][k].shape for k in keys):
+            raise UserError("model soup: the node models differ in architecture")
+    return {k: torch.stack([s[k].float() for s in states]).mean(0) for k in keys}
+
+
+def save(state: dict, template: Path, tokenizer, out: Path, members: list[str]) -> None:
+    model = AutoModelForCausalLM.from_pretrained(template, dtype=torch.float32)
+    model.load_state_dict(state)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    write_json(out / "soup.json", {"members": members})
+
+
+def held_out_loss(state: dict, template: Path, frame: pd.DataFrame, pad_id: int) -> float:
+    model = AutoModelForCausalLM.from_pretrained(template, dtype=torch.float32)
+    model.load_state_dict(state)
+    return eval_loss(model.eval(), frame, pad_id, batch_size=32)[0]
+
+
+@cli
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", required=True, type=Path, help="models/node<i> folders")
+    p.add_argument("--results", nargs="+", required=True, type=Path, help="eval/node<i>.json, same order")
+    p.add_argument("--eval", required=True, type=Path, help="tokenized eval set")
+    p.add_argument("--uniform", required=True, type=Path)
+    p.add_argument("--greedy", required=True, type=Path)
+    a = p.parse_args(argv)
+    names = [m.name for m in a.models]
+    losses = {json.loads(r.read_text())["model"]: json.loads(r.read_text())["eval_loss"] for r in a.results}
+    states = {m.name: load_state(m) for m in a.models}
+    tokenizer = AutoTokenizer.from_pretrained(a.models[0])
+    template = a.models[0]
+
+    save(average(list(states.values())), template, tokenizer, a.uniform, names)
+
+    frame = pd.read_parquet(a.eval)
+    order = sorted(names, key=lambda n: losses[n])
+    members, best = [order[0]], losses[order[0]]
+    trail = [{"added": order[0], "loss": best}]
+    for name in order[1:]:
+        loss = held_out_loss(average([states[m] for m in [*members, name]]), template, frame, tokenizer.pad_token_id)
+        trail.append({"tried": name, "loss": loss, "kept": loss < best})
+        if loss < best:
+            members, best = [*members, name], loss
+    save(average([states[m] for m in members]), template, tokenizer, a.greedy, members)
+    write_json(a.greedy / "soup.json", {"members": members, "trail": trail})
+    print(f"uniform soup of {names}; greedy soup of {members} (held-out loss {best:.4f})")
+
+
+if __name__ == "__main__":
+    main()
