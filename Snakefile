@@ -19,6 +19,7 @@ include: "rules/consolidate.smk"
 include: "rules/evaluation.smk"
 include: "rules/soup.smk"
 include: "rules/summarize.smk"
+include: "rules/provenance.smk"
 
 
 rule all:

@@ -189,4 +189,5 @@ def final_outputs():
         f"{R}/plan/memory.json",
         f"{R}/eval/summary.csv",
         f"{R}/eval/loss_curves.png",
+        f"{R}/provenance.json",
     ]

@@ -13,6 +13,16 @@ rule summarize:
             caption="../report/loss_curves.rst",
             category="Training",
         ),
+        categories=report(
+            f"{R}/eval/categories.png",
+            caption="../report/categories.rst",
+            category="Evaluation",
+        ),
+        samples=report(
+            f"{R}/eval/samples.csv",
+            caption="../report/samples.rst",
+            category="Evaluation",
+        ),
     log:
         f"{LOGS}/summarize.log",
     conda:
@@ -21,4 +31,5 @@ rule summarize:
         script=script_path("summarize.py"),
     shell:
         "python {params.script} --results {input.results} --metrics {input.metrics}"
-        " --summary {output.summary} --curves {output.curves} > {log} 2>&1"
+        " --summary {output.summary} --curves {output.curves} --categories {output.categories}"
+        " --samples {output.samples} > {log} 2>&1"

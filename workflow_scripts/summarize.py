@@ -47,6 +47,30 @@ def plot_curves(curves: dict[str, pd.DataFrame], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_categories(results: list[dict], path: Path) -> None:
+    """Exact match per category, one bar per model."""
+    table = pd.DataFrame({r["model"]: r.get("exact_match_by_category", {}) for r in results})
+    fig, ax = plt.subplots(figsize=(11, 4))
+    if len(table):
+        table.plot.bar(ax=ax, rot=0)
+    ax.set(title="Exact match per category", ylabel="exact match", ylim=(0, 1))
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+
+
+def samples_table(results: list[dict]) -> pd.DataFrame:
+    """Prompt, reference and every model's answer, side by side."""
+    base = results[0]["samples"]
+    rows = [{"prompt": s.get("prompt", ""), "reference": s["reference"]} for s in base]
+    for r in results:
+        for row, sample in zip(rows, r["samples"], strict=False):
+            row[r["model"]] = sample["prediction"]
+    return pd.DataFrame(rows)
+
+
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
@@ -54,11 +78,17 @@ def main(argv=None) -> None:
     p.add_argument("--metrics", nargs="+", required=True, type=Path, help="train/node<i>/metrics.jsonl files")
     p.add_argument("--summary", required=True, type=Path)
     p.add_argument("--curves", required=True, type=Path)
+    p.add_argument("--categories", required=True, type=Path)
+    p.add_argument("--samples", required=True, type=Path)
     a = p.parse_args(argv)
-    table = summary_table([json.loads(p.read_text()) for p in a.results])
+    results = [json.loads(p.read_text()) for p in a.results]
+    table = summary_table(results)
     with atomic_path(a.summary) as tmp:
         table.to_csv(tmp, index=False, float_format="%.6g")
     plot_curves({p.parent.name: read_metrics(p) for p in a.metrics}, a.curves)
+    plot_categories(results, a.categories)
+    with atomic_path(a.samples) as tmp:
+        samples_table(results).to_csv(tmp, index=False)
     print(table.to_string(index=False))
 
 

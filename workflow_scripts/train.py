@@ -389,6 +389,7 @@ def main(argv=None) -> None:
                 "base_model": a.base_model,
                 "config": dataclasses.asdict(cfg),
                 "plan": plan_record,
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             },
         )
     dist.barrier()

@@ -1,0 +1,18 @@
+rule provenance:
+    input:
+        manifest=f"{R}/data/manifest.json",
+        env=f"{R}/env/check.json",
+        states=expand(f"{R}/train/{{node}}/train_state.json", node=NODES),
+    output:
+        report(f"{R}/provenance.json", caption="../report/provenance.rst", category="Provenance"),
+    log:
+        f"{LOGS}/provenance.log",
+    conda:
+        "../envs/eval.yaml"
+    params:
+        script=script_path("provenance.py"),
+        config=json.dumps(config, sort_keys=True),
+        repo=workflow.basedir,
+    shell:
+        "python {params.script} --config {params.config:q} --repo {params.repo} --manifest {input.manifest}"
+        " --env {input.env} --states {input.states} --output {output} > {log} 2>&1"
