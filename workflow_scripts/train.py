@@ -329,7 +329,7 @@ def main(argv=None) -> None:
     metrics = MetricsLog(a.log_dir, rank, start_step)
     stop = StopSignal()
     strategy.model.train()
-    tokens, clock = 0, time.perf_counter()
+    tokens, clock, last_logged = 0, time.perf_counter(), start_step
     for step in range(start_step, plan.total_steps):
         loss_sum = torch.zeros((), device=device)
         for micro in range(cfg.grad_accum):
@@ -354,6 +354,7 @@ def main(argv=None) -> None:
                     "lr": strategy.current_lr(),
                     "grad_norm": grad_norm,
                     "tokens_per_s": tokens_per_s,
+                    "step_time_s": elapsed / (done - last_logged),
                     "tflops_per_rank": model_tflops,
                     "mfu": model_tflops / cfg.peak_tflops if device.type == "cuda" else None,
                     "peak_memory_gb": peak_memory_gb(device),
@@ -361,7 +362,7 @@ def main(argv=None) -> None:
                 },
                 plan.total_steps,
             )
-            tokens, clock = 0, time.perf_counter()
+            tokens, clock, last_logged = 0, time.perf_counter(), done
         if done % cfg.checkpoint_every == 0 and done < plan.total_steps:
             ckpt.save(done, a.log_dir / "metrics.jsonl")
         if done < plan.total_steps and stop.agreed(device):
