@@ -81,9 +81,14 @@ class DDPStrategy:
 
     def load(self, folder: Path) -> None:
         state = torch.load(folder / "state.pt", map_location=self.device, weights_only=True)
-        missing, unexpected = self.inner.load_state_dict(state["model"], strict=False)
-        if unexpected or any(self.inner.get_parameter(n).requires_grad for n in missing if "." in n):
-            raise RuntimeError(f"{folder / 'state.pt'}: does not match the model (unexpected {unexpected[:3]})")
+        _, unexpected = self.inner.load_state_dict(state["model"], strict=False)
+        # compare with what save() writes: named_parameters() lists a tied weight (lm_head tied to
+        # the embeddings) once, so load_state_dict's missing keys would name the tied copy
+        absent = sorted(set(trainable_state_dict(self.inner)) - set(state["model"]))
+        if unexpected or absent:
+            raise RuntimeError(
+                f"{folder / 'state.pt'}: does not match the model (unexpected {unexpected[:3]}, missing {absent[:3]})"
+            )
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
