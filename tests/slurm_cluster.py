@@ -45,10 +45,13 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports that are free now (all held open while choosing)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def available_memory_mb() -> int:
@@ -60,11 +63,12 @@ def available_memory_mb() -> int:
 
 def slurm_conf(root: Path, socket_path: Path, host: str, cpus: int, memory_mb: int, partition: str) -> str:
     """slurm.conf for one node that is also the controller, every path under ``root``."""
+    ctld_port, slurmd_port = free_ports(2)
     return f"""\
 ClusterName=throwaway
 SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={free_port()}
-SlurmdPort={free_port()}
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -108,6 +112,7 @@ class SlurmCluster:
     memory_mb: int
     env: dict = field(default_factory=dict)
     procs: dict = field(default_factory=dict)  # name -> Popen
+    short_dir: Path | None = None  # holds munged's socket when root is too deep for a unix socket path
 
     @property
     def conf(self) -> Path:
@@ -118,7 +123,7 @@ class SlurmCluster:
         SLURM_CONF, and the srun wrapper first on PATH."""
         env = dict(os.environ if base is None else base)
         for key in list(env):
-            if key.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SQUEUE_")):
+            if key.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SQUEUE_", "SINFO_")):
                 del env[key]
         env["PATH"] = os.pathsep.join([str(self.root / "bin"), env.get("PATH", ""), "/usr/sbin", "/sbin"])
         return env | self.env
@@ -185,7 +190,14 @@ class SlurmCluster:
                 raise RuntimeError(f"{name} exited with {proc.returncode} during startup\n{self.log_tail()}")
 
     def start(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
+        """Start munged, slurmctld and slurmd; stop what was started if they are not up in ``timeout`` s."""
+        try:
+            self._start(time.monotonic() + timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, deadline: float) -> None:
         host = socket.gethostname().split(".")[0]
         for sub in ("state", "spool", "munge"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -198,9 +210,8 @@ class SlurmCluster:
         # unix socket paths are limited to 107 bytes; a deep basetemp gets a short directory of its own
         socket_path = self.root / "munge" / "munge.socket"
         if len(str(socket_path)) > 100:
-            short = Path(tempfile.mkdtemp(prefix="munge-"))
-            self._short_dir = short
-            socket_path = short / "munge.socket"
+            self.short_dir = Path(tempfile.mkdtemp(prefix="munge-"))
+            socket_path = self.short_dir / "munge.socket"
         self.conf.write_text(slurm_conf(self.root, socket_path, host, self.cpus, self.memory_mb, self.partition))
         self.env = {"SLURM_CONF": str(self.conf)}
         # The jobstep executor runs each job as `srun ... snakemake ...` with every SLURM_* variable
@@ -239,7 +250,6 @@ class SlurmCluster:
             except (subprocess.SubprocessError, OSError):
                 pass
             if time.monotonic() > deadline:
-                self.stop()
                 raise TimeoutError(f"SLURM cluster did not start: no {what}\n{self.log_tail()}")
             time.sleep(0.5)
 
@@ -259,8 +269,8 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
-        if getattr(self, "_short_dir", None):
-            shutil.rmtree(self._short_dir, ignore_errors=True)
+        if self.short_dir:
+            shutil.rmtree(self.short_dir, ignore_errors=True)
 
 
 def start_cluster(root: Path, partition: str = PARTITION, timeout: float = 60) -> SlurmCluster:
