@@ -1,4 +1,5 @@
-"""Shared fixtures: the demo model and tokenized shards built once, and a Snakemake runner."""
+"""Shared fixtures: the demo model and tokenized shards built once, a Snakemake runner, one local
+end-to-end run, and the throwaway SLURM cluster."""
 
 import json
 import os
@@ -45,21 +46,31 @@ def tiny_config(run: str, strategy: str = "ddp", **training) -> dict:
     }
 
 
-def snakemake(workdir: Path, config: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run the repo's Snakefile in ``workdir`` with ``config`` written to workdir/config.yaml."""
+def snakemake_cmd(workdir: Path, config: dict, *args: str) -> list[str]:
+    """The command line running the repo's Snakefile in ``workdir``, ``config`` written to workdir/config.yaml."""
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = workdir / "config.yaml"
     cfg.write_text(yaml.safe_dump(config))
-    cmd = [
+    return [
         str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "-d", str(workdir),
         "--configfile", str(cfg), "--cores", "2", *args,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=1200)
+
+
+def job_logs(workdir: Path) -> str:
+    """The tails of the rules' logs and of the sbatch logs (SLURM runs), for failure messages."""
+    paths = sorted((workdir / "logs").rglob("*.log")) + sorted((workdir / ".snakemake" / "slurm_logs").rglob("*.log"))
+    return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in paths)
+
+
+def snakemake(
+    workdir: Path, config: dict, *args: str, check: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run the repo's Snakefile in ``workdir`` with ``config`` written to workdir/config.yaml."""
+    cmd = snakemake_cmd(workdir, config, *args)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env or tool_env(), timeout=1200)
     if check and proc.returncode != 0:
-        logs = "\n".join(
-            f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted((workdir / "logs").rglob("*.log"))
-        )  # fmt: skip
-        raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs}")
+        raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{job_logs(workdir)}")
     return proc
 
 
@@ -114,3 +125,53 @@ def demo_assets(tmp_path_factory):
     tokenize_shard(tokenizer, out["splits"][0], root / "node0.parquet", 128, "truncate")
     tokenize_shard(tokenizer, out["eval"], root / "eval.parquet", 128, "truncate")
     return {"base": root / "base", "node0": root / "node0.parquet", "eval": root / "eval.parquet", "root": root}
+
+
+def check_outputs(root, nodes=("node0", "node1"), soups=False):
+    """What every finished tiny_config run has: summary, logged steps, models that beat base, data report."""
+    import pandas as pd
+
+    summary = pd.read_csv(root / "eval" / "summary.csv")
+    assert summary["model"].tolist() == ["base", *nodes, *(["soup_uniform", "soup_greedy"] if soups else [])]
+    assert set(summary.columns) >= {"model", "eval_loss", "perplexity", "exact_match"}
+    base_loss = summary.set_index("model").loc["base", "eval_loss"]
+    for node in nodes:
+        metrics = [json.loads(x) for x in (root / "train" / node / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in metrics] == [4, 8, 12]
+        assert {"step", "loss", "lr"} <= set(metrics[0])
+        assert summary.set_index("model").loc[node, "eval_loss"] < base_loss
+        model_dir = root / "models" / node
+        assert (model_dir / "config.json").exists() and list(model_dir.glob("*.safetensors"))
+        assert (model_dir / "tokenizer.json").exists()
+    manifest = json.loads((root / "data" / "manifest.json").read_text())
+    rows = sum(n["rows"] for n in manifest["nodes"]) + manifest["eval"]["rows"] + manifest["rejects"]["rows"]
+    assert rows == manifest["rows_in"]
+    data_report = json.loads((root / "data" / "report.json").read_text())
+    assert set(data_report["shards"]) == {*nodes, "eval"}
+    assert (root / "data" / "overview.png").stat().st_size > 10_000
+    assert json.loads((root / "env" / "check.json").read_text())["ok"]
+    assert (root / "eval" / "loss_curves.png").stat().st_size > 10_000
+
+
+@pytest.fixture(scope="session")
+def ddp_run(tmp_path_factory):
+    """One local run of tiny_config("t") (DDP), shared by the workflow tests and the SLURM comparison."""
+    workdir = tmp_path_factory.mktemp("ddp")
+    config = tiny_config("t")
+    snakemake(workdir, config)
+    return workdir, config
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """munged + slurmctld + slurmd on this machine (tests/slurm_cluster.py); skipped without SLURM."""
+    from slurm_cluster import start_cluster, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = start_cluster(tmp_path_factory.mktemp("slurm-cluster"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -2,44 +2,12 @@
 
 import json
 
-import pandas as pd
 import pytest
-from conftest import DEMO_CSV, planned_jobs, snakemake, tiny_config
+from conftest import DEMO_CSV, check_outputs, planned_jobs, snakemake, tiny_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 pytestmark = pytest.mark.e2e
-DOWNSTREAM_OF_TRAINING = {"train_node", "consolidate_node", "evaluate_model", "summarize", "all"}
-
-
-def check_outputs(root, nodes=("node0", "node1"), soups=False):
-    summary = pd.read_csv(root / "eval" / "summary.csv")
-    assert summary["model"].tolist() == ["base", *nodes, *(["soup_uniform", "soup_greedy"] if soups else [])]
-    assert set(summary.columns) >= {"model", "eval_loss", "perplexity", "exact_match"}
-    base_loss = summary.set_index("model").loc["base", "eval_loss"]
-    for node in nodes:
-        metrics = [json.loads(x) for x in (root / "train" / node / "metrics.jsonl").read_text().splitlines()]
-        assert [m["step"] for m in metrics] == [4, 8, 12]
-        assert {"step", "loss", "lr"} <= set(metrics[0])
-        assert summary.set_index("model").loc[node, "eval_loss"] < base_loss
-        model_dir = root / "models" / node
-        assert (model_dir / "config.json").exists() and list(model_dir.glob("*.safetensors"))
-        assert (model_dir / "tokenizer.json").exists()
-    manifest = json.loads((root / "data" / "manifest.json").read_text())
-    rows = sum(n["rows"] for n in manifest["nodes"]) + manifest["eval"]["rows"] + manifest["rejects"]["rows"]
-    assert rows == manifest["rows_in"]
-    data_report = json.loads((root / "data" / "report.json").read_text())
-    assert set(data_report["shards"]) == {*nodes, "eval"}
-    assert (root / "data" / "overview.png").stat().st_size > 10_000
-    assert json.loads((root / "env" / "check.json").read_text())["ok"]
-    assert (root / "eval" / "loss_curves.png").stat().st_size > 10_000
-
-
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("ddp")
-    config = tiny_config("t")
-    snakemake(workdir, config)
-    return workdir, config
+DOWNSTREAM_OF_TRAINING = {"train_node", "consolidate_node", "evaluate_model", "summarize", "provenance", "all"}
 
 
 def test_ddp_end_to_end(ddp_run):

@@ -395,6 +395,13 @@ def main(argv=None) -> None:
         )
     dist.barrier()
     dist.destroy_process_group()
+    if cfg.strategy == "deepspeed":
+        # Everything is on disk. DeepSpeed's CPU backend can abort in interpreter teardown
+        # ("terminate called without an active exception"), which would fail a finished job.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

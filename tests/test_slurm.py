@@ -1,0 +1,149 @@
+"""The workflow through profiles/slurm (+ the profiles/slurm-test overlay) on a throwaway SLURM cluster.
+
+Every job goes through sbatch, runs Snakemake's jobstep executor under srun on the one node, and is
+polled with squeue: the same path as on a real cluster, minus the GPUs and the accounting database.
+Skipped when the SLURM binaries are missing (see the slurm_cluster fixture).
+"""
+
+import json
+import re
+import signal
+import subprocess
+import time
+
+import pandas as pd
+import pytest
+from conftest import REPO, check_outputs, job_logs, snakemake, snakemake_cmd, tiny_config, tool_env
+
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
+
+PROFILES = ("--profile", str(REPO / "profiles" / "slurm"), "--profile", str(REPO / "profiles" / "slurm-test"))
+SUBMITTED = re.compile(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: .*/rule_(\w+?)/")
+# compared byte for byte with the local run: the data stages are deterministic
+SAME_BYTES = ("data", "base_model")
+
+
+def slurm_env(cluster) -> dict:
+    """The tests' environment for Snakemake, pointed at the throwaway cluster and its partition."""
+    return cluster.client_env(tool_env()) | {"SLURM_PARTITION": cluster.partition}
+
+
+def run_id(output: str) -> str:
+    return re.search(r"SLURM run ID: (\S+)", output).group(1)
+
+
+def submissions(output: str) -> list[tuple[str, str]]:
+    """(SLURM job id, rule) for each job Snakemake submitted, from its log."""
+    return SUBMITTED.findall(output)
+
+
+def files_under(root) -> set[str]:
+    """Relative paths of every file, the TensorBoard event files' host/time/pid suffix dropped."""
+    paths = (str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    return {re.sub(r"(events\.out\.tfevents)\..*", r"\1", p) for p in paths}
+
+
+@pytest.fixture(scope="module")
+def slurm_run(slurm_cluster, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("slurm-run")
+    config = tiny_config("t")
+    start = time.monotonic()
+    proc = snakemake(workdir, config, *PROFILES, env=slurm_env(slurm_cluster))
+    print(f"workflow through SLURM: {time.monotonic() - start:.0f} s")
+    return workdir, config, proc
+
+
+def test_slurm_run_matches_local_run(slurm_cluster, slurm_run, ddp_run):
+    workdir, _, proc = slurm_run
+    output = proc.stdout + proc.stderr
+    root, local = workdir / "results" / "t", ddp_run[0] / "results" / "t"
+    check_outputs(root)
+    # every job went through sbatch, and SLURM saw each of them finish
+    submitted = submissions(output)
+    rules = sorted(rule for _, rule in submitted)
+    assert rules == sorted(
+        ["check_environment", "split_dataset", "build_demo_model", "tokenize_eval"]
+        + ["tokenize_shard", "train_node", "consolidate_node"] * 2
+        + ["evaluate_model"] * 3
+        + ["summarize", "data_report", "provenance"]  # plan_training is a local rule: it runs before any job
+    ), output[-3000:]
+    jobs = slurm_cluster.jobs(all_states=True, name=run_id(output))
+    assert sorted(j["id"] for j in jobs) == sorted(job_id for job_id, _ in submitted)
+    assert {j["state"] for j in jobs} == {"COMPLETED"}
+
+    assert files_under(root) == files_under(local)
+    for sub in SAME_BYTES:
+        for path in sorted((local / sub).rglob("*")):
+            if path.is_file():
+                assert (root / path.relative_to(local)).read_bytes() == path.read_bytes(), path
+    # same seeds, data and threads per job: the same losses and evaluation as the local run
+    for node in ("node0", "node1"):
+        losses = [
+            [json.loads(line)["loss"] for line in (r / "train" / node / "metrics.jsonl").read_text().splitlines()]
+            for r in (root, local)
+        ]
+        assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    summary = pd.read_csv(root / "eval" / "summary.csv").set_index("model")
+    expected = pd.read_csv(local / "eval" / "summary.csv").set_index("model")
+    pd.testing.assert_frame_equal(summary, expected, rtol=1e-6)
+
+
+def test_rerunning_one_nodes_training_submits_one_job(slurm_cluster, slurm_run):
+    workdir, config, _ = slurm_run
+    train = workdir / "results" / "t" / "train"
+    untouched = (train / "node0" / "train_state.json").stat().st_mtime_ns
+    # the target before --forcerun: --forcerun takes any number of values and would swallow it
+    proc = snakemake(
+        workdir,
+        config,
+        "results/t/train/node1/train_state.json",
+        "--forcerun",
+        "train_node",
+        *PROFILES,
+        env=slurm_env(slurm_cluster),
+    )
+    output = proc.stdout + proc.stderr
+    assert [rule for _, rule in submissions(output)] == ["train_node"], output[-3000:]
+    jobs = slurm_cluster.jobs(all_states=True, name=run_id(output))
+    assert [(j["comment"], j["state"]) for j in jobs] == [("rule_train_node_wildcards_node1", "COMPLETED")]
+    # it resumed from node1's final checkpoint; node0 was not touched
+    assert json.loads((train / "node1" / "train_state.json").read_text())["plan"]["start_step"] == 12
+    assert (train / "node0" / "train_state.json").stat().st_mtime_ns == untouched
+
+
+def test_sigint_cancels_the_slurm_jobs(slurm_cluster, tmp_path):
+    cmd = snakemake_cmd(tmp_path, tiny_config("t"), *PROFILES)
+    log = tmp_path / "snakemake.log"
+    with open(log, "w") as out:
+        # SIGINT as a terminal's Ctrl-C would send it; restored to the default in case this
+        # process inherited it ignored (as background jobs of a non-interactive shell do)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=slurm_env(slurm_cluster),
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+    try:
+
+        def all_submitted_and_one_running():
+            text = log.read_text()
+            if "SLURM run ID" not in text:
+                return None
+            jobs = slurm_cluster.jobs(name=run_id(text))
+            if jobs and len(jobs) == len(submissions(text)) and any(j["state"] == "RUNNING" for j in jobs):
+                return run_id(text)
+            return None
+
+        rid = slurm_cluster.wait_for(all_submitted_and_one_running, timeout=180, what="a running SLURM job")
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+        slurm_cluster.wait_for(lambda: not slurm_cluster.jobs(), timeout=60, what="an empty squeue after SIGINT")
+        states = {j["state"] for j in slurm_cluster.jobs(all_states=True, name=rid)}
+        assert "CANCELLED" in states, (states, log.read_text()[-3000:], job_logs(tmp_path))
+        assert proc.returncode != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        slurm_cluster.cancel_all()
