@@ -11,7 +11,7 @@ from snakemake.utils import validate
 SCRIPTS = Path(workflow.basedir) / "workflow_scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from demo_model import preset_name  # noqa: E402
+from presets import preset_name  # noqa: E402
 from pipeline_io import UserError  # noqa: E402
 from data_formats import check_columns, delimiter_arg, resolve_paths  # noqa: E402
 

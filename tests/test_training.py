@@ -102,9 +102,11 @@ def test_truncated_checkpoint_fails_consolidation_with_one_line(tmp_path, demo_a
     "size,billions", [("350m", 0.35), ("1b", 1), ("3b", 3), ("7b", 7), ("13b", 13), ("30b", 30), ("70b", 70)]
 )
 def test_from_scratch_presets_have_their_size(size, billions):
-    from demo_model import preset_config
+    from demo_model import PRESETS, preset_config
+    from presets import PRESET_NAMES
     from transformers import AutoModelForCausalLM
 
+    assert set(PRESETS) == set(PRESET_NAMES)
     config = preset_config(size, 32000, 2048)
     assert config.num_key_value_heads < config.num_attention_heads  # GQA
     assert config.hidden_act == "silu" and config.rms_norm_eps  # SwiGLU, RMSNorm

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 from data_formats import column_names, iter_records, to_examples
-from pipeline_io import UserError, cli
+from pipeline_io import cli
+from presets import PRESET_NAMES, preset_name  # noqa: F401  (re-exported)
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -49,18 +50,6 @@ PRESETS = {
                 num_key_value_heads=8, head_dim=128),
 }  # fmt: skip
 DEMO_SHAPE = PRESETS["demo"]
-
-
-def preset_name(name_or_path: str) -> str | None:
-    """ "demo" or "preset:<size>" name a from-scratch model; anything else is a path or hub id."""
-    if name_or_path == "demo":
-        return "demo"
-    if name_or_path.startswith("preset:"):
-        size = name_or_path.split(":", 1)[1].lower()
-        if size not in PRESETS:
-            raise UserError(f"model.name_or_path: unknown preset {size!r} (one of {', '.join(PRESETS)})")
-        return size
-    return None
 
 
 def preset_config(size: str, vocab_size: int, max_seq_len: int, **tokens) -> Qwen3Config:
