@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +43,10 @@ def final_weights(tmp_path, strategy):
     folder = state["checkpoint"]
     if strategy == "ddp":
         return torch.load(f"{folder}/state.pt", weights_only=True)["model"]
+    if strategy == "deepspeed":
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(Path(folder).parent), tag=Path(folder).name)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -59,9 +64,9 @@ def wait_for(predicate, timeout=300):
     return False
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed"])
 def test_sigterm_then_rerun_equals_uninterrupted_run(tmp_path, demo_assets, strategy):
-    cfg = CONFIG | {"strategy": strategy}
+    cfg = CONFIG | {"strategy": strategy, "zero_stage": 3}
     a, b = tmp_path / "a", tmp_path / "b"
     train(a, demo_assets, cfg)
 
