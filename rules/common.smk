@@ -189,5 +189,6 @@ def final_outputs():
         f"{R}/plan/memory.json",
         f"{R}/eval/summary.csv",
         f"{R}/eval/loss_curves.png",
+        f"{R}/eval/leaderboard.png",
         f"{R}/provenance.json",
     ]

@@ -13,6 +13,12 @@ rule summarize:
             caption="../report/loss_curves.rst",
             category="Training",
         ),
+        leaderboard=report(
+            f"{R}/eval/leaderboard.png",
+            caption="../report/leaderboard.rst",
+            category="Evaluation",
+            subcategory="1. Best model",
+        ),
         categories=report(
             f"{R}/eval/categories.png",
             caption="../report/categories.rst",
@@ -32,4 +38,4 @@ rule summarize:
     shell:
         "python {params.script} --results {input.results} --metrics {input.metrics}"
         " --summary {output.summary} --curves {output.curves} --categories {output.categories}"
-        " --samples {output.samples} > {log} 2>&1"
+        " --samples {output.samples} --leaderboard {output.leaderboard} > {log} 2>&1"

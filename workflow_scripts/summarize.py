@@ -47,6 +47,26 @@ def plot_curves(curves: dict[str, pd.DataFrame], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_leaderboard(table: pd.DataFrame, path: Path) -> str:
+    """Eval loss per model, the best one highlighted and named in the title. Returns its name."""
+    best = table.loc[table["eval_loss"].idxmin()]
+    fig, ax = plt.subplots(figsize=(11, 0.6 * len(table) + 1.6))
+    colors = ["tab:green" if m == best["model"] else "tab:gray" for m in table["model"]]
+    ax.barh(table["model"], table["eval_loss"], color=colors)
+    for y, (loss, em) in enumerate(zip(table["eval_loss"], table["exact_match"], strict=True)):
+        ax.text(loss, y, f"  loss {loss:.3f}   exact match {em:.3f}", va="center")
+    ax.invert_yaxis()
+    ax.set_xlim(0, table["eval_loss"].max() * 1.45)
+    vs_base = f", {best['eval_loss_vs_base']:.2f}x the base model's loss" if "eval_loss_vs_base" in best else ""
+    ax.set_title(f"Best model: {best['model']} (eval loss {best['eval_loss']:.3f}{vs_base})", fontweight="bold")
+    ax.set_xlabel("held-out loss (lower is better)")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    return str(best["model"])
+
+
 def plot_categories(results: list[dict], path: Path) -> None:
     """Exact match per category, one bar per model."""
     table = pd.DataFrame({r["model"]: r.get("exact_match_by_category", {}) for r in results})
@@ -79,6 +99,7 @@ def main(argv=None) -> None:
     p.add_argument("--summary", required=True, type=Path)
     p.add_argument("--curves", required=True, type=Path)
     p.add_argument("--categories", required=True, type=Path)
+    p.add_argument("--leaderboard", required=True, type=Path)
     p.add_argument("--samples", required=True, type=Path)
     a = p.parse_args(argv)
     results = [json.loads(p.read_text()) for p in a.results]
@@ -87,6 +108,7 @@ def main(argv=None) -> None:
         table.to_csv(tmp, index=False, float_format="%.6g")
     plot_curves({p.parent.name: read_metrics(p) for p in a.metrics}, a.curves)
     plot_categories(results, a.categories)
+    print(f"best model: {plot_leaderboard(table, a.leaderboard)}")
     with atomic_path(a.samples) as tmp:
         samples_table(results).to_csv(tmp, index=False)
     print(table.to_string(index=False))
