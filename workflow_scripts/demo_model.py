@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from data_formats import column_names, iter_records, to_examples
 from pipeline_io import cli
-from presets import PRESET_NAMES, preset_name  # noqa: F401  (re-exported)
+from presets import preset_name
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 

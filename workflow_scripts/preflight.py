@@ -119,7 +119,8 @@ def main(argv=None) -> None:
     p.add_argument("--table", required=True, type=Path)
     a = p.parse_args(argv)
     t = json.loads(a.training)
-    from demo_model import preset_config, preset_name
+    from demo_model import preset_config
+    from presets import preset_name
 
     preset = preset_name(a.model)
     if preset:  # the from-scratch shape, before the (possibly huge) model is built

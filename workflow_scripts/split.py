@@ -21,7 +21,15 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from data_formats import check_columns, column_names, conversation_text, delimiter_arg, iter_records, to_examples
+from data_formats import (
+    check_columns,
+    column_names,
+    conversation_text,
+    delimiter_arg,
+    iter_records,
+    resolve_paths,
+    to_examples,
+)
 from pipeline_io import UserError, atomic_path, cli, file_sha256, write_json
 
 REASONS = (
@@ -54,8 +62,6 @@ REJECT_SCHEMA = pa.schema(
         ("record", pa.string()),  # the input row as JSON, so nothing is lost
     ]
 )
-
-__all__ = ["check_columns"]  # re-exported for rules/common.smk
 
 
 def normalize(text: str) -> str:
@@ -298,8 +304,6 @@ def main(argv=None) -> None:
         raise UserError(f"nodes is {a.nodes} but {len(a.splits)} split paths were given")
     result = run_split(a)
     rows, tokens = result["rows"], result["tokens"]
-    from data_formats import resolve_paths
-
     write_json(
         a.manifest,
         {
