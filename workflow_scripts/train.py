@@ -44,12 +44,14 @@ class TrainConfig:
     lora_alpha: int = 16
     lora_dropout: float = 0.0
     lora_target_modules: list = dataclasses.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    mode: str = "per_node"  # per_node | joint
     procs_per_node: int = 1
     precision: str = "fp32"  # fp32 | bf16
     lr: float = 1e-4
     min_lr_ratio: float = 0.1
     schedule: str = "cosine"  # cosine | linear | constant
     warmup_ratio: float = 0.05
+    warmup_steps: int | None = None  # overrides warmup_ratio
     weight_decay: float = 0.0
     adam_betas: list = dataclasses.field(default_factory=lambda: [0.9, 0.95])
     micro_batch_size: int = 8
@@ -143,7 +145,7 @@ def collate(examples, pad_id: int) -> dict:
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int):
-    warmup = int(cfg.warmup_ratio * total_steps)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * total_steps)
 
     def factor(step: int) -> float:
         if step < warmup:
