@@ -3,6 +3,7 @@ rule train_node:
         env=f"{R}/env/check.json",
         plan=f"{R}/plan/memory.json",
         tokens=f"{R}/data/tokenized/{{node}}.parquet",
+        packing=f"{R}/data/tokenized/{{node}}.packing.parquet",
         base=base_model_input(),
     output:
         metrics=f"{R}/train/{{node}}/metrics.jsonl",
@@ -25,7 +26,7 @@ rule train_node:
         "n=$(( {threads} / {params.procs} > 1 ? {threads} / {params.procs} : 1 ));"
         " export OMP_NUM_THREADS=$n MKL_NUM_THREADS=$n OPENBLAS_NUM_THREADS=$n;"
         " torchrun --standalone --nproc_per_node {params.procs} --max-restarts 0"
-        " {params.script} --config {params.config:q} --data {input.tokens}"
+        " {params.script} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
         " --base-model {params.base} --log-dir {params.log_dir}"
         " --checkpoint-root {params.checkpoints} --state {output.state} > {log} 2>&1"
         # torchrun reports a signal as a plain failure; the trainer's marker tells preemption apart

@@ -36,7 +36,7 @@ def tiny_config(run: str, strategy: str = "ddp", **training) -> dict:
             "procs_per_node": 2,
             "precision": "fp32",
             "lr": 3e-3,
-            "micro_batch_size": 8,
+            "micro_batch_size": 2,  # packed bins of 128 tokens, about 8 examples
             "max_steps": 12,
             "log_every": 4,
             "checkpoint_every": 8,
@@ -114,7 +114,7 @@ def split_files(tmp: Path, data, nodes: int = 2, **options) -> dict:
 def demo_assets(tmp_path_factory):
     """The demo base model, one node's tokenized shard and the tokenized eval set."""
     from demo_model import build_model, texts_from, train_tokenizer
-    from tokenization import tokenize_shard
+    from tokenization import tokenize_shard, write_packing
 
     root = tmp_path_factory.mktemp("assets")
     tokenizer = train_tokenizer(texts_from(str(DEMO_CSV)), 1024)
@@ -122,9 +122,16 @@ def demo_assets(tmp_path_factory):
     model.save_pretrained(root / "base")
     tokenizer.save_pretrained(root / "base")
     out = split_files(root / "split", DEMO_CSV)
-    tokenize_shard(tokenizer, out["splits"][0], root / "node0.parquet", 128, "truncate")
+    lengths, _ = tokenize_shard(tokenizer, out["splits"][0], root / "node0.parquet", 128, "truncate")
+    write_packing(lengths, 128, root / "node0.packing.parquet")
     tokenize_shard(tokenizer, out["eval"], root / "eval.parquet", 128, "truncate")
-    return {"base": root / "base", "node0": root / "node0.parquet", "eval": root / "eval.parquet", "root": root}
+    return {
+        "base": root / "base",
+        "node0": root / "node0.parquet",
+        "packing": root / "node0.packing.parquet",
+        "eval": root / "eval.parquet",
+        "root": root,
+    }
 
 
 def check_outputs(root, nodes=("node0", "node1"), soups=False):

@@ -12,13 +12,14 @@ import pytest
 import torch
 from conftest import BIN, REPO, tool_env
 
-CONFIG = {"lr": 3e-3, "micro_batch_size": 8, "max_steps": 14, "log_every": 1, "checkpoint_every": 4, "seed": 3}
+CONFIG = {"lr": 3e-3, "micro_batch_size": 2, "max_steps": 14, "log_every": 1, "checkpoint_every": 4, "seed": 3}
 
 
 def command(tmp_path, demo_assets, cfg):
     return [
         str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(REPO / "workflow_scripts/train.py"),
-        "--config", json.dumps(cfg), "--data", str(demo_assets["node0"]), "--base-model", str(demo_assets["base"]),
+        "--config", json.dumps(cfg), "--data", str(demo_assets["node0"]), "--packing", str(demo_assets["packing"]),
+        "--base-model", str(demo_assets["base"]),
         "--log-dir", str(tmp_path / "train"), "--checkpoint-root", str(tmp_path / "ckpt"),
         "--state", str(tmp_path / "train" / "train_state.json"),
     ]  # fmt: skip

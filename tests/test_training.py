@@ -38,17 +38,24 @@ def test_cosine_schedule_warms_up_then_decays_to_min():
     assert all(f(s) >= f(s + 1) for s in range(10, 100))
 
 
+def test_warmup_steps_override_the_ratio():
+    f = lr_lambda(TrainConfig(warmup_ratio=0.5, warmup_steps=4, schedule="linear", min_lr_ratio=0.0), 100)
+    assert [f(s) for s in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+    assert f(52) == pytest.approx(0.5) and f(100) == pytest.approx(0.0)
+
+
 def test_unknown_training_key_is_rejected():
     with pytest.raises(Exception, match="unknown key"):
         TrainConfig.from_json('{"learning_rate": 1}')
 
 
 def train_and_consolidate(tmp_path, demo_assets, **overrides):
-    cfg = {"lr": 3e-3, "micro_batch_size": 8, "max_steps": 8, "log_every": 2, "checkpoint_every": 4} | overrides
+    cfg = {"lr": 3e-3, "micro_batch_size": 2, "max_steps": 8, "log_every": 2, "checkpoint_every": 4} | overrides
     log_dir, state = tmp_path / "train", tmp_path / "train" / "train_state.json"
     cmd = [
         str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(REPO / "workflow_scripts/train.py"),
-        "--config", json.dumps(cfg), "--data", str(demo_assets["node0"]), "--base-model", str(demo_assets["base"]),
+        "--config", json.dumps(cfg), "--data", str(demo_assets["node0"]), "--packing", str(demo_assets["packing"]),
+        "--base-model", str(demo_assets["base"]),
         "--log-dir", str(log_dir), "--checkpoint-root", str(tmp_path / "ckpt"), "--state", str(state),
     ]  # fmt: skip
     env = tool_env() | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

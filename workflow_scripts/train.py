@@ -54,7 +54,8 @@ class TrainConfig:
     warmup_steps: int | None = None  # overrides warmup_ratio
     weight_decay: float = 0.0
     adam_betas: list = dataclasses.field(default_factory=lambda: [0.9, 0.95])
-    micro_batch_size: int = 8
+    micro_batch_size: int = 8  # examples, or packed bins of max_seq_len tokens with packing
+    packing: bool = True  # padding-free batches from the packing plan
     grad_accum: int = 1
     epochs: float = 1.0
     max_steps: int | None = None
@@ -93,11 +94,20 @@ def load_examples(path: Path) -> list[tuple[list[int], list[int]]]:
     return list(zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist(), strict=True))
 
 
+def load_bins(path: Path, examples: int) -> list[list[int]]:
+    """The packing plan written by tokenize_shard: example indices of each bin."""
+    bins = pq.read_table(path, columns=["examples"]).column("examples").to_pylist()
+    packed = sorted(i for b in bins for i in b)
+    if packed != list(range(examples)):
+        raise UserError(f"{path}: packing plan does not cover the {examples} examples of its shard exactly once")
+    return bins
+
+
 @dataclasses.dataclass
 class DataPlan:
-    """How the node's examples become optimizer steps; the data position is the step."""
+    """How the node's data units (examples, or packed bins) become optimizer steps; the data position is the step."""
 
-    examples: int
+    examples: int  # units: examples, or bins when packing
     world_size: int
     micro_batch_size: int
     grad_accum: int
@@ -120,7 +130,7 @@ class DataPlan:
 
 
 def micro_batch_indices(plan: DataPlan, seed: int, step: int, micro: int, rank: int) -> list[int]:
-    """Example indices for (step, micro-batch, rank): a seeded permutation per epoch."""
+    """Unit indices for (step, micro-batch, rank): a seeded permutation per epoch."""
     epoch, pos = divmod(step, plan.steps_per_epoch)
     order = torch.randperm(plan.examples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
     start = (pos * plan.grad_accum + micro) * plan.micro_batch_size * plan.world_size
@@ -139,6 +149,55 @@ def collate(examples, pad_id: int) -> dict:
         labels[i, : len(lab)] = torch.tensor(lab)
         mask[i, : len(ids)] = 1
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
+
+
+def collate_packed(rows: list[list[tuple[list[int], list[int]]]], pad_id: int) -> dict:
+    """Padding-free packing: each row holds its sequences back to back.
+
+    Position ids restart at 0 for every sequence and no attention mask is passed, so
+    transformers builds block-diagonal causal attention from the position ids (SDPA and
+    eager) or calls flash-attention's varlen kernel (one row): no token attends across
+    sequences. The first label of every sequence is masked, so the last token of one
+    sequence is never trained to predict the next. Rows shorter than the longest are
+    filled with pad tokens forming their own masked pseudo-sequence.
+    """
+    width = max(sum(len(ids) for ids, _ in row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for ids, lab in row:
+            n = len(ids)
+            input_ids[r, at : at + n] = torch.tensor(ids)
+            labels[r, at + 1 : at + n] = torch.tensor(lab[1:])
+            positions[r, at : at + n] = torch.arange(n)
+            at += n
+        positions[r, at:] = torch.arange(width - at)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": positions}
+
+
+class Batches:
+    """Micro-batches of a node's data: padded examples, or packed bins (one row per bin,
+    or all bins in one row for flash-attention, whose varlen path takes a single row)."""
+
+    def __init__(self, examples, bins: list[list[int]] | None, pad_id: int, one_row: bool):
+        self.examples, self.bins, self.pad_id, self.one_row = examples, bins, pad_id, one_row
+
+    def __len__(self) -> int:
+        return len(self.bins) if self.bins is not None else len(self.examples)
+
+    def make(self, indices: list[int]) -> tuple[dict, int]:
+        """The batch for these unit indices and its number of real tokens."""
+        if self.bins is None:
+            items = [self.examples[i] for i in indices]
+            batch = collate(items, self.pad_id)
+        else:
+            rows = [[self.examples[j] for j in self.bins[i]] for i in indices]
+            rows = [[seq for row in rows for seq in row]] if self.one_row else rows
+            items = [seq for row in rows for seq in row]
+            batch = collate_packed(rows, self.pad_id)
+        return batch, sum(len(ids) for ids, _ in items)
 
 
 # ---------------------------------------------------------------- schedule
@@ -178,9 +237,11 @@ def load_model(base: str, cfg: TrainConfig, device: torch.device):
 
     attn = attention_implementation(device)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation=attn)
+    # No KV cache in training: with one, transformers ignores the position ids when building the
+    # attention mask, and packed sequences would attend to each other.
+    model.config.use_cache = False
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
     if cfg.peft == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -274,6 +335,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="training config as JSON")
     p.add_argument("--data", required=True, type=Path, help="tokenized shard (Parquet)")
+    p.add_argument("--packing", type=Path, help="the shard's packing plan (needed with training.packing)")
     p.add_argument("--base-model", required=True)
     p.add_argument("--log-dir", required=True, type=Path, help="metrics.jsonl and TensorBoard events")
     p.add_argument("--checkpoint-root", required=True, type=Path)
@@ -292,25 +354,33 @@ def main(argv=None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.seed)
 
-    # data plan
+    # data plan: packed bins (padding-free) or padded examples
+    if cfg.packing and a.packing is None:
+        raise UserError("training.packing is true but no --packing plan was given")
     examples = load_examples(a.data)
-    plan = DataPlan(len(examples), world, cfg.micro_batch_size, cfg.grad_accum, cfg.epochs, cfg.max_steps)
-    if len(examples) < plan.micro_batch_size * world:
-        raise UserError(f"{a.data}: {len(examples)} examples, fewer than one micro-batch on every rank")
+    bins = load_bins(a.packing, len(examples)) if cfg.packing else None
+    units = len(bins) if cfg.packing else len(examples)
+    plan = DataPlan(units, world, cfg.micro_batch_size, cfg.grad_accum, cfg.epochs, cfg.max_steps)
+    if units < plan.micro_batch_size * world:
+        what = "packed bins" if cfg.packing else "examples"
+        raise UserError(f"{a.data}: {units} {what}, fewer than one micro-batch on every rank")
 
     # model, parallelized
     model, attn = load_model(a.base_model, cfg, device)
     n_params = sum(t.numel() for t in model.parameters())  # before sharding hides them
     n_trainable = sum(t.numel() for t in model.parameters() if t.requires_grad)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    batches = Batches(examples, bins, pad_id, one_row=attn == "flash_attention_2")
     strategy = build_strategy(cfg, model, device, plan.total_steps, lr_lambda(cfg, plan.total_steps))
 
     # resume from the newest complete checkpoint of this exact config
-    key = run_key(cfg, file_sha256(a.data), a.base_model)
+    data_sha = file_sha256(a.data) + (file_sha256(a.packing) if cfg.packing else "")
+    key = run_key(cfg, data_sha, a.base_model)
     ckpt = Checkpointer(a.checkpoint_root / key, strategy, rank, cfg.keep_checkpoints)
     start_step = ckpt.resume(a.log_dir / "metrics.jsonl")
     plan_record = {
-        "examples": plan.examples,
+        "examples": len(examples),
+        "packed_bins": len(bins) if cfg.packing else None,
         "tokens": sum(len(ids) for ids, _ in examples),
         "world_size": world,
         "global_batch": plan.global_batch,
@@ -335,8 +405,8 @@ def main(argv=None) -> None:
     for step in range(start_step, plan.total_steps):
         loss_sum = torch.zeros((), device=device)
         for micro in range(cfg.grad_accum):
-            batch = collate([examples[i] for i in micro_batch_indices(plan, cfg.seed, step, micro, rank)], pad_id)
-            tokens += int(batch["attention_mask"].sum())
+            batch, n_tokens = batches.make(micro_batch_indices(plan, cfg.seed, step, micro, rank))
+            tokens += n_tokens
             batch = {k: v.to(device) for k, v in batch.items()}
             loss = strategy.forward_backward(batch, last_micro=micro == cfg.grad_accum - 1)
             loss_sum += loss.detach()
