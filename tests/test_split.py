@@ -69,6 +69,23 @@ def test_readers_agree_across_formats(tmp_path):
         assert [r.fields["response"] for r in batch] == ["007", "x"], name  # text stays text
 
 
+def test_json_arrays_stream_in_batches(tmp_path):
+    rows = [{"question": f"q{i}", "response": f"r{i}", "score": i / 2} for i in range(10)]
+    (tmp_path / "wrapped.json").write_text(json.dumps({"data": rows}))
+    batches = list(iter_records(str(tmp_path / "wrapped.json"), batch_rows=4))
+    assert [len(b) for b in batches] == [4, 4, 2]
+    assert [r.fields["question"] for b in batches for r in b] == [f"q{i}" for i in range(10)]
+    # streamed: the batches before a broken tail arrive before the error
+    (tmp_path / "broken.json").write_text(json.dumps(rows)[:-40])
+    records = iter_records(str(tmp_path / "broken.json"), batch_rows=4)
+    assert len(next(records)) == 4
+    with pytest.raises(UserError, match=r"broken.json: cannot read as JSON"):
+        list(records)
+    (tmp_path / "scalar.json").write_text('{"data": 3}')
+    with pytest.raises(UserError, match=r"scalar.json: a JSON file must hold an array of objects"):
+        list(iter_records(str(tmp_path / "scalar.json")))
+
+
 def test_folder_and_glob_read_every_file_in_order(tmp_path):
     for i in range(3):
         pd.DataFrame({"question": [f"q{i}"], "response": ["r"]}).to_csv(tmp_path / f"part{i}.csv", index=False)

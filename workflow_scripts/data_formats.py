@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import ijson
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
@@ -141,19 +142,41 @@ def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[list[dict | tuple]]:
         yield rows
 
 
+def json_array_prefix(path: Path) -> str:
+    """Where the records of a JSON file are: a top-level array, or the array under an object's first key."""
+    with path.open("rb") as f:
+        events = ijson.parse(f)
+        try:
+            _, event, _ = next(events)
+            if event == "start_array":
+                return "item"
+            if event == "start_map":
+                _, event, key = next(events)
+                if event == "map_key" and next(events)[1] == "start_array":
+                    return f"{key}.item"  # {"data": [...]}
+        except StopIteration:
+            pass
+        except (ijson.JSONError, UnicodeDecodeError) as e:
+            raise UserError(f"{path}: cannot read as JSON: {str(e).splitlines()[0]}") from None
+    raise UserError(f"{path}: a JSON file must hold an array of objects (or an object whose first key holds one)")
+
+
 def _json_batches(path: Path, batch_rows: int) -> Iterator[list[dict | tuple]]:
-    # A JSON array has to be parsed whole; use JSONL or Parquet for large data.
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot read as JSON: {str(e).splitlines()[0]}") from None
-    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
-        data = next(iter(data.values()))  # {"data": [...]}
-    if not isinstance(data, list):
-        raise UserError(f"{path}: a JSON file must hold an array of objects")
-    for start in range(0, len(data), batch_rows):
-        chunk = data[start : start + batch_rows]
-        yield [r if isinstance(r, dict) else ("invalid_json", "item is not an object", {"item": r}) for r in chunk]
+    # streamed with ijson: a JSON array is never held in memory whole
+    prefix = json_array_prefix(path)
+    rows: list[dict | tuple] = []
+    with path.open("rb") as f:
+        try:
+            for item in ijson.items(f, prefix, use_float=True):
+                bad = ("invalid_json", "item is not an object", {"item": item})
+                rows.append(item if isinstance(item, dict) else bad)
+                if len(rows) == batch_rows:
+                    yield rows
+                    rows = []
+        except (ijson.JSONError, UnicodeDecodeError) as e:
+            raise UserError(f"{path}: cannot read as JSON: {str(e).splitlines()[0]}") from None
+    if rows:
+        yield rows
 
 
 def _parquet_batches(path: Path, batch_rows: int) -> Iterator[list[dict | tuple]]:
