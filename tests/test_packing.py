@@ -2,7 +2,17 @@
 
 import pytest
 import torch
-from train import IGNORE, Batches, DataPlan, TrainConfig, collate_packed, load_bins, load_examples, load_model
+from train import (
+    IGNORE,
+    Batches,
+    DataPlan,
+    TrainConfig,
+    collate_packed,
+    flops_per_sequence_fn,
+    load_bins,
+    load_examples,
+    load_model,
+)
 
 
 def per_token_losses(model, batch) -> torch.Tensor:
@@ -63,9 +73,9 @@ def test_packed_per_sequence_losses_equal_unpacked(packed_data, attn, one_row):
     model = models[attn].eval()
     chosen = [i for i, b in enumerate(bins) if len(b) >= 3][:3]  # bins holding several sequences
     assert len(chosen) == 3
-    batch, n_tokens = Batches(examples, bins, pad_id=0, one_row=one_row).make(chosen)
+    batch, lengths = Batches(examples, bins, pad_id=0, one_row=one_row).make(chosen)
     seqs = [examples[j] for i in chosen for j in bins[i]]
-    assert n_tokens == sum(len(ids) for ids, _ in seqs)
+    assert lengths == [len(ids) for ids, _ in seqs]
     assert batch["input_ids"].shape[0] == (1 if one_row else 3)
     packed = per_token_losses(model, batch)
     alone = sequence_losses_alone(model, seqs)
@@ -127,3 +137,16 @@ def test_a_plan_that_does_not_cover_the_shard_is_refused(tmp_path, demo_assets):
     pq.write_table(pa.table({"bin": [0], "examples": [[0, 1]]}), tmp_path / "plan.parquet")
     with pytest.raises(UserError, match="plan.parquet: packing plan does not cover"):
         load_bins(tmp_path / "plan.parquet", n)
+
+
+def test_model_flops_count_matmuls_and_attention(packed_data):
+    _, _, models = packed_data
+    model = models["sdpa"]
+    c = model.config
+    n = sum(p.numel() for p in model.parameters())
+    flops = flops_per_sequence_fn(model, n)
+    embed = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+    attention = 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim
+    assert flops([10]) == 6 * (n - embed) * 10 + attention * 100
+    # packing two sequences of 10 costs less attention than one of 20
+    assert flops([10, 10]) == 2 * flops([10]) < flops([20])

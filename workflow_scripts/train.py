@@ -187,8 +187,8 @@ class Batches:
     def __len__(self) -> int:
         return len(self.bins) if self.bins is not None else len(self.examples)
 
-    def make(self, indices: list[int]) -> tuple[dict, int]:
-        """The batch for these unit indices and its number of real tokens."""
+    def make(self, indices: list[int]) -> tuple[dict, list[int]]:
+        """The batch for these unit indices and the lengths of its sequences (real tokens)."""
         if self.bins is None:
             items = [self.examples[i] for i in indices]
             batch = collate(items, self.pad_id)
@@ -197,7 +197,23 @@ class Batches:
             rows = [[seq for row in rows for seq in row]] if self.one_row else rows
             items = [seq for row in rows for seq in row]
             batch = collate_packed(rows, self.pad_id)
-        return batch, sum(len(ids) for ids, _ in items)
+        return batch, [len(ids) for ids, _ in items]
+
+
+def flops_per_sequence_fn(model, n_params: int):
+    """Training FLOPs of a sequence of length s: 6 N s for the matmuls (forward and backward;
+    N without the input-embedding lookup) plus PaLM's attention term 12 L d s^2 (L layers,
+    d = heads x head dim), the convention MFU figures are quoted in."""
+    c = model.config
+    embed = model.get_input_embeddings().weight.numel()
+    n_matmul = n_params if getattr(c, "tie_word_embeddings", False) else n_params - embed
+    attn_dim = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    layers = c.num_hidden_layers
+
+    def flops(lengths: list[int]) -> float:
+        return sum(6 * n_matmul * s + 12 * layers * attn_dim * s * s for s in lengths)
+
+    return flops
 
 
 # ---------------------------------------------------------------- schedule
@@ -371,6 +387,7 @@ def main(argv=None) -> None:
     n_trainable = sum(t.numel() for t in model.parameters() if t.requires_grad)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     batches = Batches(examples, bins, pad_id, one_row=attn == "flash_attention_2")
+    flops_of = flops_per_sequence_fn(model, n_params)
     strategy = build_strategy(cfg, model, device, plan.total_steps, lr_lambda(cfg, plan.total_steps))
 
     # resume from the newest complete checkpoint of this exact config
@@ -401,24 +418,25 @@ def main(argv=None) -> None:
     metrics = MetricsLog(a.log_dir, rank, start_step)
     stop = StopSignal()
     strategy.model.train()
-    tokens, clock, last_logged = 0, time.perf_counter(), start_step
+    tokens, flops, clock, last_logged = 0, 0.0, time.perf_counter(), start_step
     for step in range(start_step, plan.total_steps):
         loss_sum = torch.zeros((), device=device)
         for micro in range(cfg.grad_accum):
-            batch, n_tokens = batches.make(micro_batch_indices(plan, cfg.seed, step, micro, rank))
-            tokens += n_tokens
+            batch, lengths = batches.make(micro_batch_indices(plan, cfg.seed, step, micro, rank))
+            tokens += sum(lengths)
+            flops += flops_of(lengths)
             batch = {k: v.to(device) for k, v in batch.items()}
             loss = strategy.forward_backward(batch, last_micro=micro == cfg.grad_accum - 1)
             loss_sum += loss.detach()
         grad_norm = strategy.step()
         done = step + 1
         if done % cfg.log_every == 0 or done == plan.total_steps:
-            stats = torch.tensor([loss_sum.item() / cfg.grad_accum, float(tokens)], device=device)
+            stats = [loss_sum.item() / cfg.grad_accum, float(tokens), flops]
+            stats = torch.tensor(stats, dtype=torch.float64, device=device)
             dist.all_reduce(stats)
             elapsed = time.perf_counter() - clock
             tokens_per_s = stats[1].item() / elapsed
-            # 6 N flops per token for forward and backward (attention's extra term left out)
-            model_tflops = 6 * n_params * tokens_per_s / world / 1e12
+            model_tflops = stats[2].item() / elapsed / world / 1e12  # model FLOPs, not hardware FLOPs
             metrics.write(
                 {
                     "step": done,
@@ -434,7 +452,7 @@ def main(argv=None) -> None:
                 },
                 plan.total_steps,
             )
-            tokens, clock, last_logged = 0, time.perf_counter(), done
+            tokens, flops, clock, last_logged = 0, 0.0, time.perf_counter(), done
         if done % cfg.checkpoint_every == 0 and done < plan.total_steps:
             ckpt.save(done, a.log_dir / "metrics.jsonl")
         if done < plan.total_steps and stop.agreed(device):
