@@ -13,6 +13,11 @@ rule summarize:
             caption="../report/loss_curves.rst",
             category="Training",
         ),
+        throughput=report(
+            f"{R}/eval/throughput.png",
+            caption="../report/throughput.rst",
+            category="Training",
+        ),
         leaderboard=report(
             f"{R}/eval/leaderboard.png",
             caption="../report/leaderboard.rst",
@@ -37,5 +42,6 @@ rule summarize:
         script=script_path("summarize.py"),
     shell:
         "python {params.script} --results {input.results} --metrics {input.metrics}"
-        " --summary {output.summary} --curves {output.curves} --categories {output.categories}"
+        " --summary {output.summary} --curves {output.curves} --throughput {output.throughput}"
+        " --categories {output.categories}"
         " --samples {output.samples} --leaderboard {output.leaderboard} > {log} 2>&1"

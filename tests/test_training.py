@@ -49,7 +49,7 @@ def test_unknown_training_key_is_rejected():
         TrainConfig.from_json('{"learning_rate": 1}')
 
 
-def train_and_consolidate(tmp_path, demo_assets, **overrides):
+def train_and_consolidate(tmp_path, demo_assets, max_shard_size="2GB", **overrides):
     cfg = {"lr": 3e-3, "micro_batch_size": 2, "max_steps": 8, "log_every": 2, "checkpoint_every": 4} | overrides
     log_dir, state = tmp_path / "train", tmp_path / "train" / "train_state.json"
     cmd = [
@@ -63,7 +63,10 @@ def train_and_consolidate(tmp_path, demo_assets, **overrides):
     assert proc.returncode == 0, proc.stderr[-4000:]
     losses = [json.loads(line)["loss"] for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     out = tmp_path / "model"
-    cmd = [sys.executable, str(REPO / "workflow_scripts/consolidate.py"), "--state", str(state), "--output", str(out)]
+    cmd = [
+        sys.executable, str(REPO / "workflow_scripts/consolidate.py"), "--state", str(state), "--output", str(out),
+        "--max-shard-size", max_shard_size,
+    ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return losses, out
@@ -86,6 +89,44 @@ def test_lora_trains_and_consolidates(tmp_path, demo_assets, strategy, extra):
     lora_b = {k: v for k, v in adapter.items() if "lora_B" in k}
     assert len(lora_b) == 16 and all(torch.count_nonzero(v) for v in lora_b.values())
     assert all(v.shape[1] == 4 for v in lora_b.values())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_full_finetune_consolidates_sharded_with_equal_logits(tmp_path, demo_assets, stage):
+    """ZeRO 1/2 (one merged fp32 vector per group) through DeepSpeed's converter, written as 4 MB shards."""
+    losses, out = train_and_consolidate(
+        tmp_path, demo_assets, max_shard_size="4MB", strategy="deepspeed", zero_stage=stage, max_steps=4
+    )
+    assert losses[-1] < losses[0]
+    report = json.loads((out / "consolidation.json").read_text())
+    assert report["max_logit_diff"] <= 1e-5 and report["generation_ok"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 3 and files == report["weight_files"] == sorted(p.name for p in out.glob("*.safetensors"))
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(demo_assets["base"]).state_dict()
+    tuned = {}
+    for f in files:
+        with safe_open(out / f, "pt") as shard:
+            tuned |= {k: shard.get_tensor(k) for k in shard.keys()}  # noqa: SIM118
+    assert set(tuned) == set(index["weight_map"]) and "lm_head.weight" not in tuned  # tied to the embeddings
+    assert all(v.dtype == torch.float32 for v in tuned.values())
+    assert any(not torch.equal(v, base[k]) for k, v in tuned.items())  # training changed the weights
+
+
+def test_shard_plan_keeps_order_and_limit():
+    from consolidate import parse_size, plan_shards, shard_files
+
+    assert parse_size("2GB") == 2 * 10**9 and parse_size("500MiB") == 500 * 2**20 and parse_size("4mb") == 4 * 10**6
+    with pytest.raises(Exception, match="max shard size"):
+        parse_size("big")
+    sizes = {"a": 3, "b": 3, "c": 5, "d": 1, "e": 9}
+    assert plan_shards(sizes, 6) == [["a", "b"], ["c", "d"], ["e"]]  # e alone exceeds the limit
+    assert plan_shards(sizes, 100) == [list(sizes)]
+    assert shard_files(1) == ["model.safetensors"]
+    assert shard_files(3)[1] == "model-00002-of-00003.safetensors"
 
 
 def test_truncated_checkpoint_fails_consolidation_with_one_line(tmp_path, demo_assets):

@@ -54,7 +54,15 @@ def test_report_builds(ddp_run):
     workdir, config = ddp_run
     snakemake(workdir, config, "--report", str(workdir / "report.html"))
     html = (workdir / "report.html").read_text(errors="replace")
-    for name in ("summary.csv", "leaderboard.png", "loss_curves.png", "overview.png", "check.json", "provenance.json"):
+    for name in (
+        "summary.csv",
+        "leaderboard.png",
+        "loss_curves.png",
+        "throughput.png",
+        "overview.png",
+        "check.json",
+        "provenance.json",
+    ):
         assert name in html
 
 

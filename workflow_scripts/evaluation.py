@@ -75,6 +75,16 @@ def score(predictions: list[str], references: list[str], metrics_dir: Path) -> d
     return out
 
 
+def exact_match_by_category(predictions: list[str], references: list[str], categories: list, metrics_dir: Path) -> dict:
+    """Exact match within each category, by the same evaluate module (same normalization) as the overall one."""
+    metric = evaluate.load(str(metrics_dir / "exact_match"))
+    rows = pd.DataFrame({"p": predictions, "r": references, "c": categories})
+    return {
+        str(c): metric.compute(predictions=g["p"].tolist(), references=g["r"].tolist())["exact_match"]
+        for c, g in rows.groupby("c", sort=True)
+    }
+
+
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -108,8 +118,9 @@ def main(argv=None) -> None:
         "perplexity": math.exp(min(loss, 50)),
     } | score(predictions, references, a.metrics)
     if frame["category"].astype(bool).any():
-        frame = frame.assign(hit=[p.strip() == r.strip() for p, r in zip(predictions, references, strict=True)])
-        result["exact_match_by_category"] = frame.groupby("category")["hit"].mean().to_dict()
+        result["exact_match_by_category"] = exact_match_by_category(
+            predictions, references, frame["category"].tolist(), a.metrics
+        )
     result["samples"] = [
         {"prompt": tokenizer.decode(ids[:n], skip_special_tokens=True)[-300:], "reference": r, "prediction": p}
         for ids, n, r, p in zip(

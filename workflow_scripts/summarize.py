@@ -47,6 +47,33 @@ def plot_curves(curves: dict[str, pd.DataFrame], path: Path) -> None:
     plt.close(fig)
 
 
+def median_throughput(curves: dict[str, pd.DataFrame]) -> dict[str, float]:
+    """Median tokens/s of each node over its logged intervals (the first one includes start-up)."""
+    return {
+        name: float(frame["tokens_per_s"].median())
+        for name, frame in curves.items()
+        if "tokens_per_s" in frame and frame["tokens_per_s"].notna().any()
+    }
+
+
+def plot_throughput(curves: dict[str, pd.DataFrame], path: Path) -> dict[str, float]:
+    """Training throughput (tokens/s of all of a node's ranks together) per logged interval, every node overlaid."""
+    medians = median_throughput(curves)
+    fig, ax = plt.subplots(figsize=(11, 4))
+    for name, median in medians.items():
+        frame = curves[name]
+        ax.plot(frame["step"], frame["tokens_per_s"], marker="o", ms=3, label=f"{name} (median {median:,.0f})")
+    ax.set(xlabel="step", ylabel="tokens/s per node", title="Training throughput per node", ylim=(0, None))
+    ax.grid(alpha=0.3)
+    if medians:
+        ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    return medians
+
+
 def plot_leaderboard(table: pd.DataFrame, path: Path) -> str:
     """Eval loss per model, the best one highlighted and named in the title. Returns its name."""
     best = table.loc[table["eval_loss"].idxmin()]
@@ -98,6 +125,7 @@ def main(argv=None) -> None:
     p.add_argument("--metrics", nargs="+", required=True, type=Path, help="train/node<i>/metrics.jsonl files")
     p.add_argument("--summary", required=True, type=Path)
     p.add_argument("--curves", required=True, type=Path)
+    p.add_argument("--throughput", required=True, type=Path)
     p.add_argument("--categories", required=True, type=Path)
     p.add_argument("--leaderboard", required=True, type=Path)
     p.add_argument("--samples", required=True, type=Path)
@@ -106,7 +134,10 @@ def main(argv=None) -> None:
     table = summary_table(results)
     with atomic_path(a.summary) as tmp:
         table.to_csv(tmp, index=False, float_format="%.6g")
-    plot_curves({p.parent.name: read_metrics(p) for p in a.metrics}, a.curves)
+    curves = {p.parent.name: read_metrics(p) for p in a.metrics}
+    plot_curves(curves, a.curves)
+    for node, tps in plot_throughput(curves, a.throughput).items():
+        print(f"{node}: median {tps:,.0f} tokens/s")
     plot_categories(results, a.categories)
     print(f"best model: {plot_leaderboard(table, a.leaderboard)}")
     with atomic_path(a.samples) as tmp:

@@ -1,0 +1,204 @@
+"""Consolidation benchmark: peak RSS of consolidate.py against the model's fp32 size, per strategy.
+
+    .venv/bin/python bench/bench_consolidate.py                       # the table in docs/benchmarks.md
+    .venv/bin/python bench/bench_consolidate.py --presets demo --strategies deepspeed
+
+For each preset (the demo model and a larger from-scratch one) a base model is built
+(demo tokenizer, random init), then for each strategy a 2-rank torchrun (gloo, CPU,
+fp32) builds the model through train.py's own load_model/build_strategy/Checkpointer,
+trains ``--steps`` optimizer steps on random tokens (``--large-steps`` for the larger
+preset: DDP's Adam state for 350M parameters on two ranks would need ~11 GB of this
+shared 24 GB machine, so it is saved right after initialization) and writes a
+checkpoint with train_state.json. Then, each in a fresh process whose peak RSS is read
+from getrusage (bench_data.rss_of):
+  ours       consolidate.py: sharded write, training-side rebuild, reload and logits check
+  baseline   the usual full-state-dict path: the strategy's reader loads every tensor
+             (DeepSpeed: get_fp32_state_dict_from_zero_checkpoint), the base model loads,
+             load_state_dict, save_pretrained. No checks.
+  ds-script  DeepSpeed's own convert_zero_checkpoint_to_fp32_state_dict (lazy, sharded
+             safetensors), weights only (deepspeed rows only)
+  imports    a process that only imports torch, transformers, deepspeed and peft: the floor
+Prints a table: strategy, parameters, fp32 size, peak RSS, (peak - imports) / fp32 size, seconds.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "workflow_scripts"
+sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(0, str(REPO / "bench"))
+
+from bench_data import rss_of  # noqa: E402
+
+SHARD = "500MB"
+
+# run under torchrun: one checkpoint the way train.py writes it
+MAKE_CHECKPOINT = r"""
+import json, os, sys
+from pathlib import Path
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from checkpoint import Checkpointer
+from strategies import build_strategy
+from train import TrainConfig, load_model
+cfg, base, root, steps = TrainConfig.from_json(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5])
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+device = torch.device("cpu")
+model, _ = load_model(base, cfg, device)
+vocab = model.config.vocab_size
+strategy = build_strategy(cfg, model, device, max(steps, 1), lambda s: 1.0)
+for _ in range(steps):
+    ids = torch.randint(0, vocab, (cfg.micro_batch_size, 32))
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    strategy.forward_backward(batch, last_micro=True)
+    strategy.step()
+folder = Checkpointer(root, strategy, dist.get_rank(), 2).save(steps, root / "metrics.jsonl")
+if dist.get_rank() == 0:
+    state = {"checkpoint": str(folder), "step": steps, "strategy": cfg.strategy, "zero_stage": cfg.zero_stage,
+             "peft": cfg.peft, "base_model": base, "config": cfg.__dict__}
+    (root / "train_state.json").write_text(json.dumps(state))
+dist.barrier()
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # DeepSpeed's CPU backend can abort in interpreter teardown
+"""
+
+# the usual way: the whole state dict in memory, loaded into the model, saved
+BASELINE = r"""
+import json, sys, time
+from pathlib import Path
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+state, out, shard = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]), sys.argv[3]
+folder = Path(state["checkpoint"])
+t0 = time.perf_counter()
+model = AutoModelForCausalLM.from_pretrained(state["base_model"], dtype=torch.float32)
+if state["strategy"] == "ddp":
+    weights = torch.load(folder / "state.pt", map_location="cpu", weights_only=True)["model"]
+elif state["strategy"] == "fsdp":
+    import torch.distributed.checkpoint as dcp
+    full = {"model": {k: torch.empty_like(v) for k, v in model.named_parameters()}}
+    dcp.load(full, checkpoint_id=str(folder / "dcp"), no_dist=True)
+    weights = full["model"]
+else:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+model.load_state_dict(weights, strict=False)
+model.save_pretrained(out, max_shard_size=shard)
+AutoTokenizer.from_pretrained(state["base_model"]).save_pretrained(out)
+print(json.dumps({"seconds": time.perf_counter() - t0}))
+"""
+
+DS_SCRIPT = r"""
+import sys
+from pathlib import Path
+from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+folder = Path(sys.argv[1])
+convert_zero_checkpoint_to_fp32_state_dict(str(folder.parent), sys.argv[2], max_shard_size=sys.argv[3],
+                                           safe_serialization=True, tag=folder.name)
+"""
+
+IMPORTS = "import torch, transformers, deepspeed, peft, safetensors; from transformers import AutoModelForCausalLM"
+
+
+def build_base(preset: str, out: Path) -> int:
+    """The demo tokenizer and a randomly initialized model of ``preset``; returns its parameter count."""
+    from demo_model import build_model, texts_from, train_tokenizer
+
+    tokenizer = train_tokenizer(texts_from(str(REPO / "resources" / "demo" / "instructions.csv")), 1024)
+    model = build_model(tokenizer, 128, seed=0, size=preset)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def training_config(strategy: str) -> str:
+    return json.dumps({"strategy": strategy, "zero_stage": 3, "precision": "fp32", "micro_batch_size": 1, "lr": 1e-3})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--presets", nargs="+", default=["demo", "350m"])
+    p.add_argument("--strategies", nargs="+", default=["ddp", "fsdp", "deepspeed"])
+    p.add_argument("--steps", type=int, default=2, help="training steps before the checkpoint (demo)")
+    p.add_argument("--large-steps", type=int, default=0, help="training steps for presets other than demo")
+    p.add_argument("--workdir", type=Path, default=None)
+    a = p.parse_args()
+    work = a.workdir or Path(tempfile.mkdtemp(prefix="bench_consolidate_"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    py = sys.executable
+    (work / "make_checkpoint.py").write_text(MAKE_CHECKPOINT)
+    (work / "baseline.py").write_text(BASELINE)
+    (work / "ds_script.py").write_text(DS_SCRIPT)
+
+    _, floor, _ = rss_of([py, "-c", IMPORTS], env)
+    rows, failed = [], []
+    for preset in a.presets:
+        base = work / preset / "base"
+        params = build_base(preset, base)
+        fp32_mb = params * 4 / 2**20
+        steps = a.steps if preset == "demo" else a.large_steps
+        for strategy in a.strategies:
+            root = work / preset / strategy
+            cmd = [
+                str(Path(py).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
+                str(work / "make_checkpoint.py"), str(SCRIPTS), training_config(strategy), str(base),
+                str(root / "ckpt"), str(steps),
+            ]  # fmt: skip
+            rss_of(cmd, env)
+            state = root / "ckpt" / "train_state.json"
+            label = "deepspeed-zero3" if strategy == "deepspeed" else strategy
+            ours = [py, str(SCRIPTS / "consolidate.py"), "--state", str(state), "--output", str(root / "ours"),
+                    "--max-shard-size", SHARD]  # fmt: skip
+            secs, rss, _ = rss_of(ours, env)
+            report = json.loads((root / "ours" / "consolidation.json").read_text())
+            rows.append((preset, label, "ours (consolidate.py, with checks)", params, fp32_mb, rss, secs,
+                         len(report["weight_files"]), report["max_logit_diff"]))  # fmt: skip
+            secs, rss, _ = rss_of([py, str(work / "baseline.py"), str(state), str(root / "base_out"), SHARD], env)
+            rows.append((preset, label, "baseline: full state dict + save_pretrained", params, fp32_mb, rss, secs,
+                         len(list((root / "base_out").glob("*.safetensors"))), None))  # fmt: skip
+            if strategy == "deepspeed":
+                folder = json.loads(state.read_text())["checkpoint"]
+                what = "DeepSpeed convert_zero_checkpoint_to_fp32_state_dict"
+                try:
+                    secs, rss, _ = rss_of([py, str(work / "ds_script.py"), folder, str(root / "ds_out"), SHARD], env)
+                    rows.append((preset, label, what, params, fp32_mb, rss, secs,
+                                 len(list((root / "ds_out").glob("*.safetensors"))), None))  # fmt: skip
+                except SystemExit as e:  # tied weights: safetensors refuses tensors that share memory
+                    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+                    reason = next((x for x in lines if "share memory" in x), lines[-1])
+                    failed.append(f"{preset} {label}: {what} failed: {reason[:200]}")
+            shutil.rmtree(root)  # the larger preset's checkpoints take gigabytes
+
+    print(f"\n2 ranks (gloo, CPU, fp32); shards of at most {SHARD}; imports alone: {floor:.0f} MB peak RSS\n")
+    head = ["preset", "strategy", "consolidation", "params", "fp32 MB", "peak RSS MB", "(peak - imports) / fp32",
+            "seconds", "files", "max logit diff"]  # fmt: skip
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---" for _ in head) + "|")
+    for preset, label, what, params, mb, rss, secs, files, diff in rows:
+        diff = f"{diff:.1e}" if diff is not None else "-"
+        print(f"| {preset} | {label} | {what} | {params / 1e6:.1f}M | {mb:,.0f} | {rss:,.0f} | "
+              f"{(rss - floor) / mb:.2f} | {secs:.1f} | {files} | {diff} |")  # fmt: skip
+    print("\npeak RSS ours / baseline:")
+    for i in range(0, len(rows)):
+        if rows[i][2].startswith("ours"):
+            ours, base = rows[i], rows[i + 1]
+            print(f"  {ours[0]} {ours[1]}: {ours[5] / base[5]:.2f}x  (above the imports: "
+                  f"{(ours[5] - floor) / (base[5] - floor):.2f}x)")  # fmt: skip
+    for line in failed:
+        print(line)
+    print(f"work dir: {work}")
+
+
+if __name__ == "__main__":
+    main()

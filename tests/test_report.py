@@ -1,0 +1,37 @@
+"""Evaluation and summary pieces the report shows: per-category exact match and the throughput plot."""
+
+import json
+
+import pytest
+from conftest import REPO
+
+METRICS = REPO / "metrics"
+
+
+def test_per_category_exact_match_normalizes_like_the_overall_one():
+    from evaluation import exact_match_by_category, score
+
+    predictions = ["a  b", "x\ny", " c ", "no", "d"]
+    references = ["a b", "x y", "c", "yes", "D"]
+    categories = ["open_qa", "open_qa", "brainstorm", "brainstorm", "brainstorm"]
+    by_category = exact_match_by_category(predictions, references, categories, METRICS)
+    # inner whitespace runs count as one space in both; case matters in both
+    assert by_category == {"brainstorm": pytest.approx(1 / 3), "open_qa": 1.0}
+    overall = score(predictions, references, METRICS)["exact_match"]
+    weighted = sum(by_category[c] * categories.count(c) for c in by_category) / len(categories)
+    assert overall == pytest.approx(weighted) == pytest.approx(3 / 5)
+
+
+def test_throughput_plot_has_every_node(tmp_path):
+    from summarize import plot_throughput, read_metrics
+
+    curves = {}
+    for node, rate in (("node0", 1000.0), ("node1", 3000.0)):
+        path = tmp_path / node / "metrics.jsonl"
+        path.parent.mkdir()
+        rows = [{"step": s, "loss": 1.0, "lr": 1e-3, "tokens_per_s": rate * (0.5 if s == 4 else 1)} for s in (4, 8, 12)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        curves[node] = read_metrics(path)
+    medians = plot_throughput(curves, tmp_path / "throughput.png")
+    assert medians == {"node0": 1000.0, "node1": 3000.0}
+    assert (tmp_path / "throughput.png").stat().st_size > 10_000
