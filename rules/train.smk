@@ -22,8 +22,14 @@ rule train_node:
         checkpoints=f"{R}/checkpoints/{{node}}",
         procs=config["training"]["procs_per_node"],
     shell:
+        # Stop signals reach every process of the job step at once: SLURM's SIGURG warning before
+        # the time limit (profiles/slurm), SIGTERM at the limit, on preemption or scancel. The ranks
+        # finish their step, checkpoint and exit 75. This shell ignores both (SIGURG by default),
+        # so that Snakemake sees the job end only after that, and does not delete metrics.jsonl
+        # under the checkpoint; torchrun ignores SIGURG and passes SIGTERM on to the ranks.
+        "trap '' TERM;"
         # the job's cores are shared among its ranks, not given to each
-        "n=$(( {threads} / {params.procs} > 1 ? {threads} / {params.procs} : 1 ));"
+        " n=$(( {threads} / {params.procs} > 1 ? {threads} / {params.procs} : 1 ));"
         " export OMP_NUM_THREADS=$n MKL_NUM_THREADS=$n OPENBLAS_NUM_THREADS=$n;"
         " torchrun --standalone --nproc_per_node {params.procs} --max-restarts 0"
         " {params.script} --config {params.config:q} --data {input.tokens} --packing {input.packing}"

@@ -156,7 +156,11 @@ def check_outputs(root, nodes=("node0", "node1"), soups=False):
     data_report = json.loads((root / "data" / "report.json").read_text())
     assert set(data_report["shards"]) == {*nodes, "eval"}
     assert (root / "data" / "overview.png").stat().st_size > 10_000
-    assert json.loads((root / "env" / "check.json").read_text())["ok"]
+    env = json.loads((root / "env" / "check.json").read_text())
+    assert env["ok"]
+    # the benchmark ran with the training's ranks
+    assert [m["rank"] for m in env["benchmark"]["matmul"]] == [0, 1]
+    assert env["benchmark"]["allreduce"]["ranks"] == 2 and env["benchmark"]["allreduce"]["busbw_gb_s"] > 0
     assert (root / "eval" / "loss_curves.png").stat().st_size > 10_000
 
 

@@ -136,15 +136,16 @@ class SlurmCluster:
         )
 
     def jobs(self, all_states: bool = False, name: str | None = None) -> list[dict]:
-        """Jobs squeue knows: id, state, name, comment (all_states: finished ones within MinJobAge too)."""
-        args = ["squeue", "-h", "-o", "%i|%T|%j|%k"]
+        """Jobs squeue knows: id, state, name, time_limit, comment (all_states: finished ones within
+        MinJobAge too)."""
+        args = ["squeue", "-h", "-o", "%i|%T|%j|%l|%k"]
         if all_states:
             args += ["--states=all"]
         if name:
             args += ["--name", name]
         out = self.cmd(*args).stdout
-        keys = ("id", "state", "name", "comment")
-        return [dict(zip(keys, line.split("|", 3), strict=True)) for line in out.splitlines() if line.strip()]
+        keys = ("id", "state", "name", "time_limit", "comment")
+        return [dict(zip(keys, line.split("|", 4), strict=True)) for line in out.splitlines() if line.strip()]
 
     def wait_for(self, predicate, timeout: float, interval: float = 0.5, what: str = "condition"):
         deadline = time.monotonic() + timeout

@@ -5,14 +5,18 @@ polled with squeue: the same path as on a real cluster, minus the GPUs and the a
 Skipped when the SLURM binaries are missing (see the slurm_cluster fixture).
 """
 
+import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 from conftest import REPO, check_outputs, job_logs, snakemake, snakemake_cmd, tiny_config, tool_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
@@ -147,3 +151,123 @@ def test_sigint_cancels_the_slurm_jobs(slurm_cluster, tmp_path):
             proc.kill()
             proc.wait()
         slurm_cluster.cancel_all()
+
+
+# A 2-minute limit and the warning 60 s before it: SLURM checks limits every 30 s, so the signal
+# comes 57-87 s after the start (measured on this cluster), once the trainer is up even on a loaded
+# machine, and always at an earlier check than the kill (120-150 s).
+RUNTIME_MIN, WARNING_S = 2, 60
+PREEMPT_STEPS = 40
+SIGURG_BIT = 1 << (signal.SIGURG - 1)
+
+
+def training_ranks(workdir) -> list[int]:
+    """pids of the torchrun workers (not torchrun itself) running in ``workdir``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or Path(proc / "cwd").resolve() != Path(workdir).resolve():
+                continue
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(arg.endswith(b"train.py") for arg in cmdline) and any(v.startswith(b"LOCAL_RANK=") for v in environ):
+            pids.append(int(proc.name))
+    return pids
+
+
+def signalled(pid: int) -> bool:
+    """Whether a rank we stopped got SIGURG: pending in /proc/<pid>/status, or already running again
+    (slurmstepd sends SIGCONT with the signal) or gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    if not re.search(r"^State:\s*T", status, re.M):
+        return True
+    return bool(int(re.search(r"^ShdPnd:\s*(\w+)", status, re.M).group(1), 16) & SIGURG_BIT)
+
+
+def test_time_limit_signal_checkpoints_and_the_retry_resumes(slurm_cluster, tmp_path):
+    """A training job longer than its time limit gets SLURM's warning signal, checkpoints and ends;
+    Snakemake's retry (a longer limit) resumes from that checkpoint and finishes.
+
+    How long a step takes here varies fivefold with the machine's load, so the first job's ranks are
+    frozen (SIGSTOP) after a few steps: its training then outlasts its limit on any machine. The
+    signal SLURM sends them stays pending (/proc/<pid>/status) or comes with a SIGCONT; then they run
+    again, handle it after the step they were in, and the job ends before the limit.
+    """
+    # one checkpoint only at the end: the one the retry resumes from can only be the signal's
+    config = tiny_config("p", max_steps=PREEMPT_STEPS, log_every=1, checkpoint_every=10**6)
+    target = "results/p/train/node0/train_state.json"
+    # everything before training runs here, so that the SLURM run submits only the training job
+    snakemake(tmp_path, config, "results/p/env/check.json", "results/p/plan/memory.json",
+              "results/p/data/tokenized/node0.parquet", "results/p/base_model")  # fmt: skip
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "profile.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "retries": 1,
+                "set-resources": {
+                    "train_node": {
+                        "nodes": 1,
+                        "cpus_per_task": 2,
+                        "mem_mb": 4000,
+                        # minutes, growing with the attempt as in profiles/slurm
+                        "runtime": f"{RUNTIME_MIN} if attempt == 1 else 10",
+                        "slurm_extra": f"'--signal=URG@{WARNING_S}'",
+                    }
+                },
+            }
+        )
+    )
+    metrics = tmp_path / "results" / "p" / "train" / "node0" / "metrics.jsonl"
+    log = tmp_path / "snakemake.log"
+    start = time.monotonic()
+    with open(log, "w") as out:
+        cmd = snakemake_cmd(tmp_path, config, target, *PROFILES, "--profile", str(overlay))
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=slurm_env(slurm_cluster))
+    try:
+        slurm_cluster.wait_for(
+            lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 150, what="3 training steps"
+        )
+        ranks = training_ranks(tmp_path)
+        assert len(ranks) == 2, ranks
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            slurm_cluster.wait_for(lambda: all(signalled(pid) for pid in ranks), timeout=150, what="SIGURG from SLURM")
+        finally:
+            for pid in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    print(f"time-limited training through SLURM: {time.monotonic() - start:.0f} s")
+    output = log.read_text()
+    assert proc.returncode == 0, output[-3000:] + job_logs(tmp_path)
+    submitted = submissions(output)
+    assert [rule for _, rule in submitted] == ["train_node", "train_node"], output[-3000:]
+    (first, _), (second, _) = submitted
+    jobs = {j["id"]: j for j in slurm_cluster.jobs(all_states=True, name=run_id(output))}
+    # the first job ended itself before its limit (FAILED, not TIMEOUT); the retry got a longer one
+    assert (jobs[first]["state"], jobs[first]["time_limit"]) == ("FAILED", f"{RUNTIME_MIN}:00"), jobs
+    assert (jobs[second]["state"], jobs[second]["time_limit"]) == ("COMPLETED", "10:00"), jobs
+
+    plan = json.loads((metrics.parent / "train_state.json").read_text())["plan"]
+    resumed = plan["start_step"]
+    assert 3 <= resumed < PREEMPT_STEPS
+    # the second job resumed from the checkpoint the first one wrote on SLURM's signal
+    assert plan["resumed_after"]["signal"] == "SIGURG" and plan["resumed_after"]["step"] == resumed, plan
+    assert (plan["resumed_after"]["slurm_job_id"], plan["slurm_job_id"]) == (first, second)
+    checkpoints = sorted(p.parent.name for p in (tmp_path / "results" / "p" / "checkpoints").rglob("COMPLETE"))
+    assert checkpoints == sorted([f"step-{resumed}", f"step-{PREEMPT_STEPS}"])
+    # every step once: the first job's up to the signal, the second's from there on
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, PREEMPT_STEPS + 1))
+    assert [r["slurm_job_id"] for r in records] == [first] * resumed + [second] * (PREEMPT_STEPS - resumed)

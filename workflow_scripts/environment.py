@@ -1,10 +1,21 @@
-"""check_environment: record what this machine has, and stop early if the configured strategy cannot run."""
+"""check_environment: record what this machine has, and stop early if the configured strategy cannot run.
+
+Then a quick benchmark under torchrun with the job's procs_per_node ranks (seed 001: "test
+communication before long runs"): matmul throughput of every rank's device (bf16 TFLOP/s on a GPU,
+fp32 GFLOP/s on the CPU) and all-reduce bus bandwidth across the ranks (NCCL on GPUs, gloo on CPU).
+
+    python environment.py --strategy ddp --procs-per-node 2 --output env/check.json
+"""
 
 import argparse
 import importlib
 import importlib.metadata
+import json
+import os
 import platform
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 from pipeline_io import UserError, cli, write_json
@@ -83,25 +94,172 @@ def collect() -> dict:
     return report
 
 
+# ---------------------------------------------------------------- benchmark
+
+# GPU / CPU: matrix size, all-reduce message size, timed repetitions. CPU sizes keep it to seconds.
+BENCH = {
+    "cuda": {"matmul_n": 8192, "allreduce_bytes": 256 * 2**20, "iters": 20},
+    "cpu": {"matmul_n": 512, "allreduce_bytes": 8 * 2**20, "iters": 5},
+}
+
+
+def bus_bandwidth(size_bytes: int, seconds: float, ranks: int) -> float:
+    """All-reduce bus bandwidth in GB/s as nccl-tests define it: size * 2 (n - 1) / n / time."""
+    if seconds <= 0:
+        raise ValueError(f"all-reduce time must be positive, got {seconds}")
+    return size_bytes * 2 * (ranks - 1) / ranks / seconds / 1e9
+
+
+def matmul_rate(n: int, seconds: float, iters: int) -> float:
+    """FLOP/s of ``iters`` n x n matmuls (2 n^3 each) in ``seconds``."""
+    return 2 * n**3 * iters / seconds
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def bench_rank(output: Path) -> None:
+    """One rank of the benchmark (under torchrun); rank 0 writes every rank's results to ``output``."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    size = BENCH[device.type]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(size["matmul_n"], size["matmul_n"], device=device, dtype=dtype)
+    b = torch.randn_like(a)
+    a @ b  # warm-up
+    sync()
+    dist.barrier()  # all ranks compute at once, as in training
+    start = time.perf_counter()
+    for _ in range(size["iters"]):
+        a @ b
+    sync()
+    seconds = time.perf_counter() - start
+    rate = matmul_rate(size["matmul_n"], seconds, size["iters"])
+    name = torch.cuda.get_device_name(device) if cuda else cpu_name()
+    matmul = {
+        "rank": rank,
+        "device": f"{device.type}:{name}",
+        "dtype": str(dtype).removeprefix("torch."),
+        "n": size["matmul_n"],
+        "value": rate / 1e12 if cuda else rate / 1e9,
+        "unit": "TFLOP/s" if cuda else "GFLOP/s",
+    }
+
+    x = torch.ones(size["allreduce_bytes"] // 4, device=device, dtype=torch.float32)
+    dist.all_reduce(x)  # warm-up, connections set up
+    sync()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(size["iters"]):
+        dist.all_reduce(x)
+    sync()
+    per_call = (time.perf_counter() - start) / size["iters"]
+    # the slowest rank's time is the collective's time
+    t = torch.tensor([per_call], device=device, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    per_call = t.item()
+
+    gathered = [None] * world
+    dist.all_gather_object(gathered, matmul)
+    if rank == 0:
+        allreduce = {
+            "backend": dist.get_backend(),
+            "ranks": world,
+            "bytes": x.numel() * 4,
+            "time_s": per_call,
+            "algbw_gb_s": x.numel() * 4 / per_call / 1e9,
+            "busbw_gb_s": bus_bandwidth(x.numel() * 4, per_call, world),
+        }
+        output.write_text(json.dumps({"matmul": gathered, "allreduce": allreduce}))
+    dist.destroy_process_group()
+
+
+def parse_benchmark(text: str, ranks: int) -> dict:
+    """The benchmark's JSON, checked: one matmul result per rank, positive rates and times."""
+    try:
+        result = json.loads(text)
+        matmul, allreduce = result["matmul"], result["allreduce"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"benchmark: unreadable result ({e})") from None
+    if sorted(m["rank"] for m in matmul) != list(range(ranks)) or allreduce["ranks"] != ranks:
+        raise UserError(f"benchmark: expected results of {ranks} rank(s), got {len(matmul)}")
+    if any(m["value"] <= 0 for m in matmul) or allreduce["time_s"] <= 0:
+        raise UserError("benchmark: a non-positive rate or time")
+    return result
+
+
+def run_benchmark(ranks: int, workdir: Path, timeout: float = 600) -> dict:
+    """Start the benchmark under torchrun with ``ranks`` processes; its results."""
+    out = workdir / "benchmark.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           __file__, "--bench-rank", str(out)]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // ranks))}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0 or not out.exists():
+        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise UserError(f"benchmark with {ranks} rank(s) failed (exit {proc.returncode}): {tail[0]}")
+    result = parse_benchmark(out.read_text(), ranks)
+    out.unlink()
+    return result
+
+
+def benchmark_summary(bench: dict) -> str:
+    mm, ar = bench["matmul"], bench["allreduce"]
+    rates = ", ".join(f"{m['value']:.1f}" for m in sorted(mm, key=lambda m: m["rank"]))
+    return (
+        f"{mm[0]['dtype']} matmul {rates} {mm[0]['unit']} per rank on {mm[0]['device']}; "
+        f"all-reduce of {ar['bytes'] / 2**20:.0f} MiB over {ar['ranks']} rank(s) ({ar['backend']}): "
+        f"bus bandwidth {ar['busbw_gb_s']:.2f} GB/s"
+    )
+
+
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--strategy", required=True)
+    p.add_argument("--strategy")
     p.add_argument("--peft", default="none")
     p.add_argument("--procs-per-node", type=int, default=1)
     p.add_argument("--precision", default="fp32")
-    p.add_argument("--output", required=True, type=Path)
+    p.add_argument("--output", type=Path)
+    p.add_argument("--no-benchmark", action="store_true", help="only the checks")
+    p.add_argument("--bench-rank", type=Path, help=argparse.SUPPRESS)  # one torchrun rank of the benchmark
     a = p.parse_args(argv)
+    if a.bench_rank:
+        bench_rank(a.bench_rank)
+        return
+    if a.output is None or a.strategy is None:
+        raise UserError("--strategy and --output are required")
     report = collect()
     found = problems(report, a.strategy, a.peft, a.procs_per_node, a.precision)
     report["ok"], report["problems"] = not found, found
     if found:
         raise UserError("; ".join(found))
-    write_json(a.output, report)
     gpu = report["gpu"]
     print(
         f"environment ok: torch {report['packages']['torch']}, {gpu.get('gpu_count', 0)} GPU(s), {report['attention']}"
     )
+    if not a.no_benchmark:
+        a.output.parent.mkdir(parents=True, exist_ok=True)
+        report["benchmark"] = run_benchmark(a.procs_per_node, a.output.parent)
+        print(benchmark_summary(report["benchmark"]))
+    write_json(a.output, report)
 
 
 if __name__ == "__main__":

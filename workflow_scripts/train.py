@@ -30,7 +30,7 @@ from strategies import build_strategy
 
 log = logging.getLogger("train")
 IGNORE = -100
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed on SIGTERM/SIGUSR1; a retry resumes
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed on SIGTERM/SIGUSR1/SIGURG; a retry resumes
 
 
 @dataclasses.dataclass
@@ -308,15 +308,21 @@ class MetricsLog:
 
 
 class StopSignal:
-    """SIGTERM or SIGUSR1 (SLURM preemption or time limit) asks for a checkpoint and a clean exit.
+    """SIGTERM, SIGUSR1 or SIGURG (SLURM's warning before the time limit, preemption) asks for a
+    checkpoint and a clean exit.
 
     The handler only sets a flag; the loop finishes its step, and every rank agrees
-    (an all-reduce of the flags) before all of them checkpoint together.
+    (an all-reduce of the flags) before all of them checkpoint together. profiles/slurm asks
+    SLURM for SIGURG (`--signal=URG@600`): its default action is to ignore it, so Snakemake,
+    the rule's shell and torchrun, which share the job step with the ranks and receive it too,
+    carry on, while SIGUSR1 would kill Snakemake and with it the job (README, "On a SLURM cluster").
     """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGURG)
 
     def __init__(self):
         self.received = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
@@ -326,6 +332,15 @@ class StopSignal:
         flag = torch.tensor([1.0 if self.received else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def resumed_after(marker: Path, start_step: int) -> dict | None:
+    """The previous job's preemption record when this job resumes from the checkpoint it wrote."""
+    try:
+        record = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if start_step and record.get("step") == start_step else None
 
 
 def peak_memory_gb(device) -> float:
@@ -358,6 +373,8 @@ def main(argv=None) -> None:
     p.add_argument("--state", required=True, type=Path, help="train_state.json written at the end")
     a = p.parse_args(argv)
     cfg = TrainConfig.from_json(a.config)
+    # first: a stop signal during start-up is remembered and honoured after the first step
+    stop = StopSignal()
 
     # process group: NCCL on GPUs, gloo on CPU
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
@@ -409,6 +426,8 @@ def main(argv=None) -> None:
         "peft": cfg.peft,
         "parameters": n_params,
         "trainable_parameters": n_trainable,
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "resumed_after": resumed_after(a.log_dir / "preempted.json", start_step) if rank == 0 else None,
     }
     if rank == 0:
         (a.log_dir / "preempted.json").unlink(missing_ok=True)
@@ -416,7 +435,6 @@ def main(argv=None) -> None:
         log.info("plan: %s", plan_record)
 
     metrics = MetricsLog(a.log_dir, rank, start_step)
-    stop = StopSignal()
     strategy.model.train()
     tokens, flops, clock, last_logged = 0, 0.0, time.perf_counter(), start_step
     for step in range(start_step, plan.total_steps):
@@ -449,6 +467,8 @@ def main(argv=None) -> None:
                     "mfu": model_tflops / cfg.peak_tflops if device.type == "cuda" else None,
                     "peak_memory_gb": peak_memory_gb(device),
                     "epoch": step / plan.steps_per_epoch,
+                    # which SLURM job trained this step: a resumed run shows where the next job took over
+                    "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                 },
                 plan.total_steps,
             )
@@ -459,7 +479,11 @@ def main(argv=None) -> None:
             if done % cfg.checkpoint_every:
                 ckpt.save(done, a.log_dir / "metrics.jsonl")
             if rank == 0:
-                write_json(a.log_dir / "preempted.json", {"step": done, "signal": stop.received, "time": time.time()})
+                write_json(
+                    a.log_dir / "preempted.json",
+                    {"step": done, "signal": stop.received, "time": time.time(),
+                     "slurm_job_id": os.environ.get("SLURM_JOB_ID")},
+                )  # fmt: skip
                 log.warning("%s: checkpointed at step %d; exiting %d so a retry resumes", stop.received or "signal",
                             done, EXIT_PREEMPTED)  # fmt: skip
             metrics.close()

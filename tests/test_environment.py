@@ -1,0 +1,52 @@
+"""check_environment's benchmark: the bandwidth and rate formulas, and reading its results."""
+
+import json
+import re
+
+import pytest
+from environment import benchmark_summary, bus_bandwidth, matmul_rate, parse_benchmark
+from pipeline_io import UserError
+
+
+def test_bus_bandwidth_is_nccl_tests_definition():
+    # nccl-tests: busbw = algbw * 2 (n - 1) / n; 1 GB in 1 s over 8 ranks -> 1.75 GB/s
+    assert bus_bandwidth(10**9, 1.0, 8) == pytest.approx(1.75)
+    assert bus_bandwidth(10**9, 0.5, 2) == pytest.approx(2.0)
+    assert bus_bandwidth(10**9, 1.0, 1) == 0.0  # one rank moves nothing
+    with pytest.raises(ValueError):
+        bus_bandwidth(10**9, 0.0, 2)
+
+
+def test_matmul_rate_counts_two_n_cubed_per_matmul():
+    assert matmul_rate(1000, 2.0, 10) == pytest.approx(2 * 1000**3 * 10 / 2.0)
+
+
+def result(ranks=2, value=10.0, time_s=0.01):
+    return {
+        "matmul": [{"rank": r, "device": "cpu:x", "dtype": "float32", "n": 512, "value": value, "unit": "GFLOP/s"}
+                   for r in range(ranks)],
+        "allreduce": {"backend": "gloo", "ranks": ranks, "bytes": 2**20, "time_s": time_s,
+                      "algbw_gb_s": 0.1, "busbw_gb_s": 0.1},
+    }  # fmt: skip
+
+
+def test_parse_benchmark_accepts_a_complete_result():
+    parsed = parse_benchmark(json.dumps(result()), 2)
+    assert parsed == result()
+    summary = benchmark_summary(parsed)
+    assert "10.0, 10.0 GFLOP/s per rank on cpu:x" in summary and "over 2 rank(s) (gloo)" in summary
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("not json", "unreadable result"),
+        (json.dumps({"matmul": []}), "unreadable result"),
+        (json.dumps(result(ranks=1)), "expected results of 2 rank(s), got 1"),
+        (json.dumps(result(value=0.0)), "non-positive"),
+        (json.dumps(result(time_s=-1.0)), "non-positive"),
+    ],
+)
+def test_parse_benchmark_rejects_incomplete_results(text, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        parse_benchmark(text, 2)
