@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -88,14 +89,24 @@ class TrainConfig:
 # ---------------------------------------------------------------- data
 
 
-def load_examples(path: Path) -> list[tuple[list[int], list[int]]]:
-    table = pq.read_table(path, columns=["input_ids", "labels"])
-    return list(zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist(), strict=True))
+def load_examples(paths: list[Path]) -> list[tuple[list[int], list[int]]]:
+    """The examples of the shards, concatenated in order (joint mode trains on every node's shard)."""
+    examples = []
+    for path in paths:
+        table = pq.read_table(path, columns=["input_ids", "labels"])
+        examples += zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist(), strict=True)
+    return examples
+
+
+def data_sha256(paths: list[Path]) -> str:
+    """One shard's content hash, or a hash of the shards' hashes in order."""
+    shas = [file_sha256(p) for p in paths]
+    return shas[0] if len(shas) == 1 else hashlib.sha256("\n".join(shas).encode()).hexdigest()
 
 
 @dataclasses.dataclass
 class DataPlan:
-    """How the node's examples become optimizer steps; the data position is the step."""
+    """How the examples become optimizer steps over all ranks (of every node); the data position is the step."""
 
     examples: int
     world_size: int
@@ -273,7 +284,7 @@ def run_key(cfg: TrainConfig, data_sha: str, base: str) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="training config as JSON")
-    p.add_argument("--data", required=True, type=Path, help="tokenized shard (Parquet)")
+    p.add_argument("--data", required=True, nargs="+", type=Path, help="tokenized shard(s) (Parquet)")
     p.add_argument("--base-model", required=True)
     p.add_argument("--log-dir", required=True, type=Path, help="metrics.jsonl and TensorBoard events")
     p.add_argument("--checkpoint-root", required=True, type=Path)
@@ -296,7 +307,9 @@ def main(argv=None) -> None:
     examples = load_examples(a.data)
     plan = DataPlan(len(examples), world, cfg.micro_batch_size, cfg.grad_accum, cfg.epochs, cfg.max_steps)
     if len(examples) < plan.micro_batch_size * world:
-        raise UserError(f"{a.data}: {len(examples)} examples, fewer than one micro-batch on every rank")
+        raise UserError(
+            f"{' '.join(map(str, a.data))}: {len(examples)} examples, fewer than one micro-batch on every rank"
+        )
 
     # model, parallelized
     model, attn = load_model(a.base_model, cfg, device)
@@ -306,13 +319,18 @@ def main(argv=None) -> None:
     strategy = build_strategy(cfg, model, device, plan.total_steps, lr_lambda(cfg, plan.total_steps))
 
     # resume from the newest complete checkpoint of this exact config
-    key = run_key(cfg, file_sha256(a.data), a.base_model)
+    key = run_key(cfg, data_sha256(a.data), a.base_model)
     ckpt = Checkpointer(a.checkpoint_root / key, strategy, rank, cfg.keep_checkpoints)
     start_step = ckpt.resume(a.log_dir / "metrics.jsonl")
+    hosts = [None] * world  # where each rank runs: SLURM's node name, or the hostname
+    dist.all_gather_object(hosts, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
     plan_record = {
+        "shards": [p.name for p in a.data],
         "examples": plan.examples,
         "tokens": sum(len(ids) for ids, _ in examples),
         "world_size": world,
+        "nodes": world // int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+        "hosts": hosts,
         "global_batch": plan.global_batch,
         "steps_per_epoch": plan.steps_per_epoch,
         "total_steps": plan.total_steps,
