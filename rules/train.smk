@@ -61,7 +61,7 @@ rule train_joint:
         script=script_path("train.py"),
         config=training_json(),
         base=base_model_ref,
-        log_dir=f"{R}/train/joint",
+        log_dir=lambda wildcards, output: Path(output.state).parent,
         # not an output: Snakemake deletes the outputs of failed jobs, and the retry resumes from here
         checkpoints=f"{R}/checkpoints/joint",
         nodes=config["nodes"],

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -134,6 +135,12 @@ class TwoHostCluster(SlurmCluster):
         host = socket.gethostname().split(".")[0]
         self._network()
         super()._prepare(host)
+        # like srun (see SlurmCluster._prepare), scontrol in a job finds this cluster's slurm.conf:
+        # launch.py asks it for the job's nodes and the first node's address
+        scontrol = self.root / "bin" / "scontrol"
+        conf = shlex.quote(str(self.conf))
+        scontrol.write_text(f'#!/bin/sh\nexport SLURM_CONF={conf}\nexec {which("scontrol")} "$@"\n')
+        scontrol.chmod(0o755)
         base = self.conf.read_text()
         self.conf.write_text(
             two_host_conf(

@@ -71,7 +71,10 @@ def slurm_job(job_id: str) -> tuple[int, int, str]:
     """(nodes, CPUs per task, the first node's address) of the job, from scontrol."""
 
     def scontrol(*args: str) -> str:
-        return subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True).stdout
+        proc = subprocess.run(["scontrol", *args], capture_output=True, text=True)
+        if proc.returncode:
+            raise UserError(f"scontrol {' '.join(args)} failed: {proc.stderr.strip()}")
+        return proc.stdout
 
     job = scontrol_fields(scontrol("show", "job", "-o", job_id))
     first = scontrol("show", "hostnames", job["NodeList"]).split()[0]
