@@ -137,16 +137,21 @@ def test_failing_node_group_ends_the_others():
     assert code == 3 and time.monotonic() - start < 10
 
 
-def test_joint_training_outside_slurm_runs_node_groups_here(tmp_path, demo_assets):
-    """Two node groups of one process each on this machine, over two shards (node0's, twice)."""
-    cfg = {"mode": "joint", "lr": 3e-3, "micro_batch_size": 8, "max_steps": 6, "log_every": 2, "checkpoint_every": 6}
+def local_joint_command(tmp_path, demo_assets, **cfg) -> list[str]:
+    """launch.py outside SLURM: two node groups of one process each, over two shards (node0's, twice)."""
+    cfg = {"mode": "joint", "lr": 3e-3, "micro_batch_size": 8, "log_every": 2} | cfg
     log_dir = tmp_path / "train"
-    cmd = [
+    return [
         str(BIN / "python"), str(REPO / "workflow_scripts/launch.py"), "--nodes", "2", "--procs-per-node", "1",
         "--threads", "2", "--", str(REPO / "workflow_scripts/train.py"), "--config", json.dumps(cfg),
         "--data", str(demo_assets["node0"]), str(demo_assets["node0"]), "--base-model", str(demo_assets["base"]),
         "--log-dir", str(log_dir), "--checkpoint-root", str(tmp_path / "ckpt"), "--state", str(log_dir / "state.json"),
     ]  # fmt: skip
+
+
+def test_joint_training_outside_slurm_runs_node_groups_here(tmp_path, demo_assets):
+    cmd = local_joint_command(tmp_path, demo_assets, max_steps=6, checkpoint_every=6)
+    log_dir = tmp_path / "train"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "2 node groups on this machine" in proc.stderr
@@ -155,6 +160,30 @@ def test_joint_training_outside_slurm_runs_node_groups_here(tmp_path, demo_asset
     assert (plan["world_size"], plan["nodes"], plan["examples"]) == (2, 2, 2 * one_shard)
     losses = [json.loads(line)["loss"] for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_sigterm_checkpoints_every_node_group_and_the_rerun_resumes(tmp_path, demo_assets):
+    cmd = local_joint_command(tmp_path, demo_assets, max_steps=40, checkpoint_every=4)
+    proc = subprocess.Popen(cmd, env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not any((tmp_path / "ckpt").glob("*/step-4/COMPLETE")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # forwarded to both node groups, as SLURM signals every node
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # the ranks checkpoint together and exit 75; train_joint maps the marker back to 75
+    assert proc.returncode != 0 and "exiting 75" in err, err[-3000:]
+    assert json.loads((tmp_path / "train" / "preempted.json").read_text())["signal"] == "SIGTERM"
+    stopped = max(int(p.parent.name.split("-")[1]) for p in (tmp_path / "ckpt").glob("*/step-*/COMPLETE"))
+    assert 4 <= stopped < 40
+    resumed = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
+    assert resumed.returncode == 0 and f"at step {stopped}" in resumed.stderr, resumed.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(2, 41, 2))  # every logged step once
 
 
 def test_joint_mode_dag_and_config_errors(tmp_path):

@@ -16,6 +16,7 @@ srun ends the others. Outside SLURM it starts the N node groups on this machine,
 """
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -86,23 +87,27 @@ def slurm_job(job_id: str) -> tuple[int, int, str]:
 def run_groups(commands: list[list[str]], env: dict) -> int:
     """Run the node groups side by side; the first failure kills the rest. Returns the exit code."""
     procs = [subprocess.Popen(cmd, env=env, start_new_session=True) for cmd in commands]
+    signalled = []
 
     def forward(signum, frame):
+        signalled.append(signum)
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signum)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, forward)
     code = 0
     while any(p.poll() is None for p in procs):
         failed = [p for p in procs if p.poll() not in (None, 0)]
-        if failed and not code:
+        if failed and not code and not signalled:  # after a signal every group checkpoints and exits by itself
             code = failed[0].returncode
             log.error("node group %d exited %d; ending the others", procs.index(failed[0]), code)
             for p in procs:
                 if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
         time.sleep(0.2)
     return code or next((p.returncode for p in procs if p.returncode), 0)
 

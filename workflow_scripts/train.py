@@ -386,10 +386,13 @@ def main(argv=None) -> None:
         if done % cfg.checkpoint_every == 0 and done < plan.total_steps:
             ckpt.save(done, a.log_dir / "metrics.jsonl")
         if done < plan.total_steps and stop.agreed(device):
+            # the marker first: once save()'s last barrier lets any rank exit, srun (joint mode) or
+            # torchrun may end the others, rank 0 included
+            if rank == 0:
+                write_json(a.log_dir / "preempted.json", {"step": done, "signal": stop.received, "time": time.time()})
             if done % cfg.checkpoint_every:
                 ckpt.save(done, a.log_dir / "metrics.jsonl")
             if rank == 0:
-                write_json(a.log_dir / "preempted.json", {"step": done, "signal": stop.received, "time": time.time()})
                 log.warning("%s: checkpointed at step %d; exiting %d so a retry resumes", stop.received or "signal",
                             done, EXIT_PREEMPTED)  # fmt: skip
             metrics.close()
