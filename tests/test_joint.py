@@ -199,6 +199,30 @@ def test_joint_mode_dag_and_config_errors(tmp_path):
     assert proc.returncode != 0 and "needs nodes >= 2" in proc.stderr
 
 
+def test_slurm_profile_asks_for_every_node_with_its_gpus_in_one_job(tmp_path):
+    """The sbatch line the slurm plugin builds from profiles/slurm for train_joint (nodes from the config)."""
+    from types import SimpleNamespace
+
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+
+    config = tiny_config("t", mode="joint") | {"nodes": 3}
+    env = tool_env() | {"TRAIN_GPUS": "4", "TRAIN_CPUS": "32", "SLURM_PARTITION": "gpu"}
+    proc = snakemake(tmp_path, config, "-n", "--profile", str(REPO / "profiles" / "slurm"), env=env)
+    block = (proc.stdout + proc.stderr).split("rule train_joint:")[1].split("\n[")[0]
+    text = re.search(r"resources: (.*)", block).group(1)
+    resources = {k: int(v) if v.isdigit() else v for k, v in (kv.split("=", 1) for kv in text.split(", "))}
+
+    class Resources(dict):
+        __getattr__ = dict.__getitem__
+
+    job = SimpleNamespace(resources=Resources(resources), threads=32)
+    params = {"run_uuid": "u", "slurm_logfile": "l", "comment_str": "c", "account": "", "partition": "", "workdir": ""}
+    sbatch = (get_submit_command(job, params) + set_gres_string(job)).split()
+    assert {"--nodes=3", "--ntasks=3", "--cpus-per-task=32", "--gres=gpu:4"} <= set(sbatch), sbatch
+    assert not [a for a in sbatch if a.startswith(("--ntasks-per-gpu", "--gpus"))], sbatch
+
+
 # ---------------------------------------------------------------- on a two-host SLURM cluster
 
 

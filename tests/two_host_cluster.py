@@ -50,8 +50,9 @@ def free_subnet(used: list[str], prefix: str = "10.213") -> ipaddress.IPv4Networ
     raise RuntimeError(f"no free /24 under {prefix}.0.0/16")
 
 
-def two_host_conf(base: str, host: str, ctld_addr: str, nodes: dict[str, str], root: Path, partition: str,
-                  cpus: int, memory_mb: int) -> str:  # fmt: skip
+def two_host_conf(
+    base: str, host: str, ctld_addr: str, nodes: dict[str, str], root: Path, partition: str, cpus: int, memory_mb: int
+) -> str:
     """slurm.conf of the single-machine cluster (``base``) with the controller on the bridge's address,
     ``nodes`` (name -> address) as the compute nodes, and per-node (``%n``) slurmd paths."""
     replace = {
@@ -60,15 +61,12 @@ def two_host_conf(base: str, host: str, ctld_addr: str, nodes: dict[str, str], r
         "SlurmdLogFile": f"SlurmdLogFile={root}/slurmd-%n.log",
         "SlurmdSpoolDir": f"SlurmdSpoolDir={root}/spool/%n",
     }
-    lines, seen = [], set()
+    lines = []
     for line in base.splitlines():
         key = line.split("=", 1)[0]
-        if key in ("NodeName", "PartitionName"):
-            continue
-        if key in replace:
-            line, _ = replace[key], seen.add(key)
-        lines.append(line)
-    missing = set(replace) - seen
+        if key not in ("NodeName", "PartitionName"):
+            lines.append(replace.get(key, line))
+    missing = set(replace) - {line.split("=", 1)[0] for line in base.splitlines()}
     if missing:
         raise ValueError(f"slurm.conf template lacks {sorted(missing)}")
     lines += [
@@ -141,19 +139,16 @@ class TwoHostCluster(SlurmCluster):
         conf = shlex.quote(str(self.conf))
         scontrol.write_text(f'#!/bin/sh\nexport SLURM_CONF={conf}\nexec {which("scontrol")} "$@"\n')
         scontrol.chmod(0o755)
-        base = self.conf.read_text()
-        self.conf.write_text(
-            two_host_conf(
-                base, host, self.bridge_addr, self.node_addrs, self.root, self.partition, self.cpus, self.memory_mb
-            )  # fmt: skip
-        )
+        conf = two_host_conf(self.conf.read_text(), host, self.bridge_addr, self.node_addrs, self.root,
+                             self.partition, self.cpus, self.memory_mb)  # fmt: skip
+        self.conf.write_text(conf)
         for node in self.nodes:
             (self.root / "spool" / node).mkdir(parents=True, exist_ok=True)
         self._start_controller(deadline)
         for i, node in enumerate(self.nodes):
             netns = f"/run/netns/{self.netns_name(i)}"
-            self._spawn(f"slurmd-{node}", ["nsenter", f"--net={netns}", which("slurmd"), "-D", "-f", str(self.conf),
-                                           "-N", node])  # fmt: skip
+            slurmd = [which("slurmd"), "-D", "-f", str(self.conf), "-N", node]
+            self._spawn(f"slurmd-{node}", ["nsenter", f"--net={netns}", *slurmd])
         self._wait_started(self._nodes_idle, deadline, f"{len(self.nodes)} idle nodes in sinfo")
 
     def _nodes_idle(self) -> bool:
