@@ -42,9 +42,15 @@ validate_config(config)
 RUN = config["run"]
 R = f"results/{RUN}"
 LOGS = f"logs/{RUN}"
-NODES = [f"node{i}" for i in range(config["nodes"])]
+NODES = [f"node{i}" for i in range(config["nodes"])]  # the data shards, one per node
+JOINT = config["training"]["mode"] == "joint"
+if JOINT and config["nodes"] < 2:
+    fail("training.mode joint trains one model over `nodes` machines and needs nodes >= 2 (use per_node for one)")
+if JOINT and config["eval"]["soup"]:
+    fail("eval.soup averages per-node models; training.mode joint trains one model: set eval.soup to false")
+TRAINED = ["joint"] if JOINT else NODES  # the trained models: one over all nodes, or one per node
 SOUPS = ["soup_uniform", "soup_greedy"] if config["eval"]["soup"] else []
-MODELS = ["base", *NODES, *SOUPS]
+MODELS = ["base", *TRAINED, *SOUPS]
 try:
     PRESET = preset_name(config["model"]["name_or_path"])  # demo, a from-scratch size, or None
 except UserError as e:
@@ -54,7 +60,7 @@ METRICS = Path(workflow.basedir) / "metrics"
 
 
 wildcard_constraints:
-    node="|".join(NODES),
+    node="|".join(TRAINED),
     model="|".join(MODELS),
     shard="|".join(NODES),
 
@@ -176,13 +182,16 @@ MEMORY_KEYS = ["strategy", "zero_stage", "offload", "peft", "lora", "procs_per_n
 
 def memory_json():
     """The training keys that change memory use (so a new learning rate does not rerun the plan)."""
-    return json.dumps({k: config["training"][k] for k in MEMORY_KEYS}, sort_keys=True)
+    keys = {k: config["training"][k] for k in MEMORY_KEYS}
+    if JOINT:  # ZeRO and FSDP shard over every node's ranks
+        keys["world_size"] = config["nodes"] * config["training"]["procs_per_node"]
+    return json.dumps(keys, sort_keys=True)
 
 
 def final_outputs():
-    """The report's inputs and each node's model (so a deleted model is rebuilt)."""
+    """The report's inputs and each trained model (so a deleted model is rebuilt)."""
     return [
-        *expand(f"{R}/models/{{node}}", node=NODES),
+        *expand(f"{R}/models/{{node}}", node=TRAINED),
         f"{R}/env/check.json",
         f"{R}/data/manifest.json",
         f"{R}/data/report.json",

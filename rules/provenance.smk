@@ -2,7 +2,7 @@ rule provenance:
     input:
         manifest=f"{R}/data/manifest.json",
         env=f"{R}/env/check.json",
-        states=expand(f"{R}/train/{{node}}/train_state.json", node=NODES),
+        states=expand(f"{R}/train/{{node}}/train_state.json", node=TRAINED),
     output:
         report(f"{R}/provenance.json", caption="../report/provenance.rst", category="Provenance"),
     log:

@@ -1,7 +1,7 @@
 rule summarize:
     input:
         results=expand(f"{R}/eval/{{model}}.json", model=MODELS),
-        metrics=expand(f"{R}/train/{{node}}/metrics.jsonl", node=NODES),
+        metrics=expand(f"{R}/train/{{node}}/metrics.jsonl", node=TRAINED),
     output:
         summary=report(
             f"{R}/eval/summary.csv",

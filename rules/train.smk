@@ -10,6 +10,8 @@ rule train_node:
         state=f"{R}/train/{{node}}/train_state.json",
     log:
         f"{LOGS}/train_node/{{node}}.log",
+    wildcard_constraints:
+        node="|".join(NODES),
     conda:
         "../envs/train.yaml"
     threads: config["training"]["procs_per_node"]
@@ -36,4 +38,46 @@ rule train_node:
         " --base-model {params.base} --log-dir {params.log_dir}"
         " --checkpoint-root {params.checkpoints} --state {output.state} > {log} 2>&1"
         # torchrun reports a signal as a plain failure; the trainer's marker tells preemption apart
+        " || {{ rc=$?; test -f {params.log_dir}/preempted.json && exit 75; exit $rc; }}"
+
+
+# training.mode joint: one model over all nodes in one job, on every node's shard (launch.py)
+rule train_joint:
+    input:
+        env=f"{R}/env/check.json",
+        plan=f"{R}/plan/memory.json",
+        tokens=expand(f"{R}/data/tokenized/{{shard}}.parquet", shard=NODES),
+        packing=expand(f"{R}/data/tokenized/{{shard}}.packing.parquet", shard=NODES),
+        base=base_model_input(),
+    output:
+        metrics=f"{R}/train/joint/metrics.jsonl",
+        state=f"{R}/train/joint/train_state.json",
+    log:
+        f"{LOGS}/train_joint.log",
+    conda:
+        "../envs/train.yaml"
+    threads: config["training"]["procs_per_node"]
+    resources:
+        # The node count is the experiment's (the config's), so the rule sets it, not the profile:
+        # one SLURM task per node, each starting torchrun. `mpi` tells the slurm executor that the
+        # shell starts its own srun, so it runs in the batch script, not inside a job step.
+        nodes=config["nodes"],
+        tasks=config["nodes"],
+        mpi="srun",
+    params:
+        launch=script_path("launch.py"),
+        script=script_path("train.py"),
+        config=training_json(),
+        base=base_model_ref,
+        log_dir=lambda wildcards, output: Path(output.state).parent,
+        # not an output: Snakemake deletes the outputs of failed jobs, and the retry resumes from here
+        checkpoints=f"{R}/checkpoints/joint",
+        nodes=config["nodes"],
+        procs=config["training"]["procs_per_node"],
+    shell:
+        "python {params.launch} --nodes {params.nodes} --procs-per-node {params.procs} --threads {threads}"
+        " -- {params.script} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
+        " --base-model {params.base} --log-dir {params.log_dir}"
+        " --checkpoint-root {params.checkpoints} --state {output.state} > {log} 2>&1"
+        # srun and torchrun report a signal as a plain failure; the trainer's marker tells preemption apart
         " || {{ rc=$?; test -f {params.log_dir}/preempted.json && exit 75; exit $rc; }}"

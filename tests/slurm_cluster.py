@@ -200,6 +200,18 @@ class SlurmCluster:
 
     def _start(self, deadline: float) -> None:
         host = socket.gethostname().split(".")[0]
+        self._prepare(host)
+        self._start_controller(deadline)
+        self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", host])
+
+        def node_idle() -> bool:
+            states = self.cmd("sinfo", "-h", "-o", "%t", check=False).stdout.split()
+            return bool(states) and all(s.rstrip("*~#") == "idle" for s in states)
+
+        self._wait_started(node_idle, deadline, "the node to be idle in sinfo")
+
+    def _prepare(self, host: str) -> None:
+        """The munge key, slurm.conf and the srun wrapper under ``root``."""
         for sub in ("state", "spool", "munge"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         # munged refuses group/world-accessible key files and socket directories
@@ -223,6 +235,10 @@ class SlurmCluster:
         wrapper.write_text(f'#!/bin/sh\nexport SLURM_CONF={shlex.quote(str(self.conf))}\nexec {which("srun")} "$@"\n')
         wrapper.chmod(0o755)
 
+    def _start_controller(self, deadline: float) -> None:
+        """munged, then slurmctld; returns once slurmctld answers a ping."""
+        key = self.root / "munge" / "munge.key"
+        socket_path = Path(self.conf_value("AuthInfo").split("=", 1)[1])
         self._spawn(
             "munged",
             [
@@ -234,13 +250,13 @@ class SlurmCluster:
         self._wait_started(lambda: socket_path.exists(), deadline, "munged's socket")
         self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         self._wait_started(lambda: "UP" in self.cmd("scontrol", "ping", check=False).stdout, deadline, "slurmctld")
-        self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", host])
 
-        def node_idle() -> bool:
-            states = self.cmd("sinfo", "-h", "-o", "%t", check=False).stdout.split()
-            return bool(states) and all(s.rstrip("*~#") == "idle" for s in states)
-
-        self._wait_started(node_idle, deadline, "the node to be idle in sinfo")
+    def conf_value(self, key: str) -> str:
+        """The value of ``key`` in slurm.conf."""
+        for line in self.conf.read_text().splitlines():
+            if line.startswith(f"{key}="):
+                return line.split("=", 1)[1]
+        raise KeyError(key)
 
     def _wait_started(self, predicate, deadline: float, what: str) -> None:
         while True:
@@ -260,7 +276,8 @@ class SlurmCluster:
             self.cancel_all()
             with contextlib.suppress(TimeoutError, subprocess.SubprocessError):
                 self.wait_until_queue_empty(timeout=30)
-        for name in ("slurmd", "slurmctld", "munged"):
+        slurmds = [name for name in self.procs if name.startswith("slurmd")]
+        for name in (*slurmds, "slurmctld", "munged"):
             proc = self.procs.get(name)
             if proc is None or proc.poll() is not None:
                 continue

@@ -27,7 +27,8 @@ from conftest import BIN, DEMO_CSV, REPO, check_outputs, job_logs, snakemake, ti
 
 EXAMPLES_DIR = REPO / "config" / "examples"
 EXAMPLES = sorted(p.name for p in EXAMPLES_DIR.glob("*.yaml"))
-GPU_RULES = {"train_node", "check_environment"}
+TRAIN_RULES = {"train_node", "train_joint"}
+GPU_RULES = {*TRAIN_RULES, "check_environment"}
 # CPU jobs that hold a whole model in fp32: their memory comes from MODEL_MEM_MB
 MODEL_RULES = {"consolidate_node", "evaluate_model", "build_demo_model", "make_soup"}
 LOCAL_RULES = {"plan_training", "all"}
@@ -51,11 +52,6 @@ def header_command(name: str) -> tuple[dict, list[str]]:
             argv = shlex.split(text)
     assert argv, f"{name}: no snakemake command in the header"
     return env, argv
-
-
-def joint_mode_implemented() -> bool:
-    """Whether the workflow reads training.mode (rules/*.smk name "joint"); the schema has the key already."""
-    return any("joint" in p.read_text() for p in (REPO / "rules").glob("*.smk"))
 
 
 def deep_merge(base: dict, over: dict) -> dict:
@@ -304,7 +300,7 @@ def submit_example(name: str, tmp_path: Path) -> tuple[dict, list[tuple[str, dic
     dry = subprocess.run([*cmd, "-n"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert dry.returncode == 0, dry.stderr[-3000:]
     outputs = planned_outputs(dry.stdout + dry.stderr)
-    assert "train_node" in outputs, (dry.stdout + dry.stderr)[-3000:]
+    assert TRAIN_RULES & set(outputs), (dry.stdout + dry.stderr)[-3000:]
     for path in (p for paths in outputs.values() for p in paths):
         target = workdir / path
         if not target.suffix:  # directory() outputs: models/<node>, base_model
@@ -344,8 +340,8 @@ def check_submissions(name: str, exports: dict, submissions: list[tuple[str, dic
     mem = int(exports.get("TRAIN_MEM_MB", 200000))
     hours = int(exports.get("TRAIN_HOURS", 24))
     model_mem = exports.get("MODEL_MEM_MB")
-    train = [opts for rule, opts in submissions if rule == "train_node"]
     joint = config["training"]["mode"] == "joint"
+    train = [opts for rule, opts in submissions if rule == ("train_joint" if joint else "train_node")]
     assert len(train) == (1 if joint else config["nodes"])
     for rule, opts in submissions:
         assert opts["-A"] == exports["SLURM_ACCOUNT"], (rule, opts)
@@ -356,7 +352,7 @@ def check_submissions(name: str, exports: dict, submissions: list[tuple[str, dic
             gres = opts.get("--gres", "")
             per_node = int(opts.get("--gpus-per-node", 0)) or int(gres.rsplit(":", 1)[-1] if gres else 0)
             total = int(opts.get("--gpus", 0)) or per_node * int(opts["--nodes"])
-            if rule == "train_node":
+            if rule in TRAIN_RULES:
                 nodes = config["nodes"] if joint else 1
                 assert opts["--nodes"] == str(nodes), opts
                 assert total == nodes * gpus, opts
@@ -374,22 +370,7 @@ def check_submissions(name: str, exports: dict, submissions: list[tuple[str, dic
                 assert opts["--mem"] == model_mem, (rule, opts)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(
-                not joint_mode_implemented(),
-                reason="training.mode: joint is not implemented in this branch (one job over N nodes)",
-                strict=False,
-            ),
-        )
-        if load(name)["training"]["mode"] == "joint"
-        else name
-        for name in EXAMPLES
-    ],
-)
+@pytest.mark.parametrize("name", EXAMPLES)
 def test_example_submits_the_seeds_sbatch_resources(name, tmp_path):
     exports, submissions, _ = submit_example(name, tmp_path)
     check_submissions(name, exports, submissions)
@@ -445,10 +426,7 @@ TWINS = [
     "001-llama3-8b-fsdp.yaml",
     # ZeRO-3 and FSDP run end to end in test_workflow.py; ZeRO-1 nowhere else
     "002-zero1.yaml",
-    pytest.param(
-        "003-joint-2nodes.yaml",
-        marks=pytest.mark.skipif(not joint_mode_implemented(), reason="training.mode: joint is not implemented yet"),
-    ),
+    "003-joint-2nodes.yaml",
     "004-lora-ddp-2gpu.yaml",
 ]
 

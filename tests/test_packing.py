@@ -49,8 +49,8 @@ def test_collate_packed_restarts_positions_and_masks_boundaries():
 def packed_data(demo_assets):
     from transformers import AutoModelForCausalLM
 
-    examples = load_examples(demo_assets["node0"])
-    bins = load_bins(demo_assets["packing"], len(examples))
+    examples = load_examples([demo_assets["node0"]])
+    bins = load_bins([demo_assets["packing"]], [demo_assets["node0"]])
     models = {
         attn: AutoModelForCausalLM.from_pretrained(demo_assets["base"], dtype=torch.float32, attn_implementation=attn)
         for attn in ("sdpa", "eager")
@@ -133,10 +133,16 @@ def test_a_plan_that_does_not_cover_the_shard_is_refused(tmp_path, demo_assets):
     import pyarrow.parquet as pq
     from pipeline_io import UserError
 
-    n = len(load_examples(demo_assets["node0"]))
     pq.write_table(pa.table({"bin": [0], "examples": [[0, 1]]}), tmp_path / "plan.parquet")
-    with pytest.raises(UserError, match="plan.parquet: packing plan does not cover"):
-        load_bins(tmp_path / "plan.parquet", n)
+    with pytest.raises(UserError, match="plan.parquet: packing plan does not cover the .* examples of node0.parquet"):
+        load_bins([tmp_path / "plan.parquet"], [demo_assets["node0"]])
+
+
+def test_plans_of_several_shards_index_the_concatenation(demo_assets):
+    one = load_bins([demo_assets["packing"]], [demo_assets["node0"]])
+    two = load_bins([demo_assets["packing"]] * 2, [demo_assets["node0"]] * 2)
+    n = len(load_examples([demo_assets["node0"]]))
+    assert two == one + [[i + n for i in b] for b in one]
 
 
 def test_model_flops_count_matmuls_and_attention(packed_data):

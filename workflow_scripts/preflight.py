@@ -128,7 +128,7 @@ def main(argv=None) -> None:
     else:
         config = AutoConfig.from_pretrained(a.model)
     n = count_parameters(config)
-    world = t["procs_per_node"]
+    world = t.get("world_size", t["procs_per_node"])  # joint mode: every node's ranks
     est = estimate(config, n, t, world, a.seq_len)
     est["without_checkpointing_gb"] = estimate(config, n, t | {"gradient_checkpointing": False}, world, a.seq_len)[
         "total_gb"

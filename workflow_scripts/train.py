@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -89,23 +90,41 @@ class TrainConfig:
 # ---------------------------------------------------------------- data
 
 
-def load_examples(path: Path) -> list[tuple[list[int], list[int]]]:
-    table = pq.read_table(path, columns=["input_ids", "labels"])
-    return list(zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist(), strict=True))
+def load_examples(paths: list[Path]) -> list[tuple[list[int], list[int]]]:
+    """The examples of the shards, concatenated in order (joint mode trains on every node's shard)."""
+    examples = []
+    for path in paths:
+        table = pq.read_table(path, columns=["input_ids", "labels"])
+        examples += zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist(), strict=True)
+    return examples
 
 
-def load_bins(path: Path, examples: int) -> list[list[int]]:
-    """The packing plan written by tokenize_shard: example indices of each bin."""
-    bins = pq.read_table(path, columns=["examples"]).column("examples").to_pylist()
-    packed = sorted(i for b in bins for i in b)
-    if packed != list(range(examples)):
-        raise UserError(f"{path}: packing plan does not cover the {examples} examples of its shard exactly once")
+def data_sha256(paths: list[Path]) -> str:
+    """One shard's content hash, or a hash of the shards' hashes in order."""
+    shas = [file_sha256(p) for p in paths]
+    return shas[0] if len(shas) == 1 else hashlib.sha256("\n".join(shas).encode()).hexdigest()
+
+
+def load_bins(plans: list[Path], shards: list[Path]) -> list[list[int]]:
+    """The packing plans written by tokenize_shard (example indices of each bin), one per shard,
+    as indices into the shards' concatenated examples."""
+    if len(plans) != len(shards):
+        raise UserError(f"{len(plans)} packing plan(s) for {len(shards)} shard(s)")
+    bins, offset = [], 0
+    for plan, shard in zip(plans, shards, strict=True):
+        count = pq.ParquetFile(shard).metadata.num_rows
+        own = pq.read_table(plan, columns=["examples"]).column("examples").to_pylist()
+        if sorted(i for b in own for i in b) != list(range(count)):
+            raise UserError(f"{plan}: packing plan does not cover the {count} examples of {shard.name} exactly once")
+        bins += [[offset + i for i in b] for b in own]
+        offset += count
     return bins
 
 
 @dataclasses.dataclass
 class DataPlan:
-    """How the node's data units (examples, or packed bins) become optimizer steps; the data position is the step."""
+    """How the data units (examples, or packed bins) of every shard become optimizer steps over all ranks
+    (of every node, in joint mode); the data position is the step."""
 
     examples: int  # units: examples, or bins when packing
     world_size: int
@@ -365,8 +384,8 @@ def run_key(cfg: TrainConfig, data_sha: str, base: str) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="training config as JSON")
-    p.add_argument("--data", required=True, type=Path, help="tokenized shard (Parquet)")
-    p.add_argument("--packing", type=Path, help="the shard's packing plan (needed with training.packing)")
+    p.add_argument("--data", required=True, nargs="+", type=Path, help="tokenized shard(s) (Parquet)")
+    p.add_argument("--packing", nargs="+", type=Path, help="each shard's packing plan (needed with training.packing)")
     p.add_argument("--base-model", required=True)
     p.add_argument("--log-dir", required=True, type=Path, help="metrics.jsonl and TensorBoard events")
     p.add_argument("--checkpoint-root", required=True, type=Path)
@@ -391,12 +410,13 @@ def main(argv=None) -> None:
     if cfg.packing and a.packing is None:
         raise UserError("training.packing is true but no --packing plan was given")
     examples = load_examples(a.data)
-    bins = load_bins(a.packing, len(examples)) if cfg.packing else None
+    bins = load_bins(a.packing, a.data) if cfg.packing else None
     units = len(bins) if cfg.packing else len(examples)
     plan = DataPlan(units, world, cfg.micro_batch_size, cfg.grad_accum, cfg.epochs, cfg.max_steps)
     if units < plan.micro_batch_size * world:
         what = "packed bins" if cfg.packing else "examples"
-        raise UserError(f"{a.data}: {units} {what}, fewer than one micro-batch on every rank")
+        shards = " ".join(map(str, a.data))
+        raise UserError(f"{shards}: {units} {what}, fewer than one micro-batch on every rank")
 
     # model, parallelized
     model, attn = load_model(a.base_model, cfg, device)
@@ -408,15 +428,20 @@ def main(argv=None) -> None:
     strategy = build_strategy(cfg, model, device, plan.total_steps, lr_lambda(cfg, plan.total_steps))
 
     # resume from the newest complete checkpoint of this exact config
-    data_sha = file_sha256(a.data) + (file_sha256(a.packing) if cfg.packing else "")
+    data_sha = data_sha256(a.data) + (data_sha256(a.packing) if cfg.packing else "")
     key = run_key(cfg, data_sha, a.base_model)
     ckpt = Checkpointer(a.checkpoint_root / key, strategy, rank, cfg.keep_checkpoints)
     start_step = ckpt.resume(a.log_dir / "metrics.jsonl")
+    hosts = [None] * world  # where each rank runs: SLURM's node name, or the hostname
+    dist.all_gather_object(hosts, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
     plan_record = {
+        "shards": [p.name for p in a.data],
         "examples": len(examples),
         "packed_bins": len(bins) if cfg.packing else None,
         "tokens": sum(len(ids) for ids, _ in examples),
         "world_size": world,
+        "nodes": world // int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+        "hosts": hosts,
         "global_batch": plan.global_batch,
         "steps_per_epoch": plan.steps_per_epoch,
         "total_steps": plan.total_steps,
@@ -476,14 +501,17 @@ def main(argv=None) -> None:
         if done % cfg.checkpoint_every == 0 and done < plan.total_steps:
             ckpt.save(done, a.log_dir / "metrics.jsonl")
         if done < plan.total_steps and stop.agreed(device):
-            if done % cfg.checkpoint_every:
-                ckpt.save(done, a.log_dir / "metrics.jsonl")
+            # the marker first: once save()'s last barrier lets any rank exit, srun (joint mode) or
+            # torchrun may end the others, rank 0 included
             if rank == 0:
                 write_json(
                     a.log_dir / "preempted.json",
                     {"step": done, "signal": stop.received, "time": time.time(),
                      "slurm_job_id": os.environ.get("SLURM_JOB_ID")},
                 )  # fmt: skip
+            if done % cfg.checkpoint_every:
+                ckpt.save(done, a.log_dir / "metrics.jsonl")
+            if rank == 0:
                 log.warning("%s: checkpointed at step %d; exiting %d so a retry resumes", stop.received or "signal",
                             done, EXIT_PREEMPTED)  # fmt: skip
             metrics.close()
