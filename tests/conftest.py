@@ -134,7 +134,7 @@ def demo_assets(tmp_path_factory):
     }
 
 
-def check_outputs(root, nodes=("node0", "node1"), soups=False):
+def check_outputs(root, nodes=("node0", "node1"), soups=False, shards=("node0", "node1")):
     """What every finished tiny_config run has: summary, logged steps, models that beat base, data report."""
     import pandas as pd
 
@@ -154,7 +154,7 @@ def check_outputs(root, nodes=("node0", "node1"), soups=False):
     rows = sum(n["rows"] for n in manifest["nodes"]) + manifest["eval"]["rows"] + manifest["rejects"]["rows"]
     assert rows == manifest["rows_in"]
     data_report = json.loads((root / "data" / "report.json").read_text())
-    assert set(data_report["shards"]) == {*nodes, "eval"}
+    assert set(data_report["shards"]) == {*shards, "eval"}
     assert (root / "data" / "overview.png").stat().st_size > 10_000
     env = json.loads((root / "env" / "check.json").read_text())
     assert env["ok"]

@@ -424,17 +424,22 @@ def test_cpu_twin_keeps_the_examples_training_setup():
 TWINS = [
     "000-qwen3-32b-zero3-offload.yaml",
     "001-llama3-8b-fsdp.yaml",
-    # ZeRO-3 and FSDP run end to end in test_workflow.py; ZeRO-1 nowhere else
+    # ZeRO-3 and FSDP run end to end in the 000 and 001 twins (with soups); ZeRO-1 here
     "002-zero1.yaml",
     "003-joint-2nodes.yaml",
     "004-lora-ddp-2gpu.yaml",
 ]
 
 
+# these two also average their node models: the soups end to end with ZeRO-3 (+ offload) and FSDP
+SOUP_TWINS = {"000-qwen3-32b-zero3-offload.yaml", "001-llama3-8b-fsdp.yaml"}
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", TWINS)
 def test_cpu_twin_runs_end_to_end(name, tmp_path):
     twin = cpu_twin(name)
+    twin["eval"]["soup"] = name in SOUP_TWINS
     start = time.monotonic()
     snakemake(tmp_path, twin)
     print(f"{name} twin: {time.monotonic() - start:.0f} s")
@@ -446,7 +451,7 @@ def test_cpu_twin_runs_end_to_end(name, tmp_path):
         assert len(models) == 1, models
         check_outputs(root, nodes=tuple(models))
     else:
-        check_outputs(root)
+        check_outputs(root, soups=name in SOUP_TWINS)
         models = ["node0", "node1"]
     # the trainer ran with the example's setup
     state = json.loads(next((root / "train").glob("*/train_state.json")).read_text())

@@ -295,7 +295,7 @@ def test_joint_mode_trains_one_model_over_two_slurm_hosts(two_hosts, joint_run):
     losses = [
         json.loads(line)["loss"] for line in (root / "train" / "joint" / "metrics.jsonl").read_text().splitlines()
     ]
-    assert len(losses) == 3 and losses[0] > losses[1] > losses[2], losses
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
     summary = pd.read_csv(root / "eval" / "summary.csv").set_index("model")
     assert summary.index.tolist() == ["base", "joint"]
     assert summary.loc["joint", "eval_loss"] < summary.loc["base", "eval_loss"]

@@ -66,16 +66,6 @@ def test_report_builds(ddp_run):
         assert name in html
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
-def test_other_strategies_end_to_end_with_soups(tmp_path, strategy):
-    config = tiny_config("t", strategy, zero_stage=3)
-    config["eval"]["soup"] = True
-    snakemake(tmp_path, config)
-    root = tmp_path / "results" / "t"
-    check_outputs(root, soups=True)
-    assert json.loads((root / "models" / "soup_uniform" / "soup.json").read_text())["members"] == ["node0", "node1"]
-
-
 @pytest.mark.parametrize(
     "override,needle",
     [
