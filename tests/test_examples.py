@@ -370,15 +370,21 @@ def check_submissions(name: str, exports: dict, submissions: list[tuple[str, dic
                 assert opts["--mem"] == model_mem, (rule, opts)
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
+# The 002 variants differ only in their strategy keys and share their exports (tested above), so their
+# sbatch lines are those of 002-zero1; submitting each costs ~10 s of CI for no new line.
+SUBMITTED_EXAMPLES = [name for name in EXAMPLES if not name.startswith(("002-zero2", "002-zero3", "002-fsdp"))]
+
+
+@pytest.mark.parametrize("name", SUBMITTED_EXAMPLES)
 def test_example_submits_the_seeds_sbatch_resources(name, tmp_path):
     exports, submissions, _ = submit_example(name, tmp_path)
     check_submissions(name, exports, submissions)
+    if name.startswith("000-"):
+        check_seed_000_lines(submissions)
 
 
-def test_seed_000_sbatch_lines(tmp_path):
+def check_seed_000_lines(submissions):
     """The literal numbers of seed 000: 4 nodes x 4 GPUs, 500 GB host memory, 36 h."""
-    _, submissions, _ = submit_example("000-qwen3-32b-zero3-offload.yaml", tmp_path)
     train = [opts for rule, opts in submissions if rule == "train_node"]
     assert len(train) == 4
     assert {(o["-p"], o["--nodes"], o["--gpus"], o["--cpus-per-task"], o["--mem"], o["-t"]) for o in train} == {

@@ -74,8 +74,9 @@ def train_and_consolidate(tmp_path, demo_assets, max_shard_size="2GB", **overrid
 
 @pytest.mark.parametrize(
     "strategy,extra",
-    [("ddp", {}), ("fsdp", {}), ("deepspeed", {"zero_stage": 3})],
-    ids=["ddp", "fsdp", "deepspeed-zero3"],
+    # LoRA + DDP runs end to end in the seed-004 twin (tests/test_examples.py)
+    [("fsdp", {}), ("deepspeed", {"zero_stage": 3})],
+    ids=["fsdp", "deepspeed-zero3"],
 )
 def test_lora_trains_and_consolidates(tmp_path, demo_assets, strategy, extra):
     losses, out = train_and_consolidate(tmp_path, demo_assets, strategy=strategy, peft="lora", lora_r=4, **extra)
@@ -91,9 +92,9 @@ def test_lora_trains_and_consolidates(tmp_path, demo_assets, strategy, extra):
     assert all(v.shape[1] == 4 for v in lora_b.values())
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [2])  # ZeRO-1 is consolidated (and checked) end to end in the seed-002 twin
 def test_deepspeed_full_finetune_consolidates_sharded_with_equal_logits(tmp_path, demo_assets, stage):
-    """ZeRO 1/2 (one merged fp32 vector per group) through DeepSpeed's converter, written as 4 MB shards."""
+    """ZeRO-2 (one merged fp32 vector per group) through DeepSpeed's converter, written as 4 MB shards."""
     losses, out = train_and_consolidate(
         tmp_path, demo_assets, max_shard_size="4MB", strategy="deepspeed", zero_stage=stage, max_steps=4
     )
