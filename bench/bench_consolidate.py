@@ -1,7 +1,7 @@
 """Consolidation benchmark: peak RSS of consolidate.py against the model's fp32 size, per strategy.
 
     .venv/bin/python bench/bench_consolidate.py                       # the table in docs/benchmarks.md
-    .venv/bin/python bench/bench_consolidate.py --presets demo --strategies deepspeed
+    .venv/bin/python bench/bench_consolidate.py --presets demo --strategies deepspeed-zero2
 
 For each preset (the demo model and a larger from-scratch one) a base model is built
 (demo tokenizer, random init), then for each strategy a 2-rank torchrun (gloo, CPU,
@@ -11,7 +11,8 @@ preset: DDP's Adam state for 350M parameters on two ranks would need ~11 GB of t
 shared 24 GB machine, so it is saved right after initialization) and writes a
 checkpoint with train_state.json. Then, each in a fresh process whose peak RSS is read
 from getrusage (bench_data.rss_of):
-  ours       consolidate.py: sharded write, training-side rebuild, reload and logits check
+  ours       consolidate.py: training-side model from the checkpoint (zero-copy where the reader
+             allows), logits, streamed sharded write, reload and logits check
   baseline   the usual full-state-dict path: the strategy's reader loads every tensor
              (DeepSpeed: get_fp32_state_dict_from_zero_checkpoint), the base model loads,
              load_state_dict, save_pretrained. No checks.
@@ -120,17 +121,28 @@ def build_base(preset: str, out: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def training_config(strategy: str) -> str:
-    return json.dumps({"strategy": strategy, "zero_stage": 3, "precision": "fp32", "micro_batch_size": 1, "lr": 1e-3})
+STRATEGIES = {
+    "ddp": ("ddp", 0),
+    "fsdp": ("fsdp", 0),
+    "deepspeed-zero2": ("deepspeed", 2),
+    "deepspeed-zero3": ("deepspeed", 3),
+}
+
+
+def training_config(label: str) -> str:
+    strategy, stage = STRATEGIES[label]
+    cfg = {"strategy": strategy, "precision": "fp32", "micro_batch_size": 1, "lr": 1e-3}
+    return json.dumps(cfg | ({"zero_stage": stage} if stage else {}))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=["demo", "350m"])
-    p.add_argument("--strategies", nargs="+", default=["ddp", "fsdp", "deepspeed"])
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     p.add_argument("--steps", type=int, default=2, help="training steps before the checkpoint (demo)")
     p.add_argument("--large-steps", type=int, default=0, help="training steps for presets other than demo")
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints and outputs (gigabytes at 350m)")
     a = p.parse_args()
     work = a.workdir or Path(tempfile.mkdtemp(prefix="bench_consolidate_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -142,32 +154,33 @@ def main() -> None:
     (work / "ds_script.py").write_text(DS_SCRIPT)
 
     _, floor, _ = rss_of([py, "-c", IMPORTS], env)
-    rows, failed = [], []
+    rows, failed, phases = [], [], []
     for preset in a.presets:
         base = work / preset / "base"
         params = build_base(preset, base)
         fp32_mb = params * 4 / 2**20
         steps = a.steps if preset == "demo" else a.large_steps
-        for strategy in a.strategies:
-            root = work / preset / strategy
+        for label in a.strategies:
+            root = work / preset / label
             cmd = [
                 str(Path(py).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
-                str(work / "make_checkpoint.py"), str(SCRIPTS), training_config(strategy), str(base),
+                str(work / "make_checkpoint.py"), str(SCRIPTS), training_config(label), str(base),
                 str(root / "ckpt"), str(steps),
             ]  # fmt: skip
             rss_of(cmd, env)
             state = root / "ckpt" / "train_state.json"
-            label = "deepspeed-zero3" if strategy == "deepspeed" else strategy
             ours = [py, str(SCRIPTS / "consolidate.py"), "--state", str(state), "--output", str(root / "ours"),
                     "--max-shard-size", SHARD]  # fmt: skip
             secs, rss, _ = rss_of(ours, env)
             report = json.loads((root / "ours" / "consolidation.json").read_text())
+            phases.append((preset, label, fp32_mb, report["peak_rss_mb"]))
+            rss = max(rss, *report["peak_rss_mb"].values())  # its phase resets lower getrusage's peak
             rows.append((preset, label, "ours (consolidate.py, with checks)", params, fp32_mb, rss, secs,
                          len(report["weight_files"]), report["max_logit_diff"]))  # fmt: skip
             secs, rss, _ = rss_of([py, str(work / "baseline.py"), str(state), str(root / "base_out"), SHARD], env)
             rows.append((preset, label, "baseline: full state dict + save_pretrained", params, fp32_mb, rss, secs,
                          len(list((root / "base_out").glob("*.safetensors"))), None))  # fmt: skip
-            if strategy == "deepspeed":
+            if label.startswith("deepspeed"):
                 folder = json.loads(state.read_text())["checkpoint"]
                 what = "DeepSpeed convert_zero_checkpoint_to_fp32_state_dict"
                 try:
@@ -178,7 +191,8 @@ def main() -> None:
                     lines = [x.strip() for x in str(e).splitlines() if x.strip()]
                     reason = next((x for x in lines if "share memory" in x), lines[-1])
                     failed.append(f"{preset} {label}: {what} failed: {reason[:200]}")
-            shutil.rmtree(root)  # the larger preset's checkpoints take gigabytes
+            if not a.keep:
+                shutil.rmtree(root)  # the larger preset's checkpoints take gigabytes
 
     print(f"\n2 ranks (gloo, CPU, fp32); shards of at most {SHARD}; imports alone: {floor:.0f} MB peak RSS\n")
     head = ["preset", "strategy", "consolidation", "params", "fp32 MB", "peak RSS MB", "(peak - imports) / fp32",
@@ -195,6 +209,9 @@ def main() -> None:
             ours, base = rows[i], rows[i + 1]
             print(f"  {ours[0]} {ours[1]}: {ours[5] / base[5]:.2f}x  (above the imports: "
                   f"{(ours[5] - floor) / (base[5] - floor):.2f}x)")  # fmt: skip
+    print("\nours, peak RSS MB of each phase (in brackets: (peak - imports) / fp32):")
+    for preset, label, mb, peaks in phases:
+        print(f"  {preset} {label}: " + ", ".join(f"{k} {v:,} ({(v - floor) / mb:.2f})" for k, v in peaks.items()))
     for line in failed:
         print(line)
     print(f"work dir: {work}")

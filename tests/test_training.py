@@ -130,6 +130,87 @@ def test_shard_plan_keeps_order_and_limit():
     assert shard_files(3)[1] == "model-00002-of-00003.safetensors"
 
 
+def test_streamed_safetensors_are_what_save_file_would_hold(tmp_path):
+    """write_safetensors writes the header first and then one tensor at a time; safetensors reads it back."""
+    from consolidate import ModelSource, stream, write_sharded
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3, bias=False))
+    model[1].weight.data = model[1].weight.data.to(torch.bfloat16)  # written as fp32
+    shapes = {n: t.shape for n, t in model.state_dict().items()}
+    files = write_sharded(ModelSource(model), shapes, tmp_path, max_bytes=150)
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {"0.weight": files[0], "0.bias": files[1], "1.weight": files[1]}
+    assert index["metadata"]["total_size"] == 4 * (35 + 5 + 15)
+    read = {}
+    for f in files:
+        with safe_open(tmp_path / f, "pt") as shard:
+            assert shard.metadata() == {"format": "pt"}
+            read |= {k: shard.get_tensor(k) for k in shard.keys()}  # noqa: SIM118
+    assert read.keys() == shapes.keys() and all(v.dtype == torch.float32 for v in read.values())
+    assert all(torch.equal(read[k], v.float()) for k, v in model.state_dict().items())
+    with pytest.raises(Exception, match="0.bias: checkpoint has shape"):
+        list(stream(ModelSource(model), {"0.bias": torch.Size([4])}))
+
+
+def test_training_side_model_uses_the_checkpoint_tensors_without_copying(demo_assets):
+    """The rebuilt model's parameters are the checkpoint's tensors; tied weights stay tied; same logits."""
+    from consolidate import ModelSource, assign, empty_model, hf_tensors, logits_on, stream
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(demo_assets["base"], dtype=torch.float32)
+    shapes, _ = hf_tensors(base.config)
+    assert "lm_head.weight" not in shapes  # the demo ties it to the embeddings: written once
+    source = ModelSource(base)
+    model = empty_model(base.config)
+    assign(model, stream(source, shapes))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert all(params[n].data_ptr() == source.tensors[n].data_ptr() for n in shapes)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.arange(12).reshape(2, 6)
+    assert torch.equal(logits_on(model, ids), logits_on(base, ids))
+    with pytest.raises(Exception, match="without weights"):
+        assign(empty_model(base.config), stream(source, dict(list(shapes.items())[:-1])))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero2_lazy_reader_matches_deepspeeds_merge(world):
+    """ZeRO 1/2 parameters read from the partitions one at a time equal DeepSpeed's concatenating merge,
+    with alignment paddings and parameters that straddle two ranks' partitions."""
+    from collections import OrderedDict
+
+    from consolidate import DeepSpeedSource, zero2_state_dict
+    from deepspeed.utils.zero_to_fp32 import _get_fp32_state_dict_from_zero2_checkpoint, zero_model_state
+
+    shapes = [
+        {"a": torch.Size([3, 5]), "b": torch.Size([7]), "c": torch.Size([2, 2])},
+        {"d": torch.Size([11]), "e": torch.Size([4, 3])},
+    ]
+    paddings = [[1, 0, 2], [0, 3]]
+    flat_groups = [[] for _ in range(world)]
+    for group, pads in zip(shapes, paddings, strict=True):
+        used = sum(s.numel() + p for s, p in zip(group.values(), pads, strict=True))
+        total = -(-used // (2 * world)) * 2 * world
+        vector = torch.randn(total)
+        for rank, part in enumerate(vector.chunk(world)):
+            flat_groups[rank].append(part.clone())
+    buffers = {"buf": torch.ones(3)}
+    models = [zero_model_state(buffers, shapes, [["tied", "a"]], "0.19", None, None)]
+    expected = _get_fp32_state_dict_from_zero2_checkpoint(world, flat_groups, models, False, paddings)
+    lazy = zero2_state_dict(flat_groups, models, paddings, exclude_frozen=False)
+    assert list(lazy) == list(expected)
+    source = DeepSpeedSource.__new__(DeepSpeedSource)
+    source.tensors, source.folder = lazy, "ckpt"
+    read = source.read(list(lazy))
+    assert all(torch.equal(read[k], v) for k, v in expected.items())
+    assert isinstance(expected, OrderedDict) and set(read) == {"buf", "a", "b", "c", "d", "e", "tied"}
+    with pytest.raises(Exception, match="partitions hold"):
+        zero2_state_dict([g[:1] for g in flat_groups], [zero_model_state({}, shapes[:1], [], "0.19", None, None)],
+                         [[p + 64 for p in paddings[0]]], exclude_frozen=False)  # fmt: skip
+
+
 def test_truncated_checkpoint_fails_consolidation_with_one_line(tmp_path, demo_assets):
     _, _ = train_and_consolidate(tmp_path, demo_assets, strategy="ddp", max_steps=4)
     state = json.loads((tmp_path / "train" / "train_state.json").read_text())

@@ -2,18 +2,20 @@
 
 DDP ``state.pt`` (memory-mapped), FSDP2 torch.distributed.checkpoint folders and
 DeepSpeed ZeRO 1-3 checkpoints (DeepSpeed's ``zero_to_fp32`` in lazy mode) are each
-read through their own APIs, a shard of tensors at a time: each shard is written as
-fp32 safetensors (``model-0000i-of-0000n.safetensors`` and an index when there is
-more than one) and the pages it read are handed back to the kernel, so peak memory
-stays near one copy of the fp32 weights instead of the three or four that loading
-a whole state dict into a model and saving it takes. With LoRA the adapter is saved
-in peft format (``adapter/``) and the merged model beside it.
+read through their own APIs. The training-side model is rebuilt without weights (on
+the meta device) and its parameters *are* the checkpoint's tensors, read a few
+megabytes at a time; its logits on fixed inputs are the reference. The weights are
+then streamed from that model to fp32 safetensors one tensor at a time
+(``model-0000i-of-0000n.safetensors`` and an index when there is more than one),
+handing the pages of memory-mapped files back to the kernel as it goes, so the peak
+stays near one copy of the fp32 weights, not the three or four that loading a whole
+state dict into a model and saving it takes. With LoRA the adapter is saved in peft
+format (``adapter/``) and the merged model beside it.
 
-The stage checks its own result, one model in memory at a time: the training-side
-model (the base rebuilt as training built it, the checkpoint's tensors copied in)
-and the saved folder, reloaded, give the same logits on fixed inputs; every LoRA B
-matrix is present and non-zero; a short generation runs. A truncated or corrupt
-checkpoint fails with one line naming it.
+The stage checks its own result, one model in memory at a time: the saved folder,
+reloaded with ``from_pretrained``, gives the training-side model's logits; every LoRA
+B matrix is present and non-zero; a short generation runs. A truncated or corrupt
+checkpoint fails with one line naming it. Peak RSS per phase goes to consolidation.json.
 """
 
 import argparse
@@ -22,8 +24,10 @@ import ctypes
 import gc
 import json
 import logging
+import math
 import os
 import re
+import struct
 import sys
 from pathlib import Path
 
@@ -33,6 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 log = logging.getLogger("consolidate")
 MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now; never loses data
+READ_BYTES = 64 * 2**20  # tensors read from a checkpoint per batch (a larger tensor is read alone)
 
 
 def parse_size(text: str | int) -> int:
@@ -64,30 +69,83 @@ def shard_files(n: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
+# ---------------------------------------------------------------- memory
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
 def page_out(tensors) -> None:
     """Hand the resident pages behind memory-mapped tensors back to the kernel.
 
     They are re-read from the file if touched again. MADV_PAGEOUT cannot lose data:
     on anonymous memory without swap it does nothing. A no-op off Linux.
     """
-    if not sys.platform.startswith("linux"):
+    libc = _libc()
+    if libc is None:
         return
-    libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = os.sysconf("SC_PAGE_SIZE")
-    seen = set()
     for t in tensors:
-        storage = t.untyped_storage()
-        ptr, size = storage.data_ptr(), storage.nbytes()
-        if ptr in seen or size < page:
-            continue
-        seen.add(ptr)
+        ptr, size = t.data_ptr(), t.numel() * t.element_size()
         start, end = -(-ptr // page) * page, (ptr + size) // page * page
         if end > start:
             libc.madvise(start, end - start, MADV_PAGEOUT)
 
 
+def map_large_allocations(threshold: int = 2**20) -> None:
+    """Give every allocation over ``threshold`` bytes its own mapping, returned to the kernel when freed.
+
+    glibc otherwise raises its mmap threshold after the first large free, up to 32 MB, and
+    serves tensors below it from a heap that keeps freed memory: DeepSpeed's reader for ZeRO 1/2
+    loads the model-states file whole and frees it just before merging the fp32 partitions,
+    which without this costs a second copy of the weights.
+    """
+    libc = _libc()
+    with contextlib.suppress(AttributeError):
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+
+
+def trim() -> None:
+    """Return freed heap memory to the kernel (glibc keeps it otherwise)."""
+    gc.collect()
+    libc = _libc()
+    with contextlib.suppress(AttributeError):
+        libc.malloc_trim(0)
+
+
+class PeakRSS:
+    """Peak resident memory (MB) of each phase: /proc's high-water mark, reset between phases (Linux).
+
+    The reset also lowers what getrusage reports for the process afterwards: the whole run's
+    peak is the largest phase's (everything before the first phase is imports and metadata).
+    """
+
+    def __init__(self):
+        self.phases: dict[str, int] = {}
+
+    @staticmethod
+    def _hwm() -> int | None:
+        with contextlib.suppress(OSError):
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) // 1024
+        return None
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        trim()
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        yield
+        if (peak := self._hwm()) is not None:
+            self.phases[name] = peak
+
+
 # ---------------------------------------------------------------- checkpoint readers
+# Each reader has ``names`` (every tensor in the checkpoint), ``read(names) -> {name: tensor}``
+# and ``release(tensors)``, which hands back the file pages a read mapped in.
 
 
 class DDPSource:
@@ -104,12 +162,12 @@ class DDPSource:
     def read(self, names) -> dict:
         return {n: self.tensors[n] for n in names}
 
-    def release(self) -> None:
-        page_out(self.tensors.values())
+    def release(self, tensors: dict) -> None:
+        page_out(tensors.values())
 
 
 class FSDPSource:
-    """A torch.distributed.checkpoint folder, read a shard of keys at a time without a process group."""
+    """A torch.distributed.checkpoint folder, read a batch of keys at a time without a process group."""
 
     def __init__(self, folder: Path, shapes: dict[str, torch.Size]):
         from torch.distributed.checkpoint import FileSystemReader
@@ -131,39 +189,121 @@ class FSDPSource:
             raise UserError(f"{self.path}: unreadable checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
         return state["model"]
 
-    def release(self) -> None:
-        pass  # read into fresh tensors, freed by the caller
+    def release(self, tensors: dict) -> None:
+        pass  # read into fresh tensors
 
 
 class DeepSpeedSource:
-    """DeepSpeed's own converter in lazy mode: ZeRO-3 parameters are gathered from the ranks' memory-mapped
-    fp32 partitions one at a time (ZeRO 1/2 partitions are merged by DeepSpeed into one flat vector)."""
+    """DeepSpeed's own checkpoint parsers (``deepspeed.utils.zero_to_fp32``); every parameter is read
+    lazily from the ranks' memory-mapped fp32 partitions. ZeRO-3 through DeepSpeed's lazy mode
+    (``GatheredTensor``); ZeRO 1/2 through ``Zero2Param``, because DeepSpeed's lazy mode for them
+    first concatenates each group's partitions into one vector, a second copy of the weights."""
 
     def __init__(self, folder: Path, exclude_frozen: bool):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from deepspeed.utils import zero_to_fp32 as z
 
-        self.folder = folder
+        self.folder, where = folder, str(folder)
         try:
-            with contextlib.redirect_stdout(sys.stderr):  # the converter prints progress
-                self.tensors = get_fp32_state_dict_from_zero_checkpoint(
-                    str(folder.parent), tag=folder.name, exclude_frozen_parameters=exclude_frozen, lazy_mode=True
-                )
-        except Exception as e:  # the converter raises bare exceptions on missing or short files
+            # no_grad: the saved partitions require grad, and an autograd graph from a gathered
+            # tensor back to them would keep every memory-mapped partition file resident
+            with torch.no_grad(), contextlib.redirect_stdout(sys.stderr):  # the parsers print progress
+                models = z.parse_model_states(z.get_model_state_files(where))
+                stage, _, flat_groups, paddings = z.parse_optim_states(z.get_optim_files(where), where)
+                if stage <= 2:
+                    self.tensors = zero2_state_dict(flat_groups, models, paddings, exclude_frozen)
+                else:
+                    self.tensors = z.get_fp32_state_dict_from_zero_checkpoint(
+                        str(folder.parent), tag=folder.name, exclude_frozen_parameters=exclude_frozen, lazy_mode=True
+                    )
+        except UserError:
+            raise
+        except Exception as e:  # the parsers raise bare exceptions on missing or short files
             raise UserError(f"{folder}: unreadable DeepSpeed checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
         self.names = set(self.tensors)
+        trim()  # the model-states file DeepSpeed loads whole to find the buffers and shapes
 
+    @torch.no_grad()
     def read(self, names) -> dict:
         try:
             return {n: self.tensors[n].contiguous() for n in names}
         except Exception as e:
             raise UserError(f"{self.folder}: unreadable DeepSpeed checkpoint ({type(e).__name__}: {e})") from None
 
-    def release(self) -> None:
-        flat = []
-        for t in self.tensors.values():
-            groups = getattr(t, "flat_groups", None)  # deepspeed's GatheredTensor: per rank, per group
-            flat += [g for rank in groups for g in rank] if groups else [t]
-        page_out(flat)
+    def release(self, tensors: dict) -> None:
+        page_out(chunk for n in tensors for chunk in partition_slices(self.tensors[n]))
+
+
+class Zero2Param:
+    """A ZeRO 1/2 parameter: ``shape.numel()`` elements from ``start`` of its group's fp32 vector,
+    which is the ranks' partitions back to back (memory-mapped; read when ``contiguous()`` is called)."""
+
+    def __init__(self, partitions: list[torch.Tensor], start: int, shape: torch.Size):
+        self.partitions, self.start, self.shape = partitions, start, torch.Size(shape)
+
+    def slices(self):
+        lo, hi, base = self.start, self.start + self.shape.numel(), 0
+        for part in self.partitions:
+            a, b = max(lo, base), min(hi, base + part.numel())
+            if a < b:
+                yield part[a - base : b - base]
+            base += part.numel()
+
+    def contiguous(self) -> torch.Tensor:
+        return torch.cat(list(self.slices())).view(self.shape)
+
+
+def zero2_state_dict(flat_groups, models, paddings, exclude_frozen: bool) -> dict:
+    """ZeRO 1/2's state dict with the layout of DeepSpeed's ``_zero2_merge_trainable_params``, without
+    concatenating the partitions: each group holds its parameters in order, each followed by its
+    alignment padding, and the group's total is aligned to 2 x world size."""
+    first = models[0]
+    state = dict(first.buffers)
+    if not exclude_frozen:
+        state |= {name: first.frozen_param_fragments[name] for name in first.frozen_param_shapes or {}}
+    align = 2 * len(flat_groups)
+    for g, shapes in enumerate(first.param_shapes):
+        parts = [rank[g] for rank in flat_groups]
+        offset = 0
+        for i, (name, shape) in enumerate(shapes.items()):
+            state[name] = Zero2Param(parts, offset, shape)
+            offset += math.prod(shape) + (paddings[g][i] if paddings is not None else 0)
+        available = sum(p.numel() for p in parts)
+        if -(-offset // align) != -(-available // align):
+            raise UserError(f"parameter group {g} needs {offset} elements, the partitions hold {available}")
+    for target, source in first.shared_params:
+        if source in state:
+            state[target] = state[source]
+    return state
+
+
+def partition_slices(t):
+    """The slices of memory-mapped partitions a lazy DeepSpeed tensor reads (none for a real tensor)."""
+    if isinstance(t, Zero2Param):
+        yield from t.slices()
+        return
+    groups, bounds = getattr(t, "flat_groups", None), getattr(t, "flat_groups_offset", None)
+    if groups is None:
+        return
+    start, end = t.offset, t.offset + t.partitioned_numel  # DeepSpeed's GatheredTensor (ZeRO-3)
+    for rank in groups:
+        for g, flat in enumerate(rank):
+            lo, hi = max(start, int(bounds[g])), min(end, int(bounds[g + 1]))
+            if lo < hi:
+                yield flat[lo - int(bounds[g]) : hi - int(bounds[g])]
+
+
+class ModelSource:
+    """A model in memory, read like a checkpoint (the merged LoRA model, the training-side model)."""
+
+    def __init__(self, model):
+        self.tensors = model.state_dict()
+        self.names = set(self.tensors)
+
+    def read(self, names) -> dict:
+        return {n: self.tensors[n] for n in names}
+
+    def release(self, tensors: dict) -> None:
+        page_out(tensors.values())  # tensors memory-mapped from a file (DDP's, the base model's)
 
 
 def open_source(state: dict, folder: Path, shapes: dict[str, torch.Size]):
@@ -174,27 +314,46 @@ def open_source(state: dict, folder: Path, shapes: dict[str, torch.Size]):
     return DeepSpeedSource(folder, exclude_frozen=state["peft"] == "lora")
 
 
+def stream(source, shapes: dict[str, torch.Size], batch_bytes: int = READ_BYTES):
+    """Yield (name, tensor) in ``shapes`` order, a batch of reads at a time, releasing each batch."""
+    for names in plan_shards({n: 4 * math.prod(s) for n, s in shapes.items()}, batch_bytes):
+        tensors = source.read(names)
+        for name in names:
+            if tuple(tensors[name].shape) != tuple(shapes[name]):
+                raise UserError(
+                    f"{name}: checkpoint has shape {tuple(tensors[name].shape)}, model {tuple(shapes[name])}"
+                )
+            yield name, tensors[name]
+        source.release(tensors)
+
+
 # ---------------------------------------------------------------- models
 
 
 def rebuild(state: dict):
-    """The model as training built it (base weights, plus the LoRA wrapper when used)."""
+    """The LoRA model as training built it: the base weights, wrapped by peft."""
+    from peft import LoraConfig, get_peft_model
+
     model = AutoModelForCausalLM.from_pretrained(state["base_model"], dtype=torch.float32)
     cfg = state["config"]
-    if state["peft"] == "lora":
-        from peft import LoraConfig, get_peft_model
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=cfg["lora_r"],
+            lora_alpha=cfg["lora_alpha"],
+            lora_dropout=cfg["lora_dropout"],
+            target_modules=list(cfg["lora_target_modules"]),
+            task_type="CAUSAL_LM",
+        ),
+    )
 
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=cfg["lora_r"],
-                lora_alpha=cfg["lora_alpha"],
-                lora_dropout=cfg["lora_dropout"],
-                target_modules=list(cfg["lora_target_modules"]),
-                task_type="CAUSAL_LM",
-            ),
-        )
-    return model
+
+def empty_model(config):
+    """The architecture without weights: parameters on the meta device, buffers (rotary tables) real."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def hf_tensors(config) -> tuple[dict[str, torch.Size], set[str]]:
@@ -212,8 +371,6 @@ def hf_tensors(config) -> tuple[dict[str, torch.Size], set[str]]:
 
 def check_names(source, needed, allowed, where: str) -> None:
     """Every tensor the model needs is in the checkpoint, and the checkpoint has nothing the model lacks."""
-    if source.names is None:
-        return
     missing = sorted(set(needed) - source.names)
     if missing:
         raise UserError(f"{where}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}")
@@ -222,41 +379,66 @@ def check_names(source, needed, allowed, where: str) -> None:
         raise UserError(f"{where}: checkpoint has tensors the model does not, e.g. {unexpected[0]}")
 
 
-def write_sharded(source, shapes: dict[str, torch.Size], output: Path, max_bytes: int) -> list[str]:
-    """fp32 safetensors, one shard in memory at a time; an index when there are several. Returns the files."""
-    from safetensors.torch import save_file
+@torch.no_grad()
+def assign(model, tensors) -> None:
+    """Make the checkpoint's tensors the model's parameters (no copy), then re-tie shared weights."""
+    for name, t in tensors:
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        t = t.to(torch.float32)
+        if attr in module._parameters:
+            module._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
+        else:
+            module._buffers[attr] = t
+    model.tie_weights()
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise UserError(f"checkpoint left {len(left)} parameter(s) without weights, e.g. {left[0]}")
 
-    sizes = {n: 4 * s.numel() for n, s in shapes.items()}
-    shards = plan_shards(sizes, max_bytes)
+
+@torch.no_grad()
+def copy_in(model, tensors) -> None:
+    """Copy tensors into ``model``'s existing parameters (the LoRA adapter into the peft model)."""
+    target = model.state_dict()
+    for name, t in tensors:
+        target[name].copy_(t)
+
+
+def write_safetensors(path: Path, shapes: dict[str, torch.Size], tensors) -> None:
+    """One fp32 safetensors file written tensor by tensor: the header (names, shapes, offsets) is known
+    up front from ``shapes``, so no more than one tensor is ever held for writing."""
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, t in tensors:
+            t = t.detach().to(torch.float32).contiguous()
+            f.write(memoryview(t.numpy()).cast("B"))
+            log.debug("wrote %s", name)
+        if f.tell() != 8 + len(raw) + offset:
+            raise UserError(f"{path}: wrote {f.tell()} bytes, expected {8 + len(raw) + offset}")
+
+
+def write_sharded(source, shapes: dict[str, torch.Size], output: Path, max_bytes: int) -> list[str]:
+    """fp32 safetensors streamed from ``source``; an index when there are several files. Returns the files."""
+    shards = plan_shards({n: 4 * math.prod(s) for n, s in shapes.items()}, max_bytes)
     files = shard_files(len(shards))
     for file, names in zip(files, shards, strict=True):
-        tensors = {}
-        for name, t in source.read(names).items():
-            t = t.to(torch.float32) if t.is_floating_point() else t
-            # views into a larger buffer (ZeRO 1/2's merged vector) must not share memory in safetensors
-            tensors[name] = t.contiguous() if t.untyped_storage().nbytes() == t.nbytes else t.clone()
-        with atomic_path(output / file) as tmp:
-            save_file(tensors, tmp, metadata={"format": "pt"})
-        del tensors
-        source.release()
-        gc.collect()
+        part = {n: shapes[n] for n in names}
+        write_safetensors(output / file, part, stream(source, part))
     if len(files) > 1:
         index = {
-            "metadata": {"total_size": sum(sizes.values())},
+            "metadata": {"total_size": sum(4 * math.prod(s) for s in shapes.values())},
             "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names},
         }
         write_json(output / "model.safetensors.index.json", index)
     return files
-
-
-@torch.no_grad()
-def copy_in(model, source, names: list[str], max_bytes: int) -> None:
-    """Copy the checkpoint's tensors into ``model`` a shard at a time (the training-side model)."""
-    target = model.state_dict()
-    for shard in plan_shards({n: 4 * target[n].numel() for n in names}, max_bytes):
-        for name, t in source.read(shard).items():
-            target[name].copy_(t)
-        source.release()
 
 
 def check_lora(model) -> int:
@@ -289,8 +471,9 @@ def save_metadata(base: str, output: Path) -> None:
     AutoTokenizer.from_pretrained(base).save_pretrained(output)
 
 
-def consolidate(state: dict, output: Path, max_shard_size: str = "2GB") -> tuple[dict, torch.Tensor, torch.Tensor]:
+def consolidate(state: dict, output: Path, max_shard_size: str = "2GB", peaks: PeakRSS | None = None):
     """Write the HF folder; return (report, fixed input ids, the training-side model's logits on them)."""
+    peaks = peaks or PeakRSS()
     folder = Path(state["checkpoint"])
     if not (folder / "COMPLETE").is_file():
         raise UserError(f"{folder}: checkpoint is missing or incomplete (no COMPLETE marker)")
@@ -298,33 +481,30 @@ def consolidate(state: dict, output: Path, max_shard_size: str = "2GB") -> tuple
     report = {"checkpoint": str(folder), "strategy": state["strategy"], "peft": state["peft"], "step": state["step"]}
     output.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.from_pretrained(state["base_model"])
+    shapes, allowed = hf_tensors(config)
     ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
 
-    if state["peft"] == "lora":
-        # the checkpoint holds the adapter only; the merged model is the base plus B @ A
-        model = rebuild(state)
-        trainable = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
-        source = open_source(state, folder, trainable)
-        check_names(source, trainable, model.state_dict(), str(folder))
-        copy_in(model, source, list(trainable), max_bytes)
-        report["lora_b_tensors"] = check_lora(model)
-        model.save_pretrained(output / "adapter")
-        model = model.merge_and_unload()
+    with peaks.phase("training_side_model"):
+        if state["peft"] == "lora":
+            # the checkpoint holds the adapter only; the merged model is the base plus B @ A
+            model = rebuild(state)
+            trainable = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
+            source = open_source(state, folder, trainable)
+            check_names(source, trainable, model.state_dict(), str(folder))
+            copy_in(model, stream(source, trainable))
+            report["lora_b_tensors"] = check_lora(model)
+            model.save_pretrained(output / "adapter")
+            model = model.merge_and_unload()
+        else:
+            # the checkpoint's tensors become the parameters of a weightless model of the base's architecture
+            source = open_source(state, folder, shapes)
+            check_names(source, shapes, allowed, str(folder))
+            model = empty_model(config)
+            assign(model, stream(source, shapes))
         expected = logits_on(model, ids)
-        model.save_pretrained(output, max_shard_size=max_bytes)
-        report["weight_files"] = sorted(p.name for p in output.glob("*.safetensors"))
+    with peaks.phase("write"):
+        report["weight_files"] = write_sharded(ModelSource(model), shapes, output, max_bytes)
         save_metadata(state["base_model"], output)
-        return report, ids, expected
-
-    shapes, allowed = hf_tensors(config)
-    source = open_source(state, folder, shapes)
-    check_names(source, shapes, allowed, str(folder))
-    report["weight_files"] = write_sharded(source, shapes, output, max_bytes)
-    save_metadata(state["base_model"], output)
-    # the training-side model: the base rebuilt as training built it, the checkpoint copied in
-    model = rebuild(state)
-    copy_in(model, source, list(shapes), max_bytes)
-    expected = logits_on(model, ids)
     return report, ids, expected
 
 
@@ -347,10 +527,13 @@ def main(argv=None) -> None:
     p.add_argument("--tolerance", type=float, default=1e-5)
     p.add_argument("--max-shard-size", default="2GB", help="safetensors shard size, e.g. 2GB or 500MB")
     a = p.parse_args(argv)
+    map_large_allocations()
     state = json.loads(a.state.read_text())
-    report, ids, expected = consolidate(state, a.output, a.max_shard_size)
-    gc.collect()  # one model in memory at a time
-    report |= verify(a.output, ids, expected, a.tolerance)
+    peaks = PeakRSS()
+    report, ids, expected = consolidate(state, a.output, a.max_shard_size, peaks)
+    with peaks.phase("reload_check"):  # one model in memory at a time: the training side is gone
+        report |= verify(a.output, ids, expected, a.tolerance)
+    report["peak_rss_mb"] = peaks.phases
     write_json(a.output / "consolidation.json", report)
     print(f"{a.output}: consolidated from {report['checkpoint']} (max logit diff {report['max_logit_diff']:.1e})")
 
