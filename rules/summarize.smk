@@ -2,6 +2,7 @@ rule summarize:
     input:
         results=expand(f"{R}/eval/{{model}}.json", model=MODELS),
         metrics=expand(f"{R}/train/{{node}}/metrics.jsonl", node=TRAINED),
+        models=expand(f"{R}/models/{{node}}", node=TRAINED),
     output:
         summary=report(
             f"{R}/eval/summary.csv",
@@ -34,6 +35,11 @@ rule summarize:
             caption="../report/samples.rst",
             category="Evaluation",
         ),
+        consolidation=report(
+            f"{R}/eval/consolidation.csv",
+            caption="../report/consolidation.rst",
+            category="Training",
+        ),
     log:
         f"{LOGS}/summarize.log",
     conda:
@@ -44,4 +50,5 @@ rule summarize:
         "python {params.script} --results {input.results} --metrics {input.metrics}"
         " --summary {output.summary} --curves {output.curves} --throughput {output.throughput}"
         " --categories {output.categories}"
-        " --samples {output.samples} --leaderboard {output.leaderboard} > {log} 2>&1"
+        " --samples {output.samples} --leaderboard {output.leaderboard}"
+        " --models {input.models} --consolidation {output.consolidation} > {log} 2>&1"

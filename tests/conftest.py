@@ -162,6 +162,9 @@ def check_outputs(root, nodes=("node0", "node1"), soups=False, shards=("node0", 
     assert [m["rank"] for m in env["benchmark"]["matmul"]] == [0, 1]
     assert env["benchmark"]["allreduce"]["ranks"] == 2 and env["benchmark"]["allreduce"]["busbw_gb_s"] > 0
     assert (root / "eval" / "loss_curves.png").stat().st_size > 10_000
+    consolidation = pd.read_csv(root / "eval" / "consolidation.csv")
+    assert consolidation["model"].tolist() == list(nodes) and (consolidation["max_logit_diff"] <= 1e-5).all()
+    assert {"peak_rss_mb_training_side_model", "peak_rss_mb_write", "peak_rss_mb_reload_check"} <= set(consolidation)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Evaluation and summary pieces the report shows: per-category exact match and the throughput plot."""
+"""Evaluation and summary pieces the report shows: per-category exact match, throughput, consolidation."""
 
 import json
 
@@ -35,3 +35,21 @@ def test_throughput_plot_has_every_node(tmp_path):
     medians = plot_throughput(curves, tmp_path / "throughput.png")
     assert medians == {"node0": 1000.0, "node1": 3000.0}
     assert (tmp_path / "throughput.png").stat().st_size > 10_000
+
+
+def test_consolidation_table_reads_each_models_self_check(tmp_path):
+    from summarize import consolidation_table
+
+    for node, files in (("node0", 1), ("node1", 2)):
+        folder = tmp_path / node
+        folder.mkdir()
+        report = {"strategy": "fsdp", "peft": "none", "step": 12, "max_logit_diff": 0.0, "generation_ok": True,
+                  "weight_files": [f"w{i}.safetensors" for i in range(files)],
+                  "peak_rss_mb": {"training_side_model": 500, "write": 480, "reload_check": 510}}  # fmt: skip
+        (folder / "consolidation.json").write_text(json.dumps(report))
+        for i in range(files):
+            (folder / f"w{i}.safetensors").write_bytes(b"x" * 2**20)
+    (tmp_path / "node1" / "model.safetensors.index.json").write_text('{"metadata": {"total_size": 3145728}}')
+    table = consolidation_table([tmp_path / "node0", tmp_path / "node1"]).set_index("model")
+    assert table["fp32_mb"].tolist() == [1.0, 3.0]  # the index's total when there is one
+    assert table.loc["node1", "weight_files"] == 2 and table.loc["node0", "peak_rss_mb_reload_check"] == 510

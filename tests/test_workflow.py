@@ -59,6 +59,7 @@ def test_report_builds(ddp_run):
         "leaderboard.png",
         "loss_curves.png",
         "throughput.png",
+        "consolidation.csv",
         "overview.png",
         "check.json",
         "provenance.json",

@@ -108,6 +108,32 @@ def plot_categories(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def consolidation_table(folders: list[Path]) -> pd.DataFrame:
+    """One row per consolidated model: what was read, how the self-check went, peak memory per phase."""
+    rows = []
+    for folder in folders:
+        report = json.loads((folder / "consolidation.json").read_text())
+        index = folder / "model.safetensors.index.json"
+        size = (
+            json.loads(index.read_text())["metadata"]["total_size"]
+            if index.exists()
+            else sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+        )
+        row = {
+            "model": folder.name,
+            "strategy": report["strategy"],
+            "peft": report["peft"],
+            "step": report["step"],
+            "weight_files": len(report["weight_files"]),
+            "fp32_mb": size / 2**20,
+            "max_logit_diff": report["max_logit_diff"],
+            "generation_ok": report["generation_ok"],
+        }
+        row |= {f"peak_rss_mb_{phase}": mb for phase, mb in report.get("peak_rss_mb", {}).items()}
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def samples_table(results: list[dict]) -> pd.DataFrame:
     """Prompt, reference and every model's answer, side by side."""
     base = results[0]["samples"]
@@ -129,6 +155,8 @@ def main(argv=None) -> None:
     p.add_argument("--categories", required=True, type=Path)
     p.add_argument("--leaderboard", required=True, type=Path)
     p.add_argument("--samples", required=True, type=Path)
+    p.add_argument("--models", nargs="+", required=True, type=Path, help="models/<node> folders")
+    p.add_argument("--consolidation", required=True, type=Path)
     a = p.parse_args(argv)
     results = [json.loads(p.read_text()) for p in a.results]
     table = summary_table(results)
@@ -142,6 +170,8 @@ def main(argv=None) -> None:
     print(f"best model: {plot_leaderboard(table, a.leaderboard)}")
     with atomic_path(a.samples) as tmp:
         samples_table(results).to_csv(tmp, index=False)
+    with atomic_path(a.consolidation) as tmp:
+        consolidation_table(a.models).to_csv(tmp, index=False, float_format="%.6g")
     print(table.to_string(index=False))
 
 
