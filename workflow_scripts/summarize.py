@@ -129,7 +129,8 @@ def consolidation_table(folders: list[Path]) -> pd.DataFrame:
             "max_logit_diff": report["max_logit_diff"],
             "generation_ok": report["generation_ok"],
         }
-        row |= {f"peak_rss_mb_{phase}": mb for phase, mb in report.get("peak_rss_mb", {}).items()}
+        peaks = report.get("peak_rss_mb", {})  # in the order the phases run
+        row |= {f"peak_rss_mb_{p}": peaks[p] for p in ("training_side_model", "write", "reload_check") if p in peaks}
         rows.append(row)
     return pd.DataFrame(rows)
 
