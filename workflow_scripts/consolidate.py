@@ -211,7 +211,7 @@ class DeepSpeedSource:
                 stage, _, flat_groups, paddings = z.parse_optim_states(z.get_optim_files(where), where)
                 if stage <= 2:
                     self.tensors = zero2_state_dict(flat_groups, models, paddings, exclude_frozen)
-                else:
+                else:  # DeepSpeed's public lazy mode parses the (memory-mapped) files again: a second or two
                     self.tensors = z.get_fp32_state_dict_from_zero_checkpoint(
                         str(folder.parent), tag=folder.name, exclude_frozen_parameters=exclude_frozen, lazy_mode=True
                     )
