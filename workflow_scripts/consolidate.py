@@ -23,7 +23,6 @@ import contextlib
 import ctypes
 import gc
 import json
-import logging
 import math
 import os
 import re
@@ -35,7 +34,6 @@ import torch
 from pipeline_io import UserError, atomic_path, cli, write_json
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-log = logging.getLogger("consolidate")
 MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now; never loses data
 READ_BYTES = 64 * 2**20  # tensors read from a checkpoint per batch (a larger tensor is read alone)
 
@@ -319,10 +317,9 @@ def stream(source, shapes: dict[str, torch.Size], batch_bytes: int = READ_BYTES)
     for names in plan_shards({n: 4 * math.prod(s) for n, s in shapes.items()}, batch_bytes):
         tensors = source.read(names)
         for name in names:
-            if tuple(tensors[name].shape) != tuple(shapes[name]):
-                raise UserError(
-                    f"{name}: checkpoint has shape {tuple(tensors[name].shape)}, model {tuple(shapes[name])}"
-                )
+            got, want = tuple(tensors[name].shape), tuple(shapes[name])
+            if got != want:
+                raise UserError(f"{name}: checkpoint has shape {got}, model {want}")
             yield name, tensors[name]
         source.release(tensors)
 
@@ -417,10 +414,9 @@ def write_safetensors(path: Path, shapes: dict[str, torch.Size], tensors) -> Non
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
-        for name, t in tensors:
+        for _, t in tensors:
             t = t.detach().to(torch.float32).contiguous()
             f.write(memoryview(t.numpy()).cast("B"))
-            log.debug("wrote %s", name)
         if f.tell() != 8 + len(raw) + offset:
             raise UserError(f"{path}: wrote {f.tell()} bytes, expected {8 + len(raw) + offset}")
 
