@@ -41,29 +41,30 @@ SHARD = "500MB"
 
 # run under torchrun: one checkpoint the way train.py writes it
 MAKE_CHECKPOINT = r"""
-import json, os, sys
+import dataclasses, json, os, sys
 from pathlib import Path
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from checkpoint import Checkpointer
 from strategies import build_strategy
-from train import TrainConfig, load_model
+from settings import TrainConfig
+from train import load_model
 cfg, base, root, steps = TrainConfig.from_json(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5])
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 device = torch.device("cpu")
 model, _ = load_model(base, cfg, device)
 vocab = model.config.vocab_size
-strategy = build_strategy(cfg, model, device, max(steps, 1), lambda s: 1.0)
+strategy = build_strategy(cfg, model, device, max(steps, 1))
 for _ in range(steps):
     ids = torch.randint(0, vocab, (cfg.micro_batch_size, 32))
     batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
     strategy.forward_backward(batch, last_micro=True)
     strategy.step()
-folder = Checkpointer(root, strategy, dist.get_rank(), 2).save(steps, root / "metrics.jsonl")
+folder = Checkpointer(root, strategy, dist.get_rank(), 2, cfg.checkpoint_every, root / "metrics.jsonl").save(steps)
 if dist.get_rank() == 0:
     state = {"checkpoint": str(folder), "step": steps, "strategy": cfg.strategy, "zero_stage": cfg.zero_stage,
-             "peft": cfg.peft, "base_model": base, "config": cfg.__dict__}
+             "peft": cfg.peft, "base_model": base, "config": dataclasses.asdict(cfg)}
     (root / "train_state.json").write_text(json.dumps(state))
 dist.barrier()
 dist.destroy_process_group()
@@ -131,7 +132,7 @@ STRATEGIES = {
 
 def training_config(label: str) -> str:
     strategy, stage = STRATEGIES[label]
-    cfg = {"strategy": strategy, "precision": "fp32", "micro_batch_size": 1, "lr": 1e-3}
+    cfg = {"strategy": strategy, "precision": "fp32", "micro_batch_size": 1, "lr": 1e-3, "schedule": "constant", "warmup_steps": 0}
     return json.dumps(cfg | ({"zero_stage": stage} if stage else {}))
 
 

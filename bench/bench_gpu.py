@@ -76,7 +76,7 @@ def run_ours(work: Path, a, bins_per_step: int) -> dict:
         "precision": "bf16" if a.device == "cuda" else "fp32", "lr": 1e-4, "micro_batch_size": 1,
         "grad_accum": bins_per_step, "max_steps": a.steps, "log_every": 1, "checkpoint_every": 10**9,
         "warmup_steps": 0, "gradient_checkpointing": a.gradient_checkpointing, "peak_tflops": a.peak_tflops,
-        "peft": "lora" if a.lora else "none", "lora_r": 16, "lora_alpha": 32,
+        "peft": "lora" if a.lora else "none", "lora": {"r": 16, "alpha": 32},
     }  # fmt: skip
     cmd = [
         str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "1",
@@ -181,7 +181,7 @@ def main() -> None:
     results = [("ours: packed, padding-free, " + ours["attention"], ours)]
     ratio = None
     if not a.lora:
-        from train import flops_per_sequence_fn
+        from metrics_logger import flops_per_sequence_fn
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(work / "model")

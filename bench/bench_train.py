@@ -72,7 +72,7 @@ def main() -> None:
     if out.returncode:
         raise SystemExit(out.stderr[-3000:])
     bare_times = json.loads(out.stdout.strip().splitlines()[-1])["step_times"][10:]
-    cfg = {"lr": 3e-3, "micro_batch_size": 16, "max_steps": a.steps, "log_every": 1,
+    cfg = {"lr": 3e-3, "precision": "fp32", "micro_batch_size": 16, "max_steps": a.steps, "log_every": 1,
            "checkpoint_every": 10 * a.steps, "warmup_ratio": 0.0, "packing": False}  # fmt: skip
     cmd = [*torchrun, str(REPO / "workflow_scripts/train.py"), "--config", json.dumps(cfg), "--data", str(a.data),
            "--base-model", str(a.base), "--log-dir", str(work / "train"), "--checkpoint-root", str(work / "ckpt"),

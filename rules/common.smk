@@ -169,11 +169,8 @@ def model_ref(wildcards):
 
 
 def training_json():
-    """The trainer's flat config: everything in `training`, LoRA settings flattened."""
-    t = dict(config["training"])
-    lora = t.pop("lora")
-    t |= {f"lora_{k}": v for k, v in lora.items()}
-    return json.dumps(t, sort_keys=True)
+    """The trainer's config: the validated `training` section (train.py builds its TrainConfig from it)."""
+    return json.dumps(config["training"], sort_keys=True)
 
 
 MEMORY_KEYS = ["strategy", "zero_stage", "offload", "peft", "lora", "procs_per_node", "precision",

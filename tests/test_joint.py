@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from batching import DataPlan, data_sha256, load_examples, micro_batch_indices
 from conftest import BIN, REPO, job_logs, planned_jobs, snakemake, snakemake_cmd, tiny_config, tool_env
 from launch import (
     NODE_RANK_FROM_SLURM,
@@ -27,7 +28,6 @@ from launch import (
     threads_per_rank,
     torchrun_args,
 )
-from train import DataPlan, data_sha256, load_examples, micro_batch_indices
 from two_host_cluster import IFACE, free_subnet, two_host_conf
 
 PROFILES = ("--profile", str(REPO / "profiles" / "slurm"), "--profile", str(REPO / "profiles" / "slurm-test"))

@@ -2,17 +2,10 @@
 
 import pytest
 import torch
-from train import (
-    IGNORE,
-    Batches,
-    DataPlan,
-    TrainConfig,
-    collate_packed,
-    flops_per_sequence_fn,
-    load_bins,
-    load_examples,
-    load_model,
-)
+from batching import IGNORE, Batches, DataPlan, collate_packed, load_bins, load_examples
+from metrics_logger import flops_per_sequence_fn
+from settings import training_config
+from train import load_model
 
 
 def per_token_losses(model, batch) -> torch.Tensor:
@@ -62,7 +55,7 @@ def packed_data(demo_assets):
 
 def test_training_model_has_no_kv_cache(demo_assets):
     """With a cache, transformers would not derive the packed attention mask from the position ids."""
-    model, attn = load_model(str(demo_assets["base"]), TrainConfig(), torch.device("cpu"))
+    model, attn = load_model(str(demo_assets["base"]), training_config(), torch.device("cpu"))
     assert attn == "sdpa" and model.config.use_cache is False
 
 

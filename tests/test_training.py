@@ -6,8 +6,11 @@ import sys
 
 import pytest
 import torch
+from batching import DataPlan, micro_batch_indices
 from conftest import BIN, REPO, tool_env
-from train import DataPlan, TrainConfig, lr_lambda, micro_batch_indices
+from pipeline_io import UserError
+from settings import training_config
+from strategies import lr_lambda
 
 
 def test_steps_per_epoch_halve_when_ranks_double():
@@ -31,7 +34,7 @@ def test_an_epoch_visits_each_example_once_across_ranks():
 
 
 def test_cosine_schedule_warms_up_then_decays_to_min():
-    cfg = TrainConfig(warmup_ratio=0.1, min_lr_ratio=0.1, schedule="cosine")
+    cfg = training_config({"warmup_ratio": 0.1, "min_lr_ratio": 0.1, "schedule": "cosine"})
     f = lr_lambda(cfg, 100)
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     assert f(10) == pytest.approx(1.0) and f(100) == pytest.approx(0.1)
@@ -39,14 +42,16 @@ def test_cosine_schedule_warms_up_then_decays_to_min():
 
 
 def test_warmup_steps_override_the_ratio():
-    f = lr_lambda(TrainConfig(warmup_ratio=0.5, warmup_steps=4, schedule="linear", min_lr_ratio=0.0), 100)
+    f = lr_lambda(
+        training_config({"warmup_ratio": 0.5, "warmup_steps": 4, "schedule": "linear", "min_lr_ratio": 0.0}), 100
+    )
     assert [f(s) for s in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
     assert f(52) == pytest.approx(0.5) and f(100) == pytest.approx(0.0)
 
 
 def test_unknown_training_key_is_rejected():
-    with pytest.raises(Exception, match="unknown key"):
-        TrainConfig.from_json('{"learning_rate": 1}')
+    with pytest.raises(UserError, match="unknown key"):
+        training_config({"learning_rate": 1})
 
 
 def train_and_consolidate(tmp_path, demo_assets, max_shard_size="2GB", **overrides):

@@ -6,6 +6,8 @@ scheduler), every rank's RNG states and a copy of metrics.jsonl up to that step,
 so a resumed job continues the metrics without repeating a step.
 """
 
+import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -50,12 +52,27 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-class Checkpointer:
-    def __init__(self, root: Path, strategy, rank: int, keep: int):
-        self.root, self.strategy, self.rank, self.keep = Path(root), strategy, rank, max(2, keep)
+def run_key(cfg, data_sha: str, base: str) -> str:
+    """Checkpoints are only resumed by a job with the same config, data and base model."""
+    text = json.dumps([dataclasses.asdict(cfg), data_sha, base], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-    def resume(self, metrics_path: Path) -> int:
+
+class Checkpointer:
+    """Saves every `every` steps and at the last one, keeps the newest `keep`, resumes the newest."""
+
+    def __init__(self, root: Path, strategy, rank: int, keep: int, every: int, metrics_path: Path):
+        self.root, self.strategy, self.rank, self.keep = Path(root), strategy, rank, max(2, keep)
+        self.every, self.metrics_path = every, metrics_path
+
+    def maybe_save(self, step: int, last_step: int) -> None:
+        """The periodic checkpoint (the last step's is the final save)."""
+        if step % self.every == 0 and step < last_step:
+            self.save(step)
+
+    def resume(self) -> int:
         """Load the newest complete checkpoint; return its step (0 when there is none)."""
+        metrics_path = self.metrics_path
         complete, partial = list_checkpoints(self.root)
         if self.rank == 0:
             for p in partial:
@@ -79,10 +96,11 @@ class Checkpointer:
             log.info("resumed from %s at step %d", folder, step)
         return step
 
-    def save(self, step: int, metrics_path: Path) -> Path:
+    def save(self, step: int) -> Path:
+        """Every rank saves its part; rank 0 commits the folder with the marker, then prunes."""
         folder = self.root / f"step-{step}"
         if (folder / MARKER).is_file():
-            return folder  # already saved (a resumed job that had finished its steps)
+            return folder  # already saved (at this step's interval, or by a job that had finished its steps)
         if self.rank == 0:
             if folder.exists():
                 shutil.rmtree(folder)
@@ -90,8 +108,8 @@ class Checkpointer:
         dist.barrier()
         self.strategy.save(folder)
         torch.save(rng_state(), folder / f"rng-{self.rank}.pt")
-        if self.rank == 0 and metrics_path.exists():
-            shutil.copyfile(metrics_path, folder / "metrics.jsonl")
+        if self.rank == 0 and self.metrics_path.exists():
+            shutil.copyfile(self.metrics_path, folder / "metrics.jsonl")
         dist.barrier()
         if self.rank == 0:
             self._commit(folder, step)

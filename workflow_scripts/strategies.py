@@ -2,7 +2,8 @@
 
 Each strategy owns the wrapped model, the optimizer and the lr scheduler, and knows
 how to run one micro-batch, take an optimizer step, and save/load its own native
-checkpoint (consolidate.py turns those into Hugging Face folders):
+checkpoint (consolidate.py turns those into Hugging Face folders). The base class
+holds what they share: AdamW, the lr schedule, the clipped step.
 
 - ``ddp``: DistributedDataParallel; rank 0 writes ``state.pt``.
 - ``fsdp``: FSDP2 ``fully_shard`` per decoder layer and on the root; a
@@ -12,6 +13,7 @@ checkpoint (consolidate.py turns those into Hugging Face folders):
 
 import contextlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -19,12 +21,21 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 
-def make_optimizer(cfg, params, device):
-    params = [p for p in params if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), fused=device.type == "cuda" or None)
+def lr_lambda(cfg, total_steps: int):
+    """The learning-rate factor of each step: linear warmup, then cosine, linear or constant decay
+    to min_lr_ratio."""
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+    return factor
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -41,15 +52,49 @@ def trainable_state_dict(model) -> dict:
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
 
-class DDPStrategy:
-    def __init__(self, cfg, model, device, total_steps, lr_fn):
+class Strategy:
+    """What every strategy shares: AdamW (no decay on norms and biases), the lr schedule, the
+    clipped optimizer step. A subclass wraps the model, runs micro-batches and saves/loads."""
+
+    model: torch.nn.Module
+
+    def __init__(self, cfg, device, total_steps: int):
+        self.cfg, self.device, self.total_steps = cfg, device, total_steps
+
+    def make_optimizer(self, params) -> torch.optim.Optimizer:
+        params = [p for p in params if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        fused = self.device.type == "cuda" or None
+        return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=tuple(self.cfg.adam_betas), fused=fused)
+
+    def make_scheduler(self, optimizer) -> LambdaLR:
+        return LambdaLR(optimizer, lr_lambda(self.cfg, self.total_steps))
+
+    def step(self) -> float:
+        """Clip the gradients by global norm, step, advance the schedule; the norm before clipping."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+
+class DDPStrategy(Strategy):
+    def __init__(self, cfg, model, device, total_steps):
         from torch.nn.parallel import DistributedDataParallel
 
-        self.cfg, self.device = cfg, device
+        super().__init__(cfg, device, total_steps)
         self.inner = model.to(device)
         self.model = DistributedDataParallel(self.inner, device_ids=[device.index] if device.type == "cuda" else None)
-        self.optimizer = make_optimizer(cfg, self.inner.parameters(), device)
-        self.scheduler = LambdaLR(self.optimizer, lr_fn)
+        self.optimizer = self.make_optimizer(self.inner.parameters())
+        self.scheduler = self.make_scheduler(self.optimizer)
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
 
     def forward_backward(self, batch, last_micro: bool):
@@ -59,16 +104,6 @@ class DDPStrategy:
                 loss = self.model(**batch).loss
             (loss / self.cfg.grad_accum).backward()
         return loss
-
-    def step(self) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.inner.parameters(), self.cfg.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
-
-    def current_lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     def save(self, folder: Path) -> None:
         if dist.get_rank() == 0:
@@ -91,11 +126,11 @@ class DDPStrategy:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-class FSDPStrategy:
-    def __init__(self, cfg, model, device, total_steps, lr_fn):
+class FSDPStrategy(Strategy):
+    def __init__(self, cfg, model, device, total_steps):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        self.cfg, self.device = cfg, device
+        super().__init__(cfg, device, total_steps)
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         kwargs = {
             "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
@@ -109,26 +144,14 @@ class FSDPStrategy:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
         self.model = model
-        self.optimizer = make_optimizer(cfg, model.parameters(), device)
-        self.scheduler = LambdaLR(self.optimizer, lr_fn)
+        self.optimizer = self.make_optimizer(model.parameters())
+        self.scheduler = self.make_scheduler(self.optimizer)
 
     def forward_backward(self, batch, last_micro: bool):
         self.model.set_requires_gradient_sync(last_micro)
         loss = self.model(**batch).loss
         (loss / self.cfg.grad_accum).backward()
         return loss
-
-    def step(self) -> float:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
-
-    def current_lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     def _options(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -184,16 +207,15 @@ def deepspeed_config(cfg, world_size: int) -> dict:
     }
 
 
-class DeepSpeedStrategy:
-    def __init__(self, cfg, model, device, total_steps, lr_fn):
+class DeepSpeedStrategy(Strategy):
+    def __init__(self, cfg, model, device, total_steps):
         import deepspeed
 
-        self.cfg = cfg
-        optimizer = make_optimizer(cfg, model.parameters(), device)
+        super().__init__(cfg, device, total_steps)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,
-            optimizer=optimizer,
-            lr_scheduler=lambda opt: LambdaLR(opt, lr_fn),
+            optimizer=self.make_optimizer(model.parameters()),
+            lr_scheduler=self.make_scheduler,
             config=deepspeed_config(cfg, dist.get_world_size()),
         )
 
@@ -205,11 +227,9 @@ class DeepSpeedStrategy:
         return loss
 
     def step(self) -> float:
+        """The engine clipped and stepped at the last micro-batch's boundary; its norm."""
         norm = self.model.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
-
-    def current_lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     def save(self, folder: Path) -> None:
         self.model.save_checkpoint(
@@ -227,5 +247,5 @@ class DeepSpeedStrategy:
 STRATEGIES = {"ddp": DDPStrategy, "fsdp": FSDPStrategy, "deepspeed": DeepSpeedStrategy}
 
 
-def build_strategy(cfg, model, device, total_steps, lr_fn):
-    return STRATEGIES[cfg.strategy](cfg, model, device, total_steps, lr_fn)
+def build_strategy(cfg, model, device, total_steps: int) -> Strategy:
+    return STRATEGIES[cfg.strategy](cfg, model, device, total_steps)

@@ -1,0 +1,190 @@
+"""The trainer's data: tokenized shards and packing plans → a data plan → micro-batches.
+
+A data unit is an example, or a packed bin of examples (training.packing). The data plan
+turns units into optimizer steps over all ranks (of every node, in joint mode): the step
+is the data position, so a resumed job continues where the checkpoint left off.
+"""
+
+import dataclasses
+import functools
+import hashlib
+import math
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+from pipeline_io import UserError, file_sha256
+
+IGNORE = -100  # label of a position that is not trained
+
+
+def load_examples(paths: list[Path]) -> list[tuple[list[int], list[int]]]:
+    """The examples of the shards, concatenated in order (joint mode trains on every node's shard)."""
+    examples = []
+    for path in paths:
+        table = pq.read_table(path, columns=["input_ids", "labels"])
+        examples += zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist(), strict=True)
+    return examples
+
+
+def data_sha256(paths: list[Path]) -> str:
+    """One shard's content hash, or a hash of the shards' hashes in order."""
+    shas = [file_sha256(p) for p in paths]
+    return shas[0] if len(shas) == 1 else hashlib.sha256("\n".join(shas).encode()).hexdigest()
+
+
+def load_bins(plans: list[Path], shards: list[Path]) -> list[list[int]]:
+    """The packing plans written by tokenize_shard (example indices of each bin), one per shard,
+    as indices into the shards' concatenated examples."""
+    if len(plans) != len(shards):
+        raise UserError(f"{len(plans)} packing plan(s) for {len(shards)} shard(s)")
+    bins, offset = [], 0
+    for plan, shard in zip(plans, shards, strict=True):
+        count = pq.ParquetFile(shard).metadata.num_rows
+        own = pq.read_table(plan, columns=["examples"]).column("examples").to_pylist()
+        if sorted(i for b in own for i in b) != list(range(count)):
+            raise UserError(f"{plan}: packing plan does not cover the {count} examples of {shard.name} exactly once")
+        bins += [[offset + i for i in b] for b in own]
+        offset += count
+    return bins
+
+
+@dataclasses.dataclass
+class DataPlan:
+    """How the data units of every shard become optimizer steps over all ranks."""
+
+    examples: int  # units: examples, or bins when packing
+    world_size: int
+    micro_batch_size: int
+    grad_accum: int
+    epochs: float
+    max_steps: int | None
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.world_size * self.grad_accum
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return max(1, self.examples // self.global_batch)
+
+    @property
+    def total_steps(self) -> int:
+        if self.max_steps:
+            return self.max_steps
+        return max(1, math.ceil(self.epochs * self.steps_per_epoch))
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(units: int, seed: int) -> list[int]:
+    """The seeded permutation of an epoch's units, made once per epoch (not per micro-batch)."""
+    return torch.randperm(units, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def micro_batch_indices(plan: DataPlan, seed: int, step: int, micro: int, rank: int) -> list[int]:
+    """Unit indices for (step, micro-batch, rank): a seeded permutation per epoch."""
+    epoch, pos = divmod(step, plan.steps_per_epoch)
+    order = epoch_order(plan.examples, seed + epoch)
+    start = (pos * plan.grad_accum + micro) * plan.micro_batch_size * plan.world_size
+    start += rank * plan.micro_batch_size
+    return [order[(start + i) % plan.examples] for i in range(plan.micro_batch_size)]
+
+
+def collate(examples, pad_id: int) -> dict:
+    """Pad to the longest example in the micro-batch."""
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, (ids, lab) in enumerate(examples):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(lab)] = torch.tensor(lab)
+        mask[i, : len(ids)] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
+
+
+def collate_packed(rows: list[list[tuple[list[int], list[int]]]], pad_id: int) -> dict:
+    """Padding-free packing: each row holds its sequences back to back.
+
+    Position ids restart at 0 for every sequence and no attention mask is passed, so
+    transformers builds block-diagonal causal attention from the position ids (SDPA and
+    eager) or calls flash-attention's varlen kernel (one row): no token attends across
+    sequences. The first label of every sequence is masked, so the last token of one
+    sequence is never trained to predict the next. Rows shorter than the longest are
+    filled with pad tokens forming their own masked pseudo-sequence.
+    """
+    width = max(sum(len(ids) for ids, _ in row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for ids, lab in row:
+            n = len(ids)
+            input_ids[r, at : at + n] = torch.tensor(ids)
+            labels[r, at + 1 : at + n] = torch.tensor(lab[1:])
+            positions[r, at : at + n] = torch.arange(n)
+            at += n
+        positions[r, at:] = torch.arange(width - at)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": positions}
+
+
+class Batches:
+    """Micro-batches of a node's data: padded examples, or packed bins (one row per bin,
+    or all bins in one row for flash-attention, whose varlen path takes a single row)."""
+
+    def __init__(self, examples, bins: list[list[int]] | None, pad_id: int, one_row: bool):
+        self.examples, self.bins, self.pad_id, self.one_row = examples, bins, pad_id, one_row
+
+    def __len__(self) -> int:
+        return len(self.bins) if self.bins is not None else len(self.examples)
+
+    def make(self, indices: list[int]) -> tuple[dict, list[int]]:
+        """The batch for these unit indices and the lengths of its sequences (real tokens)."""
+        if self.bins is None:
+            items = [self.examples[i] for i in indices]
+            batch = collate(items, self.pad_id)
+        else:
+            rows = [[self.examples[j] for j in self.bins[i]] for i in indices]
+            rows = [[seq for row in rows for seq in row]] if self.one_row else rows
+            items = [seq for row in rows for seq in row]
+            batch = collate_packed(rows, self.pad_id)
+        return batch, [len(ids) for ids, _ in items]
+
+
+class TrainingData:
+    """A rank's view of the training data: the plan, and the micro-batches of each step."""
+
+    def __init__(self, cfg, shards: list[Path], plans: list[Path] | None, world: int, rank: int):
+        if cfg.packing and plans is None:
+            raise UserError("training.packing is true but no --packing plan was given")
+        self.cfg, self.rank, self.shards = cfg, rank, shards
+        self.examples = load_examples(shards)
+        self.bins = load_bins(plans, shards) if cfg.packing else None
+        units = len(self.bins) if cfg.packing else len(self.examples)
+        self.plan = DataPlan(units, world, cfg.micro_batch_size, cfg.grad_accum, cfg.epochs, cfg.max_steps)
+        if units < cfg.micro_batch_size * world:
+            what = "packed bins" if cfg.packing else "examples"
+            raise UserError(f"{' '.join(map(str, shards))}: {units} {what}, fewer than one micro-batch on every rank")
+        self.sha256 = data_sha256(shards) + (data_sha256(plans) if cfg.packing else "")
+        self.batches = None
+
+    def bind(self, pad_id: int, one_row: bool) -> None:
+        """Batches need the model's pad token and attention layout, known once the model is loaded."""
+        self.batches = Batches(self.examples, self.bins, pad_id, one_row)
+
+    def micro_batches(self, step: int):
+        """The step's micro-batches on this rank: (batch, sequence lengths), grad_accum of them."""
+        for micro in range(self.cfg.grad_accum):
+            yield self.batches.make(micro_batch_indices(self.plan, self.cfg.seed, step, micro, self.rank))
+
+    def describe(self) -> dict:
+        return {
+            "shards": [p.name for p in self.shards],
+            "examples": len(self.examples),
+            "packed_bins": len(self.bins) if self.bins is not None else None,
+            "tokens": sum(len(ids) for ids, _ in self.examples),
+            "global_batch": self.plan.global_batch,
+            "steps_per_epoch": self.plan.steps_per_epoch,
+            "total_steps": self.plan.total_steps,
+        }

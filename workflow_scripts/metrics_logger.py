@@ -1,0 +1,109 @@
+"""Training metrics: throughput accounting, when to log, and where (metrics.jsonl, TensorBoard, the log).
+
+The loop counts each micro-batch's sequence lengths; every `log_every` steps (and at the last)
+the logger all-reduces loss, tokens and model FLOPs over the ranks and rank 0 writes one record.
+"""
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("train")
+
+
+def flops_per_sequence_fn(model, n_params: int):
+    """Training FLOPs of a sequence of length s: 6 N s for the matmuls (forward and backward;
+    N without the input-embedding lookup) plus PaLM's attention term 12 L d s^2 (L layers,
+    d = heads x head dim), the convention MFU figures are quoted in."""
+    c = model.config
+    embed = model.get_input_embeddings().weight.numel()
+    n_matmul = n_params if getattr(c, "tie_word_embeddings", False) else n_params - embed
+    attn_dim = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    layers = c.num_hidden_layers
+
+    def flops(lengths: list[int]) -> float:
+        return sum(6 * n_matmul * s + 12 * layers * attn_dim * s * s for s in lengths)
+
+    return flops
+
+
+def peak_memory_gb(device) -> float:
+    """Peak GPU memory allocated, or on CPU the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class MetricsLogger:
+    """metrics.jsonl and TensorBoard on rank 0; a progress line per log interval."""
+
+    def __init__(self, folder: Path, cfg, device, plan, flops_of, start_step: int):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.cfg, self.device, self.plan, self.flops_of = cfg, device, plan, flops_of
+        self.path, self.writer = folder / "metrics.jsonl", None
+        if self.rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            folder.mkdir(parents=True, exist_ok=True)
+            self.writer = SummaryWriter(log_dir=str(folder), purge_step=start_step + 1)
+        self.tokens, self.flops, self.clock, self.last_logged = 0, 0.0, time.perf_counter(), start_step
+
+    def count(self, lengths: list[int]) -> None:
+        """A micro-batch's real tokens (its sequences' lengths)."""
+        self.tokens += sum(lengths)
+        self.flops += self.flops_of(lengths)
+
+    def should_log(self, step: int) -> bool:
+        return step % self.cfg.log_every == 0 or step == self.plan.total_steps
+
+    def log(self, step: int, loss_sum: torch.Tensor, grad_norm: float, lr: float) -> None:
+        """After optimizer step ``step`` (1-based): the interval's mean loss and throughput over all ranks."""
+        if not self.should_log(step):
+            return
+        stats = [loss_sum.item() / self.cfg.grad_accum, float(self.tokens), self.flops]
+        stats = torch.tensor(stats, dtype=torch.float64, device=self.device)
+        dist.all_reduce(stats)
+        elapsed = time.perf_counter() - self.clock
+        model_tflops = stats[2].item() / elapsed / self.world / 1e12  # model FLOPs, not hardware FLOPs
+        self.write(
+            {
+                "step": step,
+                "loss": stats[0].item() / self.world,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": stats[1].item() / elapsed,
+                "step_time_s": elapsed / (step - self.last_logged),
+                "tflops_per_rank": model_tflops,
+                "mfu": model_tflops / self.cfg.peak_tflops if self.device.type == "cuda" else None,
+                "peak_memory_gb": peak_memory_gb(self.device),
+                "epoch": (step - 1) / self.plan.steps_per_epoch,
+                # which SLURM job trained this step: a resumed run shows where the next job took over
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            }
+        )
+        self.tokens, self.flops, self.clock, self.last_logged = 0, 0.0, time.perf_counter(), step
+
+    def write(self, record: dict) -> None:
+        if self.rank != 0:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if key != "step" and isinstance(value, int | float):
+                self.writer.add_scalar(f"train/{key}", value, record["step"])
+        log.info(
+            "step %d/%d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f",
+            record["step"], self.plan.total_steps, record["loss"], record["lr"], record["grad_norm"],
+            record["tokens_per_s"],
+        )  # fmt: skip
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()

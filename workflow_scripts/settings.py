@@ -1,0 +1,109 @@
+"""The workflow's config: config/schema.yaml is the one source of every default.
+
+The Snakefile validates the user's config against the schema, filling its defaults; the
+trainer's typed ``TrainConfig`` is always built from a config validated the same way, so
+it has no defaults of its own. Tests and benches build partial configs through
+``training_config`` and get exactly what the workflow would run.
+"""
+
+import copy
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import yaml
+from pipeline_io import UserError
+
+SCHEMA = Path(__file__).resolve().parents[1] / "config" / "schema.yaml"
+
+
+@functools.cache
+def schema() -> dict:
+    return yaml.safe_load(SCHEMA.read_text())
+
+
+def _validator_with_defaults():
+    """A Draft 2020-12 validator that fills each missing property with its schema default first."""
+    from jsonschema import Draft202012Validator, validators
+
+    check_properties = Draft202012Validator.VALIDATORS["properties"]
+
+    def properties(validator, props, instance, sub):
+        if isinstance(instance, dict):
+            for name, prop in props.items():
+                if "default" in prop:
+                    instance.setdefault(name, copy.deepcopy(prop["default"]))
+        yield from check_properties(validator, props, instance, sub)
+
+    return validators.extend(Draft202012Validator, {"properties": properties})
+
+
+def validated(config: dict, section: str | None = None) -> dict:
+    """A copy of ``config`` (the whole config, or one top-level section of it) with every default
+    filled in; an invalid value is a UserError naming its key."""
+    sub = schema() if section is None else schema()["properties"][section]
+    out = copy.deepcopy(config)
+    error = next(iter(sorted(_validator_with_defaults()(sub).iter_errors(out), key=lambda e: e.path)), None)
+    if error is not None:
+        key = ".".join(str(p) for p in [*([section] if section else []), *error.absolute_path]) or "(top level)"
+        if error.validator == "additionalProperties":
+            unknown = sorted(set(error.instance) - set(error.schema.get("properties", {})))
+            raise UserError(f"config key {key}: unknown key(s) {unknown}")
+        raise UserError(f"config key {key}: {error.message}")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The `training` section, flat (lora.r -> lora_r); documented in config/schema.yaml."""
+
+    strategy: str
+    zero_stage: int
+    offload: str
+    deepspeed_config: str | None
+    peft: str
+    lora_r: int
+    lora_alpha: float
+    lora_dropout: float
+    lora_target_modules: list
+    mode: str
+    procs_per_node: int
+    precision: str
+    lr: float
+    min_lr_ratio: float
+    schedule: str
+    warmup_ratio: float
+    warmup_steps: int | None
+    weight_decay: float
+    adam_betas: list
+    micro_batch_size: int
+    packing: bool
+    grad_accum: int
+    epochs: float
+    max_steps: int | None
+    max_grad_norm: float
+    gradient_checkpointing: bool
+    seed: int
+    log_every: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    gpu_memory_gb: float
+    peak_tflops: float
+    collective_timeout_s: int
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainConfig":
+        """From the workflow's `training` section as JSON (missing keys take the schema's defaults)."""
+        return training_config(json.loads(text))
+
+
+def flat_training(training: dict) -> dict:
+    """The `training` section with the LoRA settings flattened (lora.r -> lora_r)."""
+    flat = {k: v for k, v in training.items() if k != "lora"}
+    return flat | {f"lora_{k}": v for k, v in training.get("lora", {}).items()}
+
+
+def training_config(training: dict | None = None) -> TrainConfig:
+    """The trainer's config from a (partial) `training` section, validated and completed by the schema."""
+    return TrainConfig(**flat_training(validated(training or {}, "training")))
