@@ -13,6 +13,7 @@ import torch
 from data_formats import column_names, iter_records, to_examples
 from pipeline_io import cli
 from presets import preset_name
+from settings import option
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -109,12 +110,12 @@ def texts_from(spec: str, fmt: str = "auto", mapping: str = "columns", columns: 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True, help="data the tokenizer is trained on (file, folder or glob)")
-    p.add_argument("--format", default="auto")
-    p.add_argument("--mapping", default="columns")
+    p.add_argument("--format", **option("data.format"))
+    p.add_argument("--mapping", **option("data.mapping"))
     p.add_argument("--columns", default="{}", help="JSON mapping field -> column name")
-    p.add_argument("--vocab-size", type=int, default=1024)
-    p.add_argument("--max-seq-len", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, **option("model.demo_vocab_size"))
+    p.add_argument("--max-seq-len", type=int, **option("data.max_seq_len"))
+    p.add_argument("--seed", type=int, **option("model.seed"))
     p.add_argument("--preset", default="demo", help="demo or a size: " + ", ".join(PRESETS))
     p.add_argument("--output", required=True, type=Path)
     a = p.parse_args(argv)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from pipeline_io import UserError, cli, write_json
+from settings import option
 
 PACKAGES = ["torch", "transformers", "deepspeed", "peft", "accelerate", "pandas", "pyarrow", "evaluate", "tensorboard"]
 
@@ -233,10 +234,10 @@ def benchmark_summary(bench: dict) -> str:
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--strategy")
-    p.add_argument("--peft", default="none")
-    p.add_argument("--procs-per-node", type=int, default=1)
-    p.add_argument("--precision", default="fp32")
+    p.add_argument("--strategy", **option("training.strategy"))
+    p.add_argument("--peft", **option("training.peft"))
+    p.add_argument("--procs-per-node", type=int, **option("training.procs_per_node"))
+    p.add_argument("--precision", **option("training.precision"))
     p.add_argument("--output", type=Path)
     p.add_argument("--no-benchmark", action="store_true", help="only the checks")
     p.add_argument("--bench-rank", type=Path, help=argparse.SUPPRESS)  # one torchrun rank of the benchmark

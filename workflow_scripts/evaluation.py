@@ -14,6 +14,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 from pipeline_io import cli, write_json
+from settings import option
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 IGNORE = -100
@@ -92,9 +93,9 @@ def main(argv=None) -> None:
     p.add_argument("--name", required=True, help="name in the summary (base, node0, ...)")
     p.add_argument("--eval", required=True, type=Path, help="tokenized eval set")
     p.add_argument("--metrics", required=True, type=Path, help="folder of the repo's evaluate modules")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--max-samples", type=int, default=0, help="0 = the whole eval set")
+    p.add_argument("--batch-size", type=int, **option("eval.batch_size"))
+    p.add_argument("--max-new-tokens", type=int, **option("eval.max_new_tokens"))
+    p.add_argument("--max-samples", type=int, help="0 = the whole eval set", **option("eval.max_samples"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", required=True, type=Path)
     a = p.parse_args(argv)

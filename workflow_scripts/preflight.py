@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from pipeline_io import UserError, cli, write_json
+from settings import option
 from transformers import AutoConfig
 
 OVERHEAD_GB = 1.5
@@ -114,7 +115,9 @@ def main(argv=None) -> None:
     p.add_argument("--model", required=True, help="base model folder, hub id, demo or preset:<size>")
     p.add_argument("--training", required=True, help="the training config as JSON")
     p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--vocab-size", type=int, default=1024, help="vocabulary of a from-scratch preset")
+    p.add_argument(
+        "--vocab-size", type=int, help="vocabulary of a from-scratch preset", **option("model.demo_vocab_size")
+    )
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--table", required=True, type=Path)
     a = p.parse_args(argv)

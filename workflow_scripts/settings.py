@@ -107,3 +107,12 @@ def flat_training(training: dict) -> dict:
 def training_config(training: dict | None = None) -> TrainConfig:
     """The trainer's config from a (partial) `training` section, validated and completed by the schema."""
     return TrainConfig(**flat_training(validated(training or {}, "training")))
+
+
+def option(key: str) -> dict:
+    """argparse keywords for a script option that mirrors config key ``key`` (e.g. "data.balance"):
+    the schema's default, and its enum as the choices."""
+    prop = schema()
+    for part in key.split("."):
+        prop = prop["properties"][part]
+    return {"default": prop.get("default")} | ({"choices": prop["enum"]} if "enum" in prop else {})

@@ -31,6 +31,7 @@ from data_formats import (
     to_examples,
 )
 from pipeline_io import UserError, atomic_path, cli, file_sha256, write_json
+from settings import option
 
 REASONS = (
     "missing_field",
@@ -281,20 +282,20 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True, help="a file, a folder or a glob")
     p.add_argument("--eval-data", default=None, help="optional separate held-out file")
-    p.add_argument("--format", default="auto")
+    p.add_argument("--format", **option("data.format"))
     p.add_argument("--delimiter", default=None)
-    p.add_argument("--mapping", default="columns")
+    p.add_argument("--mapping", **option("data.mapping"))
     p.add_argument("--columns", required=True, help="JSON mapping field -> column name")
-    p.add_argument("--category-column", default="category")
+    p.add_argument("--category-column", **option("data.category_column"))
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--eval-fraction", type=float, required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--balance", choices=["rows", "tokens"], default="rows")
+    p.add_argument("--seed", type=int, **option("data.seed"))
+    p.add_argument("--balance", **option("data.balance"))
     p.add_argument("--tokenizer", default=None, help="tokenizer for lengths (too_long, balance: tokens)")
     p.add_argument("--chat-template", default=None)
     p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument("--overlength", choices=["drop", "truncate", "error"], default="truncate")
-    p.add_argument("--max-reject-fraction", type=float, default=1.0)
+    p.add_argument("--overlength", **option("data.overlength"))
+    p.add_argument("--max-reject-fraction", type=float, **option("data.max_reject_fraction"))
     p.add_argument("--splits", nargs="+", required=True, help="one output path per node")
     p.add_argument("--eval", required=True)
     p.add_argument("--rejects", required=True)

@@ -28,6 +28,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pipeline_io import UserError, atomic_path, cli, file_sha256, write_json
+from settings import option
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -294,7 +295,7 @@ def main(argv=None) -> None:
     p.add_argument("--tokenizer", required=True)
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file replacing the tokenizer's")
     p.add_argument("--max-seq-len", type=int, required=True)
-    p.add_argument("--overlength", choices=["drop", "truncate", "error"], default="truncate")
+    p.add_argument("--overlength", **option("data.overlength"))
     p.add_argument("--pack-len", type=int, default=0, help="bin size of the packing plan (0 = max-seq-len)")
     p.add_argument("--cache-dir", type=Path, default=None, help="content-addressed cache shared between runs")
     p.add_argument("--output", required=True, type=Path)
