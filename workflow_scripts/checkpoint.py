@@ -29,12 +29,24 @@ def list_checkpoints(root: Path) -> tuple[list[Path], list[Path]]:
     """Return (complete, partial) step folders under ``root``, oldest first."""
     if not root.is_dir():
         return [], []
-    steps = sorted(
-        (p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"step-\d+", p.name)),
-        key=lambda p: int(p.name.split("-")[1]),
-    )
+    steps = sorted((p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"step-\d+", p.name)), key=step_of)
     complete = [p for p in steps if (p / MARKER).is_file()]
     return complete, [p for p in steps if p not in complete]
+
+
+def step_of(folder: Path) -> int:
+    return int(folder.name.split("-")[1])
+
+
+def superseded(root: Path) -> list[dict]:
+    """The other run keys' checkpoint folders beside ``root`` (older configs, data or base models):
+    listed in plan.json and the log, never resumed, deleted only by the user."""
+    out = []
+    for other in sorted(p for p in root.parent.glob("*") if p.is_dir() and p != root):
+        complete, _ = list_checkpoints(other)
+        size = sum(f.stat().st_size for f in other.rglob("*") if f.is_file())
+        out.append({"path": str(other), "newest_step": step_of(complete[-1]) if complete else None, "bytes": size})
+    return out
 
 
 def rng_state() -> dict:
@@ -52,9 +64,11 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def run_key(cfg, data_sha: str, base: str) -> str:
-    """Checkpoints are only resumed by a job with the same config, data and base model."""
-    text = json.dumps([dataclasses.asdict(cfg), data_sha, base], sort_keys=True)
+def run_key(cfg, data_sha: str, base_fingerprint: str, deepspeed_json_sha: str | None) -> str:
+    """Checkpoints are only resumed by a job that trains the same thing: the same training config,
+    data (shards and packing plans), base model content (weights, config, tokenizer, template) and
+    DeepSpeed JSON content."""
+    text = json.dumps([dataclasses.asdict(cfg), data_sha, base_fingerprint, deepspeed_json_sha], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -70,13 +84,25 @@ class Checkpointer:
         if step % self.every == 0 and step < last_step:
             self.save(step)
 
-    def resume(self) -> int:
-        """Load the newest complete checkpoint; return its step (0 when there is none)."""
+    def resume(self, last_step: int) -> int:
+        """Load the newest complete checkpoint of an interrupted run; return its step (0 for a fresh start).
+
+        A run whose newest checkpoint is its last step had finished: this job was forced (or its
+        outputs deleted), so it trains again from step 0 and that run's checkpoints are deleted.
+        """
         metrics_path = self.metrics_path
         complete, partial = list_checkpoints(self.root)
         if self.rank == 0:
             for p in partial:
                 log.warning("ignoring partial checkpoint %s (no %s marker)", p, MARKER)
+        if complete and step_of(complete[-1]) >= last_step:
+            if self.rank == 0:
+                log.warning("%s: this config had finished training; starting again from step 0", complete[-1])
+            dist.barrier()  # every rank has listed the folders before rank 0 deletes them
+            if self.rank == 0:
+                for p in complete + partial:
+                    shutil.rmtree(p)
+            complete = []
         if not complete:
             if self.rank == 0 and metrics_path.exists():
                 metrics_path.unlink()
@@ -132,6 +158,6 @@ class Checkpointer:
 
     def _prune(self) -> None:
         complete, partial = list_checkpoints(self.root)
-        newest = int(complete[-1].name.split("-")[1])
-        for p in complete[: -self.keep] + [p for p in partial if int(p.name.split("-")[1]) < newest]:
+        newest = step_of(complete[-1])
+        for p in complete[: -self.keep] + [p for p in partial if step_of(p) < newest]:
             shutil.rmtree(p, ignore_errors=True)

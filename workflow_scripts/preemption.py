@@ -28,6 +28,22 @@ log = logging.getLogger("train")
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed on a stop signal; a retry resumes
 
 
+def die_with_parent() -> None:
+    """SIGTERM this rank when its parent (torchrun) dies, even by SIGKILL.
+
+    torchrun starts each rank in a session of its own, so killing the workflow's process group
+    (kill -9 of a local Snakemake, say) ends torchrun but not the ranks, which would train on
+    with no workflow alive. With this they checkpoint and exit like on any stop signal."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() == 1:  # the parent was gone before the call
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 class StopSignal:
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGURG)
 
@@ -36,6 +52,7 @@ class StopSignal:
         self.marker, self.received = marker, None
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
+        die_with_parent()
 
     def _handle(self, signum, frame):
         self.received = signal.Signals(signum).name

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from batching import TrainingData
-from checkpoint import Checkpointer, run_key
+from checkpoint import Checkpointer, run_key, superseded
+from fingerprint import cache_file_for, model_fingerprint, optional_file_sha256
 from metrics_logger import MetricsLogger, flops_per_sequence_fn
 from pipeline_io import cli, write_json
 from preemption import StopSignal
@@ -100,6 +101,12 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
     return device
 
 
+def checkpoint_folder(cfg, data: TrainingData, base_model: str, checkpoint_root: Path) -> Path:
+    """This training's checkpoints: keyed by config, data, base model content and DeepSpeed JSON content."""
+    base = model_fingerprint(base_model, cache_file_for(checkpoint_root))
+    return checkpoint_root / run_key(cfg, data.sha256, base, optional_file_sha256(cfg.deepspeed_config))
+
+
 def parameter_counts(model) -> dict:
     return {
         "parameters": sum(t.numel() for t in model.parameters()),
@@ -169,12 +176,12 @@ def main(argv=None) -> None:
     data.bind(pad_id=model.config.pad_token_id or 0, one_row=attn == "flash_attention_2")
     strategy = build_strategy(cfg, model, device, data.plan.total_steps)
 
-    metrics_path = a.log_dir / "metrics.jsonl"
-    ckpt = Checkpointer(a.checkpoint_root / run_key(cfg, data.sha256, a.base_model), strategy, rank,
-                        cfg.keep_checkpoints, cfg.checkpoint_every, metrics_path)  # fmt: skip
-    start_step = ckpt.resume()
+    root = checkpoint_folder(cfg, data, a.base_model, a.checkpoint_root)
+    ckpt = Checkpointer(root, strategy, rank, cfg.keep_checkpoints, cfg.checkpoint_every, a.log_dir / "metrics.jsonl")
+    start_step = ckpt.resume(data.plan.total_steps)
     run_record = describe_run(cfg, data, sizes, attn, start_step, stop.resumed_after(start_step))
     if rank == 0:
+        run_record |= {"checkpoints": str(root), "superseded_checkpoints": superseded(root)}
         write_json(a.log_dir / "plan.json", run_record)
         log.info("plan: %s", run_record)
 
