@@ -78,3 +78,17 @@ def test_bad_model_paths_are_one_line_errors(tmp_path, monkeypatch, name, messag
     with pytest.raises(UserError, match=message) as e:
         local_model_folder(name)
     assert str(e.value).startswith(f"model.name_or_path {name}:") and "\n" not in str(e.value)
+
+
+def test_an_uncached_hub_id_is_fine_while_online(tmp_path, monkeypatch):
+    from fingerprint import check_model
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    check_model("nobody/no-such-model-xyz")  # the jobs download it
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError, match="not in the local Hugging Face cache"):
+        check_model("nobody/no-such-model-xyz")
+    with pytest.raises(UserError, match="no such model folder"):
+        check_model(str(tmp_path / "missing"))

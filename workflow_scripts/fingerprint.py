@@ -48,6 +48,19 @@ def local_model_folder(name_or_path: str) -> Path:
         ) from e
 
 
+def check_model(name_or_path: str) -> None:
+    """At DAG time, before any job: a local folder must be a model; a hub id must be in the local
+    cache when downloads are off (HF_HUB_OFFLINE), else the jobs download it."""
+    from huggingface_hub import constants
+
+    try:
+        local_model_folder(name_or_path)
+    except UserError:
+        looks_local = Path(name_or_path).expanduser().exists() or name_or_path.startswith(("/", ".", "~"))
+        if looks_local or name_or_path.count("/") != 1 or constants.HF_HUB_OFFLINE:
+            raise
+
+
 @contextlib.contextmanager
 def locked(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
