@@ -13,6 +13,15 @@ The cache is content-addressed: the key hashes the shard's bytes, the tokenizer
 files, the chat template, the length policy and the packing settings, so two runs
 with the same data and tokenizer share one entry whatever their names or learning
 rates, and a changed tokenizer, template or shard is a miss.
+
+The cache checks itself. An entry is built in a hidden folder, its files made
+read-only, their sizes and sha256 recorded in ``manifest.json`` (written last), and
+the folder renamed onto its key, so a half-written entry is never seen. Before an
+entry is used, every file is checked against the manifest; a damaged entry (no
+manifest, a missing file, a size or hash that differs) is removed with a warning
+naming it, and the shard is tokenized again. Runs get copies, never hard links
+(a reflink where the file system has them), so damage to one run's files reaches
+neither the cache nor another run.
 """
 
 import argparse
@@ -23,6 +32,7 @@ import logging
 import os
 import random
 import shutil
+import tempfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -35,6 +45,8 @@ from transformers import AutoTokenizer
 log = logging.getLogger("tokenize")
 IGNORE = -100
 CACHE_VERSION = 2
+MANIFEST = "manifest.json"  # sizes and sha256 of an entry's files; present only in a complete entry
+ENTRY_FILES = ("tokens.parquet", "packing.parquet", "stats.json")
 PAD_BATCH = 8  # micro-batch size of the pad-to-longest comparison
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -230,15 +242,115 @@ def cache_key(shard: Path, tokenizer_hash: str, settings: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def link_or_copy(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.link")
-    tmp.unlink(missing_ok=True)
+class DamagedEntry(Exception):
+    """A cache entry whose files do not match its manifest."""
+
+
+def copy_file(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst``: a reflink where the file system can, else bytes; never a hard link."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        try:  # copy_file_range shares extents (a reflink) on btrfs/XFS and copies in the kernel elsewhere
+            while os.copy_file_range(fin.fileno(), fout.fileno(), 1 << 30) > 0:
+                pass
+        except (AttributeError, OSError):  # not on this OS, file system or kernel: copy in user space
+            fin.seek(0)
+            fout.seek(0)
+            fout.truncate()
+            shutil.copyfileobj(fin, fout, 1 << 20)
+
+
+def write_manifest(entry: Path) -> dict:
+    """Make the entry's files read-only and record their sizes and hashes; the manifest is written last."""
+    files = {}
+    for name in ENTRY_FILES:
+        path = entry / name
+        path.chmod(0o444)
+        files[name] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+    manifest = {"version": CACHE_VERSION, "files": files}
+    write_json(entry / MANIFEST, manifest)
+    (entry / MANIFEST).chmod(0o444)
+    return manifest
+
+
+def read_manifest(entry: Path) -> dict:
     try:
-        os.link(src, tmp)
+        manifest = json.loads((entry / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise DamagedEntry(f"no {MANIFEST} (an interrupted or older entry)") from None
+    except (OSError, ValueError) as e:
+        raise DamagedEntry(f"{MANIFEST} unreadable: {e}") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or any(
+        not isinstance(files.get(n), dict) or {"size", "sha256"} - files[n].keys() for n in ENTRY_FILES
+    ):
+        raise DamagedEntry(f"{MANIFEST} does not list {', '.join(ENTRY_FILES)}")
+    return files
+
+
+def check_size(path: Path, expected: dict) -> None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise DamagedEntry(f"{path.name} is missing") from None
+    if size != expected["size"]:
+        raise DamagedEntry(f"{path.name} has {size} bytes, the manifest says {expected['size']}")
+
+
+def check_hash(path: Path, expected: dict, name: str) -> None:
+    check_size(path, expected)
+    digest = file_sha256(path)
+    if digest != expected["sha256"]:
+        raise DamagedEntry(f"{name} has sha256 {digest[:16]}…, the manifest says {expected['sha256'][:16]}…")
+
+
+def deliver(entry: Path, files: dict, outputs: dict[str, Path]) -> dict:
+    """Copy the entry's files to ``outputs``, each checked against the manifest before it replaces its output.
+
+    The copy is what gets hashed, so what a run reads is exactly what the manifest recorded.
+    Returns the entry's stats.
+    """
+    for name in ENTRY_FILES:  # sizes first: a truncated file is caught before anything is copied
+        check_size(entry / name, files[name])
+    stats_bytes = (entry / "stats.json").read_bytes()
+    if hashlib.sha256(stats_bytes).hexdigest() != files["stats.json"]["sha256"]:
+        raise DamagedEntry("stats.json does not match its sha256 in the manifest")
+    for name, dst in outputs.items():
+        with atomic_path(dst) as tmp:
+            copy_file(entry / name, tmp)
+            check_hash(tmp, files[name], name)
+    return json.loads(stats_bytes)
+
+
+def discard(entry: Path) -> None:
+    """Take a damaged entry out of the cache: renamed away first (atomic), then deleted."""
+    trash = entry.with_name(f".{entry.name}.{os.getpid()}.damaged")
+    try:
+        os.rename(entry, trash)
+    except FileNotFoundError:  # another job removed it already
+        return
     except OSError:
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+        trash = entry
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def from_cache(entry: Path, outputs: dict[str, Path]) -> tuple[dict | None, str | None]:
+    """A verified entry's stats (its files copied to ``outputs``), or None and why the entry was unusable."""
+    if not entry.exists():
+        return None, None
+    try:
+        return deliver(entry, read_manifest(entry), outputs), None
+    except DamagedEntry as e:
+        log.warning("cache entry %s is damaged: %s; removing it and tokenizing the shard again", entry, e)
+        discard(entry)
+        return None, str(e)
+
+
+def publish(build: Path, entry: Path) -> None:
+    """Rename a complete build folder onto its key; if another job published the key first, keep theirs."""
+    try:
+        os.rename(build, entry)
+    except OSError:
+        shutil.rmtree(build, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- stage
@@ -310,22 +422,36 @@ def main(argv=None) -> None:
     pack_len = a.pack_len or a.max_seq_len
     settings = {"max_seq_len": a.max_seq_len, "overlength": a.overlength, "pack_len": pack_len}
     key = cache_key(a.shard, tokenizer_fingerprint(tokenizer, a.tokenizer), settings)
+    outputs = {"tokens.parquet": a.output, "packing.parquet": a.packing}
     entry = (a.cache_dir / key) if a.cache_dir else None
-    if entry and (entry / "stats.json").is_file():
-        stats = json.loads((entry / "stats.json").read_text()) | {"cache": "hit"}
+    stats, damage = from_cache(entry, outputs) if entry else (None, None)
+    if stats is not None:
+        stats |= {"cache": "hit"}
         log.info("cache hit %s", entry)
     else:
-        work = entry or a.output.parent / f".{a.output.stem}.work"
-        lengths, stats = tokenize_shard(tokenizer, a.shard, work / "tokens.parquet", a.max_seq_len, a.overlength)
-        stats |= write_packing(lengths, pack_len, work / "packing.parquet") | {"key": key, "settings": settings}
-        write_json(work / "stats.json", stats)  # written last: marks the entry complete
-        stats |= {"cache": "miss" if entry else "off"}
-    source = entry or a.output.parent / f".{a.output.stem}.work"
-    link_or_copy(source / "tokens.parquet", a.output)
-    link_or_copy(source / "packing.parquet", a.packing)
+        parent = a.cache_dir if entry else a.output.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        build = Path(tempfile.mkdtemp(prefix=f".{key if entry else a.output.stem}.", suffix=".build", dir=parent))
+        umask = os.umask(0o022)
+        os.umask(umask)
+        build.chmod(0o777 & ~umask)  # an entry folder as mkdir would make it, not mkdtemp's 0700
+        try:
+            lengths, stats = tokenize_shard(tokenizer, a.shard, build / "tokens.parquet", a.max_seq_len, a.overlength)
+            stats |= write_packing(lengths, pack_len, build / "packing.parquet") | {"key": key, "settings": settings}
+            write_json(build / "stats.json", stats)
+            if entry:
+                deliver(build, write_manifest(build)["files"], outputs)
+                publish(build, entry)
+            else:
+                for name, dst in outputs.items():
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.move(build / name, dst)
+        finally:
+            shutil.rmtree(build, ignore_errors=True)
+        stats |= {"cache": ("rebuilt" if damage else "miss") if entry else "off"}
+        if damage:
+            stats |= {"cache_damage": f"{entry}: {damage}"}
     write_json(a.stats, stats | {"shard": str(a.shard)})
-    if not entry:
-        shutil.rmtree(source, ignore_errors=True)
     print(f"{a.shard}: {stats['examples']} examples, {stats['tokens']} tokens, cache {stats['cache']}")
 
 
