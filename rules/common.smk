@@ -58,6 +58,36 @@ except UserError as e:
 DEMO = PRESET is not None  # the base model is built by build_demo_model
 METRICS = Path(workflow.basedir) / "metrics"
 
+# Every path under results/<run>/, defined once: rules name these patterns, expand() fills them
+# for lists, and .format() fills one wildcard or renames it (train_node reads {shard} as {node}).
+DEMO_MODEL = f"{R}/base_model"  # written by build_demo_model
+ENV_CHECK = f"{R}/env/check.json"
+MANIFEST = f"{R}/data/manifest.json"
+SPLIT = f"{R}/data/splits/{{shard}}.parquet"
+EVAL_SPLIT = f"{R}/data/eval.parquet"
+REJECTS = f"{R}/data/rejects.parquet"
+TOKENIZED = f"{R}/data/tokenized/{{shard}}.parquet"  # shard: node0.. or eval
+PACKING = f"{R}/data/tokenized/{{shard}}.packing.parquet"
+TOKEN_STATS = f"{R}/data/tokenized/{{shard}}.json"
+DATA_REPORT = f"{R}/data/report.json"
+DATA_PLOT = f"{R}/data/overview.png"
+PLAN = f"{R}/plan/memory.json"
+PLAN_TABLE = f"{R}/plan/memory.csv"
+TRAIN_DIR = f"{R}/train/{{node}}"  # node: node0.. or joint
+TRAIN_METRICS = f"{TRAIN_DIR}/metrics.jsonl"
+TRAIN_STATE = f"{TRAIN_DIR}/train_state.json"
+CHECKPOINTS = f"{R}/checkpoints/{{node}}"
+MODEL_DIR = f"{R}/models/{{model}}"  # model: a trained node, joint or a soup (base is BASE_MODEL)
+EVAL_RESULT = f"{R}/eval/{{model}}.json"
+SUMMARY = f"{R}/eval/summary.csv"
+LOSS_CURVES = f"{R}/eval/loss_curves.png"
+THROUGHPUT = f"{R}/eval/throughput.png"
+LEADERBOARD = f"{R}/eval/leaderboard.png"
+CATEGORIES = f"{R}/eval/categories.png"
+SAMPLES = f"{R}/eval/samples.csv"
+CONSOLIDATION = f"{R}/eval/consolidation.csv"
+PROVENANCE = f"{R}/provenance.json"
+
 
 wildcard_constraints:
     node="|".join(TRAINED),
@@ -134,7 +164,7 @@ def tokenize_args(wildcards):
 
 def base_model():
     """What from_pretrained loads: the demo build, a local path or a hub id."""
-    return f"{R}/base_model" if DEMO else config["model"]["name_or_path"]
+    return DEMO_MODEL if DEMO else config["model"]["name_or_path"]
 
 
 def base_model_ref(wildcards):
@@ -161,11 +191,11 @@ def base_model_input():
 
 
 def model_for_eval(wildcards):
-    return base_model_input() if wildcards.model == "base" else f"{R}/models/{wildcards.model}"
+    return base_model_input() if wildcards.model == "base" else MODEL_DIR.format(model=wildcards.model)
 
 
 def model_ref(wildcards):
-    return base_model() if wildcards.model == "base" else f"{R}/models/{wildcards.model}"
+    return base_model() if wildcards.model == "base" else MODEL_DIR.format(model=wildcards.model)
 
 
 def training_json():
@@ -188,13 +218,13 @@ def memory_json():
 def final_outputs():
     """The report's inputs and each trained model (so a deleted model is rebuilt)."""
     return [
-        *expand(f"{R}/models/{{node}}", node=TRAINED),
-        f"{R}/env/check.json",
-        f"{R}/data/manifest.json",
-        f"{R}/data/report.json",
-        f"{R}/plan/memory.json",
-        f"{R}/eval/summary.csv",
-        f"{R}/eval/loss_curves.png",
-        f"{R}/eval/leaderboard.png",
-        f"{R}/provenance.json",
+        *expand(MODEL_DIR, model=TRAINED),
+        ENV_CHECK,
+        MANIFEST,
+        DATA_REPORT,
+        PLAN,
+        SUMMARY,
+        LOSS_CURVES,
+        LEADERBOARD,
+        PROVENANCE,
     ]

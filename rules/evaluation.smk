@@ -1,9 +1,9 @@
 rule evaluate_model:
     input:
         model=model_for_eval,
-        eval=f"{R}/data/tokenized/eval.parquet",
+        eval=TOKENIZED.format(shard="eval"),
     output:
-        result=f"{R}/eval/{{model}}.json",
+        result=EVAL_RESULT,
     log:
         f"{LOGS}/evaluate_model/{{model}}.log",
     conda:

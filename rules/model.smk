@@ -2,7 +2,7 @@ rule build_demo_model:
     input:
         data=data_inputs(),
     output:
-        model=directory(f"{R}/base_model"),
+        model=directory(DEMO_MODEL),
     log:
         f"{LOGS}/build_demo_model.log",
     conda:

@@ -4,8 +4,8 @@ localrules:
 
 rule plan_training:
     output:
-        plan=f"{R}/plan/memory.json",
-        table=report(f"{R}/plan/memory.csv", caption="../report/plan.rst", category="Plan"),
+        plan=PLAN,
+        table=report(PLAN_TABLE, caption="../report/plan.rst", category="Plan"),
     log:
         f"{LOGS}/plan_training.log",
     conda:

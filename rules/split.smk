@@ -3,10 +3,10 @@ rule split_dataset:
         data=data_inputs(),
         tokenizer=base_model_input(),
     output:
-        splits=expand(f"{R}/data/splits/{{node}}.parquet", node=NODES),
-        eval=f"{R}/data/eval.parquet",
-        rejects=f"{R}/data/rejects.parquet",
-        manifest=f"{R}/data/manifest.json",
+        splits=expand(SPLIT, shard=NODES),
+        eval=EVAL_SPLIT,
+        rejects=REJECTS,
+        manifest=MANIFEST,
     log:
         f"{LOGS}/split_dataset.log",
     conda:

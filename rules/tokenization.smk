@@ -1,11 +1,11 @@
 rule tokenize_shard:
     input:
-        shard=f"{R}/data/splits/{{shard}}.parquet",
+        shard=SPLIT,
         tokenizer=base_model_input(),
     output:
-        tokens=f"{R}/data/tokenized/{{shard}}.parquet",
-        packing=f"{R}/data/tokenized/{{shard}}.packing.parquet",
-        stats=f"{R}/data/tokenized/{{shard}}.json",
+        tokens=TOKENIZED,
+        packing=PACKING,
+        stats=TOKEN_STATS,
     log:
         f"{LOGS}/tokenize_shard/{{shard}}.log",
     conda:
@@ -20,11 +20,11 @@ rule tokenize_shard:
 
 use rule tokenize_shard as tokenize_eval with:
     input:
-        shard=f"{R}/data/eval.parquet",
+        shard=EVAL_SPLIT,
         tokenizer=base_model_input(),
     output:
-        tokens=f"{R}/data/tokenized/eval.parquet",
-        packing=f"{R}/data/tokenized/eval.packing.parquet",
-        stats=f"{R}/data/tokenized/eval.json",
+        tokens=TOKENIZED.format(shard="eval"),
+        packing=PACKING.format(shard="eval"),
+        stats=TOKEN_STATS.format(shard="eval"),
     log:
         f"{LOGS}/tokenize_shard/eval.log",
