@@ -88,6 +88,14 @@ SAMPLES = f"{R}/eval/samples.csv"
 CONSOLIDATION = f"{R}/eval/consolidation.csv"
 PROVENANCE = f"{R}/provenance.json"
 
+# The base model, one name per use:
+# what from_pretrained loads (the demo build, a local path or a hub id),
+BASE_MODEL = DEMO_MODEL if DEMO else config["model"]["name_or_path"]
+# the same as a tracked input, where it is a file-system path (a hub id is none),
+BASE_MODEL_INPUT = BASE_MODEL if DEMO or Path(BASE_MODEL).exists() else []
+# and what plan_training needs of it, its shape: a preset by name, or the model's config.
+MODEL_SHAPE = ("demo" if PRESET == "demo" else f"preset:{PRESET}") if DEMO else BASE_MODEL
+
 
 wildcard_constraints:
     node="|".join(TRAINED),
@@ -136,7 +144,7 @@ def split_args(wildcards):
                 optional("--eval-fraction", DATA["eval_fraction"]),
                 optional("--seed", DATA["seed"]),
                 optional("--balance", DATA["balance"]),
-                optional("--tokenizer", base_model()),
+                optional("--tokenizer", BASE_MODEL),
                 optional("--chat-template", DATA["chat_template"]),
                 optional("--max-seq-len", DATA["max_seq_len"]),
                 optional("--overlength", DATA["overlength"]),
@@ -152,7 +160,7 @@ def tokenize_args(wildcards):
         filter(
             None,
             [
-                optional("--tokenizer", base_model()),
+                optional("--tokenizer", BASE_MODEL),
                 optional("--chat-template", DATA["chat_template"]),
                 optional("--max-seq-len", DATA["max_seq_len"]),
                 optional("--overlength", DATA["overlength"]),
@@ -162,40 +170,23 @@ def tokenize_args(wildcards):
     )
 
 
-def base_model():
-    """What from_pretrained loads: the demo build, a local path or a hub id."""
-    return DEMO_MODEL if DEMO else config["model"]["name_or_path"]
-
-
-def base_model_ref(wildcards):
-    return base_model()
-
-
 def script_path(name):
     """Path of a workflow script, passed to shell commands through params."""
     return str(SCRIPTS / name)
 
 
-def preflight_model(wildcards):
-    """The preflight needs only the model's shape: a preset by name, or the model's config."""
-    if DEMO:
-        return "demo" if PRESET == "demo" else f"preset:{PRESET}"
-    return base_model()
+def get_model(wildcards, input=None):
+    """The model a job loads: results/<run>/models/<model>, or the base model (model=base, or a job
+    without a {model} wildcard: training).
 
-
-def base_model_input():
-    """The base model as a tracked input when it is a file-system path."""
-    if DEMO or Path(config["model"]["name_or_path"]).exists():
-        return base_model()
-    return []
-
-
-def model_for_eval(wildcards):
-    return base_model_input() if wildcards.model == "base" else MODEL_DIR.format(model=wildcards.model)
-
-
-def model_ref(wildcards):
-    return base_model() if wildcards.model == "base" else MODEL_DIR.format(model=wildcards.model)
+    As an input function the base model is BASE_MODEL_INPUT (a hub id is no file); as a params
+    function (Snakemake passes the job's `input` to one that takes it) it is BASE_MODEL. A param
+    given as a plain path would be taken by `snakemake --lint` for a hard-coded input prefix.
+    """
+    model = wildcards.get("model", "base")
+    if model != "base":
+        return MODEL_DIR.format(model=model)
+    return BASE_MODEL_INPUT if input is None else BASE_MODEL
 
 
 def training_json():

@@ -1,6 +1,6 @@
 rule evaluate_model:
     input:
-        model=model_for_eval,
+        model=get_model,
         eval=TOKENIZED.format(shard="eval"),
     output:
         result=EVAL_RESULT,
@@ -10,7 +10,7 @@ rule evaluate_model:
         "../envs/eval.yaml"
     params:
         script=script_path("evaluation.py"),
-        model=model_ref,
+        model=get_model,
         metrics=METRICS,
         batch_size=config["eval"]["batch_size"],
         max_new_tokens=config["eval"]["max_new_tokens"],

@@ -12,7 +12,7 @@ rule plan_training:
         "../envs/train.yaml"
     params:
         script=script_path("preflight.py"),
-        model=preflight_model,
+        model=MODEL_SHAPE,
         training=memory_json(),
         seq_len=config["data"]["max_seq_len"],
         vocab=config["model"]["demo_vocab_size"],

@@ -1,7 +1,7 @@
 rule split_dataset:
     input:
         data=data_inputs(),
-        tokenizer=base_model_input(),
+        tokenizer=BASE_MODEL_INPUT,
     output:
         splits=expand(SPLIT, shard=NODES),
         eval=EVAL_SPLIT,

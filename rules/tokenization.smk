@@ -1,7 +1,7 @@
 rule tokenize_shard:
     input:
         shard=SPLIT,
-        tokenizer=base_model_input(),
+        tokenizer=BASE_MODEL_INPUT,
     output:
         tokens=TOKENIZED,
         packing=PACKING,
@@ -21,7 +21,7 @@ rule tokenize_shard:
 use rule tokenize_shard as tokenize_eval with:
     input:
         shard=EVAL_SPLIT,
-        tokenizer=base_model_input(),
+        tokenizer=BASE_MODEL_INPUT,
     output:
         tokens=TOKENIZED.format(shard="eval"),
         packing=PACKING.format(shard="eval"),

@@ -4,7 +4,7 @@ rule train_node:
         plan=PLAN,
         tokens=TOKENIZED.format(shard="{node}"),
         packing=PACKING.format(shard="{node}"),
-        base=base_model_input(),
+        base=BASE_MODEL_INPUT,
     output:
         metrics=TRAIN_METRICS,
         state=TRAIN_STATE,
@@ -18,7 +18,7 @@ rule train_node:
     params:
         script=script_path("train.py"),
         config=training_json(),
-        base=base_model_ref,
+        base=get_model,
         log_dir=TRAIN_DIR,
         # not an output: Snakemake deletes the outputs of failed jobs, and the retry resumes from here
         checkpoints=CHECKPOINTS,
@@ -48,7 +48,7 @@ rule train_joint:
         plan=PLAN,
         tokens=expand(TOKENIZED, shard=NODES),
         packing=expand(PACKING, shard=NODES),
-        base=base_model_input(),
+        base=BASE_MODEL_INPUT,
     output:
         metrics=TRAIN_METRICS.format(node="joint"),
         state=TRAIN_STATE.format(node="joint"),
@@ -68,7 +68,7 @@ rule train_joint:
         launch=script_path("launch.py"),
         script=script_path("train.py"),
         config=training_json(),
-        base=base_model_ref,
+        base=get_model,
         log_dir=lambda wildcards, output: Path(output.state).parent,
         # not an output: Snakemake deletes the outputs of failed jobs, and the retry resumes from here
         checkpoints=CHECKPOINTS.format(node="joint"),
