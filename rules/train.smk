@@ -69,7 +69,8 @@ rule train_joint:
         script=script_path("train.py"),
         config=training_json(),
         base=get_model,
-        log_dir=lambda wildcards, output: Path(output.state).parent,
+        # a Path, as a str it would look to `snakemake --lint` like a hard-coded prefix of the outputs
+        log_dir=Path(TRAIN_DIR.format(node="joint")),
         # not an output: Snakemake deletes the outputs of failed jobs, and the retry resumes from here
         checkpoints=CHECKPOINTS.format(node="joint"),
         nodes=config["nodes"],
