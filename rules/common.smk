@@ -1,4 +1,4 @@
-"""Config validation, paths and input functions shared by every rule file."""
+"""Config validation, results paths, the base model, scripts' arguments and input functions for every rule file."""
 
 import json
 import shlex
@@ -105,69 +105,58 @@ wildcard_constraints:
 
 # Fail at parse time, before any job runs, when the data cannot be used.
 DATA = config["data"]
+DATA_SPECS = [spec for spec in (DATA["path"], DATA["eval_path"]) if spec]  # as written: a file, folder or glob
 try:
-    for spec in filter(None, [DATA["path"], DATA["eval_path"]]):
+    for spec in DATA_SPECS:
         check_columns(spec, DATA["format"], DATA["mapping"], DATA["columns"], delimiter_arg(DATA["delimiter"]))
+    DATA_FILES = [str(p) for spec in DATA_SPECS for p in resolve_paths(spec)]  # every input data file
 except UserError as e:
     fail(e)
 
 
-def data_inputs():
-    """Every input data file (a folder or glob expands to its files)."""
-    specs = filter(None, [DATA["path"], DATA["eval_path"]])
-    return [str(p) for spec in specs for p in resolve_paths(spec)]
-
-
-def data_spec(wildcards):
-    """data.path as the user wrote it (a folder or glob stays one argument)."""
-    return DATA["path"]
-
-
-def optional(flag, value):
-    return f"{flag} {shlex.quote(str(value))}" if value not in (None, "") else ""
-
-
-def split_args(wildcards):
-    """Command-line arguments of split.py from the data config."""
+def cli_args(**options):
+    """`--some-option value` (shell-quoted) for each option with a value, in order; None and "" are left out."""
     return " ".join(
-        filter(
-            None,
-            [
-                optional("--data", DATA["path"]),
-                optional("--eval-data", DATA["eval_path"]),
-                optional("--format", DATA["format"]),
-                optional("--delimiter", DATA["delimiter"]),
-                optional("--mapping", DATA["mapping"]),
-                optional("--columns", json.dumps(DATA["columns"])),
-                optional("--category-column", DATA["category_column"]),
-                optional("--nodes", config["nodes"]),
-                optional("--eval-fraction", DATA["eval_fraction"]),
-                optional("--seed", DATA["seed"]),
-                optional("--balance", DATA["balance"]),
-                optional("--tokenizer", BASE_MODEL),
-                optional("--chat-template", DATA["chat_template"]),
-                optional("--max-seq-len", DATA["max_seq_len"]),
-                optional("--overlength", DATA["overlength"]),
-                optional("--max-reject-fraction", DATA["max_reject_fraction"]),
-            ],
-        )
+        f"--{name.replace('_', '-')} {shlex.quote(str(value))}"
+        for name, value in options.items()
+        if value not in (None, "")
     )
 
 
-def tokenize_args(wildcards):
-    """Command-line arguments of tokenization.py; none of them names the run."""
-    return " ".join(
-        filter(
-            None,
-            [
-                optional("--tokenizer", BASE_MODEL),
-                optional("--chat-template", DATA["chat_template"]),
-                optional("--max-seq-len", DATA["max_seq_len"]),
-                optional("--overlength", DATA["overlength"]),
-                optional("--cache-dir", DATA["cache_dir"]),
-            ],
-        )
-    )
+# The command-line arguments of the scripts that read the data config (split.py and tokenization.py
+# share what they need to count tokens).
+TOKENIZER_OPTIONS = dict(
+    tokenizer=BASE_MODEL,
+    chat_template=DATA["chat_template"],
+    max_seq_len=DATA["max_seq_len"],
+    overlength=DATA["overlength"],
+)
+SPLIT_ARGS = cli_args(
+    data=DATA["path"],
+    eval_data=DATA["eval_path"],
+    format=DATA["format"],
+    delimiter=DATA["delimiter"],
+    mapping=DATA["mapping"],
+    columns=json.dumps(DATA["columns"]),
+    category_column=DATA["category_column"],
+    nodes=config["nodes"],
+    eval_fraction=DATA["eval_fraction"],
+    seed=DATA["seed"],
+    balance=DATA["balance"],
+    **TOKENIZER_OPTIONS,
+    max_reject_fraction=DATA["max_reject_fraction"],
+)
+TOKENIZE_ARGS = cli_args(**TOKENIZER_OPTIONS, cache_dir=DATA["cache_dir"])
+DEMO_MODEL_ARGS = cli_args(
+    data=DATA["path"],  # as written: a folder or glob stays one argument
+    format=DATA["format"],
+    mapping=DATA["mapping"],
+    columns=json.dumps(DATA["columns"]),
+    vocab_size=config["model"]["demo_vocab_size"],
+    max_seq_len=DATA["max_seq_len"],
+    seed=config["model"]["seed"],
+    preset=PRESET,
+)
 
 
 def script_path(name):

@@ -1,6 +1,6 @@
 rule split_dataset:
     input:
-        data=data_inputs(),
+        data=DATA_FILES,
         tokenizer=BASE_MODEL_INPUT,
     output:
         splits=expand(SPLIT, shard=NODES),
@@ -13,7 +13,7 @@ rule split_dataset:
         "../envs/data.yaml"
     params:
         script=script_path("split.py"),
-        args=split_args,
+        args=SPLIT_ARGS,
     shell:
         "python {params.script} {params.args}"
         " --splits {output.splits} --eval {output.eval} --rejects {output.rejects}"

@@ -12,7 +12,7 @@ rule tokenize_shard:
         "../envs/data.yaml"
     params:
         script=script_path("tokenization.py"),
-        args=tokenize_args,
+        args=TOKENIZE_ARGS,
     shell:
         "python {params.script} --shard {input.shard} {params.args}"
         " --output {output.tokens} --packing {output.packing} --stats {output.stats} > {log} 2>&1"
