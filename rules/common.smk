@@ -1,4 +1,4 @@
-"""Config validation, paths and input functions shared by every rule file."""
+"""Config validation, results paths, the base model, scripts' arguments and input functions for every rule file."""
 
 import json
 import shlex
@@ -58,6 +58,44 @@ except UserError as e:
 DEMO = PRESET is not None  # the base model is built by build_demo_model
 METRICS = Path(workflow.basedir) / "metrics"
 
+# Every path under results/<run>/, defined once: rules name these patterns, expand() fills them
+# for lists, and .format() fills one wildcard or renames it (train_node reads {shard} as {node}).
+DEMO_MODEL = f"{R}/base_model"  # written by build_demo_model
+ENV_CHECK = f"{R}/env/check.json"
+MANIFEST = f"{R}/data/manifest.json"
+SPLIT = f"{R}/data/splits/{{shard}}.parquet"
+EVAL_SPLIT = f"{R}/data/eval.parquet"
+REJECTS = f"{R}/data/rejects.parquet"
+TOKENIZED = f"{R}/data/tokenized/{{shard}}.parquet"  # shard: node0.. or eval
+PACKING = f"{R}/data/tokenized/{{shard}}.packing.parquet"
+TOKEN_STATS = f"{R}/data/tokenized/{{shard}}.json"
+DATA_REPORT = f"{R}/data/report.json"
+DATA_PLOT = f"{R}/data/overview.png"
+PLAN = f"{R}/plan/memory.json"
+PLAN_TABLE = f"{R}/plan/memory.csv"
+TRAIN_DIR = f"{R}/train/{{node}}"  # node: node0.. or joint
+TRAIN_METRICS = f"{TRAIN_DIR}/metrics.jsonl"
+TRAIN_STATE = f"{TRAIN_DIR}/train_state.json"
+CHECKPOINTS = f"{R}/checkpoints/{{node}}"
+MODEL_DIR = f"{R}/models/{{model}}"  # model: a trained node, joint or a soup (base is BASE_MODEL)
+EVAL_RESULT = f"{R}/eval/{{model}}.json"
+SUMMARY = f"{R}/eval/summary.csv"
+LOSS_CURVES = f"{R}/eval/loss_curves.png"
+THROUGHPUT = f"{R}/eval/throughput.png"
+LEADERBOARD = f"{R}/eval/leaderboard.png"
+CATEGORIES = f"{R}/eval/categories.png"
+SAMPLES = f"{R}/eval/samples.csv"
+CONSOLIDATION = f"{R}/eval/consolidation.csv"
+PROVENANCE = f"{R}/provenance.json"
+
+# The base model, one name per use:
+# what from_pretrained loads (the demo build, a local path or a hub id),
+BASE_MODEL = DEMO_MODEL if DEMO else config["model"]["name_or_path"]
+# the same as a tracked input, where it is a file-system path (a hub id is none),
+BASE_MODEL_INPUT = BASE_MODEL if DEMO or Path(BASE_MODEL).exists() else []
+# and what plan_training needs of it, its shape: a preset by name, or the model's config.
+MODEL_SHAPE = ("demo" if PRESET == "demo" else f"preset:{PRESET}") if DEMO else BASE_MODEL
+
 
 wildcard_constraints:
     node="|".join(TRAINED),
@@ -67,78 +105,58 @@ wildcard_constraints:
 
 # Fail at parse time, before any job runs, when the data cannot be used.
 DATA = config["data"]
+DATA_SPECS = [spec for spec in (DATA["path"], DATA["eval_path"]) if spec]  # as written: a file, folder or glob
 try:
-    for spec in filter(None, [DATA["path"], DATA["eval_path"]]):
+    for spec in DATA_SPECS:
         check_columns(spec, DATA["format"], DATA["mapping"], DATA["columns"], delimiter_arg(DATA["delimiter"]))
+    DATA_FILES = [str(p) for spec in DATA_SPECS for p in resolve_paths(spec)]  # every input data file
 except UserError as e:
     fail(e)
 
 
-def data_inputs():
-    """Every input data file (a folder or glob expands to its files)."""
-    specs = filter(None, [DATA["path"], DATA["eval_path"]])
-    return [str(p) for spec in specs for p in resolve_paths(spec)]
-
-
-def data_spec(wildcards):
-    """data.path as the user wrote it (a folder or glob stays one argument)."""
-    return DATA["path"]
-
-
-def optional(flag, value):
-    return f"{flag} {shlex.quote(str(value))}" if value not in (None, "") else ""
-
-
-def split_args(wildcards):
-    """Command-line arguments of split.py from the data config."""
+def cli_args(**options):
+    """`--some-option value` (shell-quoted) for each option with a value, in order; None and "" are left out."""
     return " ".join(
-        filter(
-            None,
-            [
-                optional("--data", DATA["path"]),
-                optional("--eval-data", DATA["eval_path"]),
-                optional("--format", DATA["format"]),
-                optional("--delimiter", DATA["delimiter"]),
-                optional("--mapping", DATA["mapping"]),
-                optional("--columns", json.dumps(DATA["columns"])),
-                optional("--category-column", DATA["category_column"]),
-                optional("--nodes", config["nodes"]),
-                optional("--eval-fraction", DATA["eval_fraction"]),
-                optional("--seed", DATA["seed"]),
-                optional("--balance", DATA["balance"]),
-                optional("--tokenizer", base_model()),
-                optional("--chat-template", DATA["chat_template"]),
-                optional("--max-seq-len", DATA["max_seq_len"]),
-                optional("--overlength", DATA["overlength"]),
-                optional("--max-reject-fraction", DATA["max_reject_fraction"]),
-            ],
-        )
+        f"--{name.replace('_', '-')} {shlex.quote(str(value))}"
+        for name, value in options.items()
+        if value not in (None, "")
     )
 
 
-def tokenize_args(wildcards):
-    """Command-line arguments of tokenization.py; none of them names the run."""
-    return " ".join(
-        filter(
-            None,
-            [
-                optional("--tokenizer", base_model()),
-                optional("--chat-template", DATA["chat_template"]),
-                optional("--max-seq-len", DATA["max_seq_len"]),
-                optional("--overlength", DATA["overlength"]),
-                optional("--cache-dir", DATA["cache_dir"]),
-            ],
-        )
-    )
-
-
-def base_model():
-    """What from_pretrained loads: the demo build, a local path or a hub id."""
-    return f"{R}/base_model" if DEMO else config["model"]["name_or_path"]
-
-
-def base_model_ref(wildcards):
-    return base_model()
+# The command-line arguments of the scripts that read the data config (split.py and tokenization.py
+# share what they need to count tokens).
+TOKENIZER_OPTIONS = dict(
+    tokenizer=BASE_MODEL,
+    chat_template=DATA["chat_template"],
+    max_seq_len=DATA["max_seq_len"],
+    overlength=DATA["overlength"],
+)
+SPLIT_ARGS = cli_args(
+    data=DATA["path"],
+    eval_data=DATA["eval_path"],
+    format=DATA["format"],
+    delimiter=DATA["delimiter"],
+    mapping=DATA["mapping"],
+    columns=json.dumps(DATA["columns"]),
+    category_column=DATA["category_column"],
+    nodes=config["nodes"],
+    eval_fraction=DATA["eval_fraction"],
+    seed=DATA["seed"],
+    balance=DATA["balance"],
+    **TOKENIZER_OPTIONS,
+    max_reject_fraction=DATA["max_reject_fraction"],
+)
+TOKENIZE_ARGS = cli_args(**TOKENIZER_OPTIONS, cache_dir=DATA["cache_dir"])
+DEMO_MODEL_ARGS = cli_args(
+    data=DATA["path"],  # as written: a folder or glob stays one argument
+    format=DATA["format"],
+    mapping=DATA["mapping"],
+    columns=json.dumps(DATA["columns"]),
+    vocab_size=config["model"]["demo_vocab_size"],
+    max_seq_len=DATA["max_seq_len"],
+    seed=config["model"]["seed"],
+    preset=PRESET,
+)
 
 
 def script_path(name):
@@ -146,26 +164,18 @@ def script_path(name):
     return str(SCRIPTS / name)
 
 
-def preflight_model(wildcards):
-    """The preflight needs only the model's shape: a preset by name, or the model's config."""
-    if DEMO:
-        return "demo" if PRESET == "demo" else f"preset:{PRESET}"
-    return base_model()
+def get_model(wildcards, input=None):
+    """The model a job loads: results/<run>/models/<model>, or the base model (model=base, or a job
+    without a {model} wildcard: training).
 
-
-def base_model_input():
-    """The base model as a tracked input when it is a file-system path."""
-    if DEMO or Path(config["model"]["name_or_path"]).exists():
-        return base_model()
-    return []
-
-
-def model_for_eval(wildcards):
-    return base_model_input() if wildcards.model == "base" else f"{R}/models/{wildcards.model}"
-
-
-def model_ref(wildcards):
-    return base_model() if wildcards.model == "base" else f"{R}/models/{wildcards.model}"
+    As an input function the base model is BASE_MODEL_INPUT (a hub id is no file); as a params
+    function (Snakemake passes the job's `input` to one that takes it) it is BASE_MODEL. A param
+    given as a plain path would be taken by `snakemake --lint` for a hard-coded input prefix.
+    """
+    model = wildcards.get("model", "base")
+    if model != "base":
+        return MODEL_DIR.format(model=model)
+    return BASE_MODEL_INPUT if input is None else BASE_MODEL
 
 
 def training_json():
@@ -188,13 +198,13 @@ def memory_json():
 def final_outputs():
     """The report's inputs and each trained model (so a deleted model is rebuilt)."""
     return [
-        *expand(f"{R}/models/{{node}}", node=TRAINED),
-        f"{R}/env/check.json",
-        f"{R}/data/manifest.json",
-        f"{R}/data/report.json",
-        f"{R}/plan/memory.json",
-        f"{R}/eval/summary.csv",
-        f"{R}/eval/loss_curves.png",
-        f"{R}/eval/leaderboard.png",
-        f"{R}/provenance.json",
+        *expand(MODEL_DIR, model=TRAINED),
+        ENV_CHECK,
+        MANIFEST,
+        DATA_REPORT,
+        PLAN,
+        SUMMARY,
+        LOSS_CURVES,
+        LEADERBOARD,
+        PROVENANCE,
     ]

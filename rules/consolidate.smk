@@ -1,8 +1,8 @@
 rule consolidate_node:
     input:
-        state=f"{R}/train/{{node}}/train_state.json",
+        state=TRAIN_STATE,
     output:
-        model=directory(f"{R}/models/{{node}}"),
+        model=directory(MODEL_DIR.format(model="{node}")),
     log:
         f"{LOGS}/consolidate_node/{{node}}.log",
     conda:

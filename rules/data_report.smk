@@ -1,11 +1,11 @@
 rule data_report:
     input:
-        manifest=f"{R}/data/manifest.json",
-        tokenized=expand(f"{R}/data/tokenized/{{shard}}.parquet", shard=[*NODES, "eval"]),
-        stats=expand(f"{R}/data/tokenized/{{shard}}.json", shard=[*NODES, "eval"]),
+        manifest=MANIFEST,
+        tokenized=expand(TOKENIZED, shard=[*NODES, "eval"]),
+        stats=expand(TOKEN_STATS, shard=[*NODES, "eval"]),
     output:
-        json=report(f"{R}/data/report.json", caption="../report/data.rst", category="Data"),
-        plot=report(f"{R}/data/overview.png", caption="../report/data.rst", category="Data"),
+        json=report(DATA_REPORT, caption="../report/data.rst", category="Data"),
+        plot=report(DATA_PLOT, caption="../report/data.rst", category="Data"),
     log:
         f"{LOGS}/data_report.log",
     conda:

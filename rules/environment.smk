@@ -1,7 +1,7 @@
 rule check_environment:
     output:
         report(
-            f"{R}/env/check.json",
+            ENV_CHECK,
             caption="../report/environment.rst",
             category="Environment",
         ),

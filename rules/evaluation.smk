@@ -1,16 +1,16 @@
 rule evaluate_model:
     input:
-        model=model_for_eval,
-        eval=f"{R}/data/tokenized/eval.parquet",
+        model=get_model,
+        eval=TOKENIZED.format(shard="eval"),
     output:
-        result=f"{R}/eval/{{model}}.json",
+        result=EVAL_RESULT,
     log:
         f"{LOGS}/evaluate_model/{{model}}.log",
     conda:
         "../envs/eval.yaml"
     params:
         script=script_path("evaluation.py"),
-        model=model_ref,
+        model=get_model,
         metrics=METRICS,
         batch_size=config["eval"]["batch_size"],
         max_new_tokens=config["eval"]["max_new_tokens"],

@@ -4,15 +4,15 @@ localrules:
 
 rule plan_training:
     output:
-        plan=f"{R}/plan/memory.json",
-        table=report(f"{R}/plan/memory.csv", caption="../report/plan.rst", category="Plan"),
+        plan=PLAN,
+        table=report(PLAN_TABLE, caption="../report/plan.rst", category="Plan"),
     log:
         f"{LOGS}/plan_training.log",
     conda:
         "../envs/train.yaml"
     params:
         script=script_path("preflight.py"),
-        model=preflight_model,
+        model=MODEL_SHAPE,
         training=memory_json(),
         seq_len=config["data"]["max_seq_len"],
         vocab=config["model"]["demo_vocab_size"],

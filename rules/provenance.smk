@@ -1,10 +1,10 @@
 rule provenance:
     input:
-        manifest=f"{R}/data/manifest.json",
-        env=f"{R}/env/check.json",
-        states=expand(f"{R}/train/{{node}}/train_state.json", node=TRAINED),
+        manifest=MANIFEST,
+        env=ENV_CHECK,
+        states=expand(TRAIN_STATE, node=TRAINED),
     output:
-        report(f"{R}/provenance.json", caption="../report/provenance.rst", category="Provenance"),
+        report(PROVENANCE, caption="../report/provenance.rst", category="Provenance"),
     log:
         f"{LOGS}/provenance.log",
     conda:

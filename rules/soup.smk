@@ -1,11 +1,11 @@
 rule make_soup:
     input:
-        models=expand(f"{R}/models/{{node}}", node=NODES),
-        results=expand(f"{R}/eval/{{node}}.json", node=NODES),
-        eval=f"{R}/data/tokenized/eval.parquet",
+        models=expand(MODEL_DIR, model=NODES),
+        results=expand(EVAL_RESULT, model=NODES),
+        eval=TOKENIZED.format(shard="eval"),
     output:
-        uniform=directory(f"{R}/models/soup_uniform"),
-        greedy=directory(f"{R}/models/soup_greedy"),
+        uniform=directory(MODEL_DIR.format(model="soup_uniform")),
+        greedy=directory(MODEL_DIR.format(model="soup_greedy")),
     log:
         f"{LOGS}/make_soup.log",
     conda:

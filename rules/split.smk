@@ -1,19 +1,19 @@
 rule split_dataset:
     input:
-        data=data_inputs(),
-        tokenizer=base_model_input(),
+        data=DATA_FILES,
+        tokenizer=BASE_MODEL_INPUT,
     output:
-        splits=expand(f"{R}/data/splits/{{node}}.parquet", node=NODES),
-        eval=f"{R}/data/eval.parquet",
-        rejects=f"{R}/data/rejects.parquet",
-        manifest=f"{R}/data/manifest.json",
+        splits=expand(SPLIT, shard=NODES),
+        eval=EVAL_SPLIT,
+        rejects=REJECTS,
+        manifest=MANIFEST,
     log:
         f"{LOGS}/split_dataset.log",
     conda:
         "../envs/data.yaml"
     params:
         script=script_path("split.py"),
-        args=split_args,
+        args=SPLIT_ARGS,
     shell:
         "python {params.script} {params.args}"
         " --splits {output.splits} --eval {output.eval} --rejects {output.rejects}"

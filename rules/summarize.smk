@@ -1,42 +1,42 @@
 rule summarize:
     input:
-        results=expand(f"{R}/eval/{{model}}.json", model=MODELS),
-        metrics=expand(f"{R}/train/{{node}}/metrics.jsonl", node=TRAINED),
-        models=expand(f"{R}/models/{{node}}", node=TRAINED),
+        results=expand(EVAL_RESULT, model=MODELS),
+        metrics=expand(TRAIN_METRICS, node=TRAINED),
+        models=expand(MODEL_DIR, model=TRAINED),
     output:
         summary=report(
-            f"{R}/eval/summary.csv",
+            SUMMARY,
             caption="../report/summary.rst",
             category="Evaluation",
         ),
         curves=report(
-            f"{R}/eval/loss_curves.png",
+            LOSS_CURVES,
             caption="../report/loss_curves.rst",
             category="Training",
         ),
         throughput=report(
-            f"{R}/eval/throughput.png",
+            THROUGHPUT,
             caption="../report/throughput.rst",
             category="Training",
         ),
         leaderboard=report(
-            f"{R}/eval/leaderboard.png",
+            LEADERBOARD,
             caption="../report/leaderboard.rst",
             category="Evaluation",
             subcategory="1. Best model",
         ),
         categories=report(
-            f"{R}/eval/categories.png",
+            CATEGORIES,
             caption="../report/categories.rst",
             category="Evaluation",
         ),
         samples=report(
-            f"{R}/eval/samples.csv",
+            SAMPLES,
             caption="../report/samples.rst",
             category="Evaluation",
         ),
         consolidation=report(
-            f"{R}/eval/consolidation.csv",
+            CONSOLIDATION,
             caption="../report/consolidation.rst",
             category="Training",
         ),

@@ -1,18 +1,18 @@
 rule tokenize_shard:
     input:
-        shard=f"{R}/data/splits/{{shard}}.parquet",
-        tokenizer=base_model_input(),
+        shard=SPLIT,
+        tokenizer=BASE_MODEL_INPUT,
     output:
-        tokens=f"{R}/data/tokenized/{{shard}}.parquet",
-        packing=f"{R}/data/tokenized/{{shard}}.packing.parquet",
-        stats=f"{R}/data/tokenized/{{shard}}.json",
+        tokens=TOKENIZED,
+        packing=PACKING,
+        stats=TOKEN_STATS,
     log:
         f"{LOGS}/tokenize_shard/{{shard}}.log",
     conda:
         "../envs/data.yaml"
     params:
         script=script_path("tokenization.py"),
-        args=tokenize_args,
+        args=TOKENIZE_ARGS,
     shell:
         "python {params.script} --shard {input.shard} {params.args}"
         " --output {output.tokens} --packing {output.packing} --stats {output.stats} > {log} 2>&1"
@@ -20,11 +20,11 @@ rule tokenize_shard:
 
 use rule tokenize_shard as tokenize_eval with:
     input:
-        shard=f"{R}/data/eval.parquet",
-        tokenizer=base_model_input(),
+        shard=EVAL_SPLIT,
+        tokenizer=BASE_MODEL_INPUT,
     output:
-        tokens=f"{R}/data/tokenized/eval.parquet",
-        packing=f"{R}/data/tokenized/eval.packing.parquet",
-        stats=f"{R}/data/tokenized/eval.json",
+        tokens=TOKENIZED.format(shard="eval"),
+        packing=PACKING.format(shard="eval"),
+        stats=TOKEN_STATS.format(shard="eval"),
     log:
         f"{LOGS}/tokenize_shard/eval.log",

@@ -1,13 +1,13 @@
 rule train_node:
     input:
-        env=f"{R}/env/check.json",
-        plan=f"{R}/plan/memory.json",
-        tokens=f"{R}/data/tokenized/{{node}}.parquet",
-        packing=f"{R}/data/tokenized/{{node}}.packing.parquet",
-        base=base_model_input(),
+        env=ENV_CHECK,
+        plan=PLAN,
+        tokens=TOKENIZED.format(shard="{node}"),
+        packing=PACKING.format(shard="{node}"),
+        base=BASE_MODEL_INPUT,
     output:
-        metrics=f"{R}/train/{{node}}/metrics.jsonl",
-        state=f"{R}/train/{{node}}/train_state.json",
+        metrics=TRAIN_METRICS,
+        state=TRAIN_STATE,
     log:
         f"{LOGS}/train_node/{{node}}.log",
     wildcard_constraints:
@@ -18,10 +18,10 @@ rule train_node:
     params:
         script=script_path("train.py"),
         config=training_json(),
-        base=base_model_ref,
-        log_dir=f"{R}/train/{{node}}",
+        base=get_model,
+        log_dir=TRAIN_DIR,
         # not an output: Snakemake deletes the outputs of failed jobs, and the retry resumes from here
-        checkpoints=f"{R}/checkpoints/{{node}}",
+        checkpoints=CHECKPOINTS,
         procs=config["training"]["procs_per_node"],
     shell:
         # Stop signals reach every process of the job step at once: SLURM's SIGURG warning before
@@ -44,14 +44,14 @@ rule train_node:
 # training.mode joint: one model over all nodes in one job, on every node's shard (launch.py)
 rule train_joint:
     input:
-        env=f"{R}/env/check.json",
-        plan=f"{R}/plan/memory.json",
-        tokens=expand(f"{R}/data/tokenized/{{shard}}.parquet", shard=NODES),
-        packing=expand(f"{R}/data/tokenized/{{shard}}.packing.parquet", shard=NODES),
-        base=base_model_input(),
+        env=ENV_CHECK,
+        plan=PLAN,
+        tokens=expand(TOKENIZED, shard=NODES),
+        packing=expand(PACKING, shard=NODES),
+        base=BASE_MODEL_INPUT,
     output:
-        metrics=f"{R}/train/joint/metrics.jsonl",
-        state=f"{R}/train/joint/train_state.json",
+        metrics=TRAIN_METRICS.format(node="joint"),
+        state=TRAIN_STATE.format(node="joint"),
     log:
         f"{LOGS}/train_joint.log",
     conda:
@@ -68,10 +68,11 @@ rule train_joint:
         launch=script_path("launch.py"),
         script=script_path("train.py"),
         config=training_json(),
-        base=base_model_ref,
-        log_dir=lambda wildcards, output: Path(output.state).parent,
+        base=get_model,
+        # a Path, as a str it would look to `snakemake --lint` like a hard-coded prefix of the outputs
+        log_dir=Path(TRAIN_DIR.format(node="joint")),
         # not an output: Snakemake deletes the outputs of failed jobs, and the retry resumes from here
-        checkpoints=f"{R}/checkpoints/joint",
+        checkpoints=CHECKPOINTS.format(node="joint"),
         nodes=config["nodes"],
         procs=config["training"]["procs_per_node"],
     shell:
