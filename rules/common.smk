@@ -5,15 +5,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from snakemake.exceptions import WorkflowError
-from snakemake.utils import validate
-
 SCRIPTS = Path(workflow.basedir) / "workflow_scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 from presets import preset_name  # noqa: E402
 from pipeline_io import UserError  # noqa: E402
 from data_formats import check_columns, delimiter_arg, resolve_paths  # noqa: E402
+from fingerprint import check_model  # noqa: E402
+from settings import validated  # noqa: E402
 
 
 def fail(message):
@@ -22,22 +21,11 @@ def fail(message):
     sys.exit(1)
 
 
-def validate_config(cfg):
-    """Schema validation with defaults, reported as one line naming the key."""
-    import jsonschema
-
-    try:
-        validate(cfg, "../config/schema.yaml")
-    except WorkflowError as e:
-        cause = e.args[0] if e.args else e
-        inner = getattr(e, "__cause__", None) or getattr(e, "__context__", None)
-        if isinstance(inner, jsonschema.ValidationError):
-            key = ".".join(str(p) for p in inner.absolute_path) or "(top level)"
-            fail(f"config key {key}: {inner.message}")
-        fail(str(cause).splitlines()[0])
-
-
-validate_config(config)
+# config/schema.yaml: every key's default filled in, a wrong key, type or value one line naming it
+try:
+    config.update(validated(config))
+except UserError as e:
+    fail(e)
 
 RUN = config["run"]
 R = f"results/{RUN}"
@@ -95,6 +83,12 @@ BASE_MODEL = DEMO_MODEL if DEMO else config["model"]["name_or_path"]
 BASE_MODEL_INPUT = BASE_MODEL if DEMO or Path(BASE_MODEL).exists() else []
 # and what plan_training needs of it, its shape: a preset by name, or the model's config.
 MODEL_SHAPE = ("demo" if PRESET == "demo" else f"preset:{PRESET}") if DEMO else BASE_MODEL
+# A folder without config.json, a path that does not exist, a hub id not in the cache while offline:
+# one line naming model.name_or_path, before any job runs.
+try:
+    DEMO or check_model(BASE_MODEL)
+except UserError as e:
+    fail(e)
 
 
 wildcard_constraints:

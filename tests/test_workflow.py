@@ -73,8 +73,11 @@ def test_report_builds(ddp_run):
         ({"data": {"path": "/nonexistent/data.csv"}}, "/nonexistent/data.csv"),
         ({"data": {"path": str(DEMO_CSV), "columns": {"response": "answer"}}}, "'answer'"),
         ({"training": {"lr": "fast"}}, "training.lr"),
+        ({"model": {"name_or_path": "/nonexistent/model"}}, "model.name_or_path /nonexistent/model: no such"),
+        ({"model": {"name_or_path": str(DEMO_CSV.parent)}}, "folder has no config.json"),
+        ({"model": {"name_or_path": "nobody/not-cached"}}, "not in the local Hugging Face cache"),
     ],
-    ids=["bad-path", "missing-column", "wrong-type"],
+    ids=["bad-path", "missing-column", "wrong-type", "no-model", "not-a-model", "hub-id-offline"],
 )
 def test_bad_input_stops_with_one_line(tmp_path, override, needle):
     config = tiny_config("t")

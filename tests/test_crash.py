@@ -1,0 +1,49 @@
+"""After a crash: kill -9 of a local Snakemake ends its training ranks, and the README's rerun resumes."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from conftest import job_logs, snakemake_cmd, tiny_config, tool_env, training_ranks
+
+pytestmark = pytest.mark.e2e
+
+
+def wait_for(predicate, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {seconds} s waiting for {what}")
+
+
+def test_kill_9_ends_the_ranks_and_the_rerun_resumes(tmp_path):
+    config = tiny_config("crash", max_steps=120, checkpoint_every=8, log_every=8)
+    config["eval"]["max_samples"] = 16
+    cmd = snakemake_cmd(tmp_path, config)
+    with open(tmp_path / "first.log", "w") as out:
+        proc = subprocess.Popen(cmd, env=tool_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    checkpoints = tmp_path / "results" / "crash" / "checkpoints"
+    try:
+        wait_for(lambda: list(checkpoints.glob("node*/*/step-*/COMPLETE")), 600, "a training checkpoint")
+        assert training_ranks(tmp_path), "no training rank is running"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # Snakemake and everything in its process group
+        proc.wait()
+    # the ranks run in sessions of their own; they end with their torchrun (parent-death signal)
+    wait_for(lambda: not training_ranks(tmp_path), 30, "the training ranks to end after kill -9")
+
+    # README, "After a crash": unlock once, then the same command (the default profile reruns incomplete jobs)
+    unlock = subprocess.run([*cmd, "--unlock"], capture_output=True, text=True, env=tool_env(), timeout=120)
+    assert unlock.returncode == 0, unlock.stderr[-2000:]
+    rerun = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=1200)
+    assert rerun.returncode == 0, rerun.stderr[-3000:] + job_logs(tmp_path)
+    plans = [json.loads((tmp_path / "results/crash/train" / n / "plan.json").read_text()) for n in ("node0", "node1")]
+    assert max(p["start_step"] for p in plans) >= 8  # at least one node resumed from its checkpoint
+    for node in ("node0", "node1"):
+        lines = (tmp_path / "results/crash/train" / node / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(x)["step"] for x in lines] == list(range(8, 121, 8))  # every logged step once
