@@ -132,7 +132,14 @@ STRATEGIES = {
 
 def training_config(label: str) -> str:
     strategy, stage = STRATEGIES[label]
-    cfg = {"strategy": strategy, "precision": "fp32", "micro_batch_size": 1, "lr": 1e-3, "schedule": "constant", "warmup_steps": 0}
+    cfg = {
+        "strategy": strategy,
+        "precision": "fp32",
+        "micro_batch_size": 1,
+        "lr": 1e-3,
+        "schedule": "constant",
+        "warmup_steps": 0,
+    }
     return json.dumps(cfg | ({"zero_stage": stage} if stage else {}))
 
 
