@@ -110,6 +110,18 @@ def split_files(tmp: Path, data, nodes: int = 2, **options) -> dict:
     return result | {"splits": args["splits"], "eval": args["eval"], "rejects": args["rejects"]}
 
 
+# Test tiers (markers in pyproject.toml): make test-fast leaves out e2e, slurm and torchrun. A test that
+# takes one of these fixtures is in that tier whatever else it does; collection fails if it is not marked so.
+FIXTURE_TIERS = {"ddp_run": "e2e", "slurm_cluster": "slurm", "two_hosts": "slurm"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for fixture, marker in FIXTURE_TIERS.items():
+            if fixture in getattr(item, "fixturenames", ()) and not item.get_closest_marker(marker):
+                raise pytest.UsageError(f"{item.nodeid} takes the {fixture} fixture: mark it @pytest.mark.{marker}")
+
+
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory):
     """The demo base model, one node's tokenized shard and the tokenized eval set."""

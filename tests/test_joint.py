@@ -150,6 +150,7 @@ def local_joint_command(tmp_path, demo_assets, **cfg) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.mark.torchrun
 def test_joint_training_outside_slurm_runs_node_groups_here(tmp_path, demo_assets):
     cmd = local_joint_command(tmp_path, demo_assets, max_steps=6, checkpoint_every=6)
     log_dir = tmp_path / "train"
@@ -163,6 +164,7 @@ def test_joint_training_outside_slurm_runs_node_groups_here(tmp_path, demo_asset
     assert len(losses) == 3 and losses[-1] < losses[0]
 
 
+@pytest.mark.torchrun
 def test_sigterm_checkpoints_every_node_group_and_the_rerun_resumes(tmp_path, demo_assets):
     cmd = local_joint_command(tmp_path, demo_assets, max_steps=40, checkpoint_every=4)
     proc = subprocess.Popen(cmd, env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

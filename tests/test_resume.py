@@ -12,6 +12,8 @@ import pytest
 import torch
 from conftest import BIN, REPO, tool_env
 
+pytestmark = pytest.mark.torchrun
+
 CONFIG = {"lr": 3e-3, "micro_batch_size": 2, "max_steps": 14, "log_every": 1, "checkpoint_every": 4, "seed": 3}
 
 

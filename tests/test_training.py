@@ -77,6 +77,7 @@ def train_and_consolidate(tmp_path, demo_assets, max_shard_size="2GB", **overrid
     return losses, out
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize(
     "strategy,extra",
     # LoRA + DDP runs end to end in the seed-004 twin (tests/test_examples.py)
@@ -97,6 +98,7 @@ def test_lora_trains_and_consolidates(tmp_path, demo_assets, strategy, extra):
     assert all(v.shape[1] == 4 for v in lora_b.values())
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("stage", [2])  # ZeRO-1 is consolidated (and checked) end to end in the seed-002 twin
 def test_deepspeed_full_finetune_consolidates_sharded_with_equal_logits(tmp_path, demo_assets, stage):
     """ZeRO-2 (one merged fp32 vector per group) through DeepSpeed's converter, written as 4 MB shards."""
@@ -216,6 +218,7 @@ def test_zero2_lazy_reader_matches_deepspeeds_merge(world):
                          [[p + 64 for p in paddings[0]]], exclude_frozen=False)  # fmt: skip
 
 
+@pytest.mark.torchrun
 def test_truncated_checkpoint_fails_consolidation_with_one_line(tmp_path, demo_assets):
     _, _ = train_and_consolidate(tmp_path, demo_assets, strategy="ddp", max_steps=4)
     state = json.loads((tmp_path / "train" / "train_state.json").read_text())
