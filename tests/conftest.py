@@ -89,6 +89,43 @@ def planned_jobs(proc: subprocess.CompletedProcess) -> dict[str, int]:
     return counts
 
 
+def trainer_args(tmp: Path, assets: dict, config: dict, shards: int = 1) -> list[str]:
+    """train.py and its arguments: ``config`` (JSON) over ``assets``' node0 shard (given ``shards`` times),
+    logs and train_state.json in tmp/train, checkpoints in tmp/ckpt."""
+    log_dir = tmp / "train"
+    return [
+        str(REPO / "workflow_scripts/train.py"), "--config", json.dumps(config),
+        "--data", *[str(assets["node0"])] * shards, "--packing", *[str(assets["packing"])] * shards,
+        "--base-model", str(assets["base"]), "--log-dir", str(log_dir), "--checkpoint-root", str(tmp / "ckpt"),
+        "--state", str(log_dir / "train_state.json"),
+    ]  # fmt: skip
+
+
+def train_command(tmp: Path, assets: dict, config: dict, procs: int = 2) -> list[str]:
+    """torchrun starting ``procs`` ranks of trainer_args on this machine."""
+    return [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(procs), *trainer_args(tmp, assets, config)]
+
+
+def trainer_env() -> dict:
+    """tool_env with one thread per rank (2 ranks on 2 cores)."""
+    return tool_env() | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def run_trainer(tmp: Path, assets: dict, config: dict, procs: int = 2) -> subprocess.CompletedProcess:
+    """train_command to the end; fails the test with the end of its stderr if it exits non-zero."""
+    cmd = train_command(tmp, assets, config, procs)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=trainer_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def start_trainer(tmp: Path, assets: dict, config: dict, procs: int = 2) -> subprocess.Popen:
+    """train_command in the background, in a session of its own (to signal the whole job step as SLURM does)."""
+    cmd = train_command(tmp, assets, config, procs)
+    return subprocess.Popen(cmd, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
 def split_files(tmp: Path, data, nodes: int = 2, **options) -> dict:
     """Run split.py's run_split on ``data`` into ``tmp``; returns the result and output paths."""
     from types import SimpleNamespace

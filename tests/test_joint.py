@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from batching import DataPlan, data_sha256, load_examples, micro_batch_indices
-from conftest import BIN, REPO, job_logs, planned_jobs, snakemake, snakemake_cmd, tiny_config, tool_env
+from conftest import BIN, REPO, job_logs, planned_jobs, snakemake, snakemake_cmd, tiny_config, tool_env, trainer_args
 from launch import (
     NODE_RANK_FROM_SLURM,
     job_port,
@@ -140,14 +140,8 @@ def test_failing_node_group_ends_the_others():
 def local_joint_command(tmp_path, demo_assets, **cfg) -> list[str]:
     """launch.py outside SLURM: two node groups of one process each, over two shards (node0's, twice)."""
     cfg = {"mode": "joint", "lr": 3e-3, "micro_batch_size": 8, "log_every": 2} | cfg
-    log_dir = tmp_path / "train"
-    return [
-        str(BIN / "python"), str(REPO / "workflow_scripts/launch.py"), "--nodes", "2", "--procs-per-node", "1",
-        "--threads", "2", "--", str(REPO / "workflow_scripts/train.py"), "--config", json.dumps(cfg),
-        "--data", str(demo_assets["node0"]), str(demo_assets["node0"]),
-        "--packing", str(demo_assets["packing"]), str(demo_assets["packing"]), "--base-model", str(demo_assets["base"]),
-        "--log-dir", str(log_dir), "--checkpoint-root", str(tmp_path / "ckpt"), "--state", str(log_dir / "state.json"),
-    ]  # fmt: skip
+    launch = [str(BIN / "python"), str(REPO / "workflow_scripts/launch.py"), "--nodes", "2", "--procs-per-node", "1"]
+    return [*launch, "--threads", "2", "--", *trainer_args(tmp_path, demo_assets, cfg, shards=2)]
 
 
 @pytest.mark.torchrun
