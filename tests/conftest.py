@@ -1,8 +1,9 @@
-"""Shared fixtures: the demo model and tokenized shards built once, a Snakemake runner, one local
-end-to-end run, and the throwaway SLURM cluster."""
+"""Shared fixtures: the demo model and tokenized shards built once, a Snakemake runner, the trainer's
+command line, one local end-to-end run, and the throwaway SLURM clusters (one host, two hosts)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -225,16 +226,46 @@ def ddp_run(tmp_path_factory):
     return workdir, config
 
 
+def throwaway_cluster(tmp_path_factory, name: str, unavailable_reason, start):
+    """The body of a cluster fixture: skipped with ``unavailable_reason()``'s reason, if any; else the
+    cluster ``start`` starts in a temp dir ``name``, stopped at the end."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = start(tmp_path_factory.mktemp(name))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """munged + slurmctld + slurmd on this machine (tests/slurm_cluster.py); skipped without SLURM."""
     from slurm_cluster import start_cluster, unavailable_reason
 
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    cluster = start_cluster(tmp_path_factory.mktemp("slurm-cluster"))
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+    yield from throwaway_cluster(tmp_path_factory, "slurm-cluster", unavailable_reason, start_cluster)
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    """munged + slurmctld here, one slurmd in each of two network namespaces (tests/two_host_cluster.py);
+    skipped without the binaries."""
+    from two_host_cluster import start_two_host_cluster, two_host_unavailable_reason
+
+    yield from throwaway_cluster(tmp_path_factory, "two-hosts", two_host_unavailable_reason, start_two_host_cluster)
+
+
+# Snakemake through profiles/slurm, with the overlay for the throwaway clusters
+PROFILES = ("--profile", str(REPO / "profiles" / "slurm"), "--profile", str(REPO / "profiles" / "slurm-test"))
+SUBMITTED = re.compile(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: .*/rule_(\w+?)/")
+
+
+def submissions(output: str) -> list[tuple[str, str]]:
+    """(SLURM job id, rule) for each job Snakemake submitted, from its log."""
+    return SUBMITTED.findall(output)
+
+
+def slurm_env(cluster) -> dict:
+    """The tests' environment for Snakemake, pointed at a throwaway cluster and its partition."""
+    return cluster.client_env(tool_env()) | {"SLURM_PARTITION": cluster.partition}

@@ -17,7 +17,20 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from batching import DataPlan, data_sha256, load_examples, micro_batch_indices
-from conftest import BIN, REPO, job_logs, planned_jobs, snakemake, snakemake_cmd, tiny_config, tool_env, trainer_args
+from conftest import (
+    BIN,
+    PROFILES,
+    REPO,
+    job_logs,
+    planned_jobs,
+    slurm_env,
+    snakemake,
+    snakemake_cmd,
+    submissions,
+    tiny_config,
+    tool_env,
+    trainer_args,
+)
 from launch import (
     NODE_RANK_FROM_SLURM,
     job_port,
@@ -29,10 +42,6 @@ from launch import (
     torchrun_args,
 )
 from two_host_cluster import IFACE, free_subnet, two_host_conf
-
-PROFILES = ("--profile", str(REPO / "profiles" / "slurm"), "--profile", str(REPO / "profiles" / "slurm-test"))
-SUBMITTED = re.compile(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: .*/rule_(\w+?)/")
-
 
 # ---------------------------------------------------------------- pure parts
 
@@ -223,38 +232,21 @@ def test_slurm_profile_asks_for_every_node_with_its_gpus_in_one_job(tmp_path):
 # ---------------------------------------------------------------- on a two-host SLURM cluster
 
 
-@pytest.fixture(scope="module")
-def two_hosts(tmp_path_factory):
-    """munged + slurmctld here, one slurmd in each of two network namespaces; skipped without the binaries."""
-    from two_host_cluster import start_two_host_cluster, two_host_unavailable_reason
-
-    reason = two_host_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    cluster = start_two_host_cluster(tmp_path_factory.mktemp("two-hosts"))
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
 def cluster_env(cluster) -> dict:
     # the ranks talk over the hosts' eth1 (gloo would pick the interface of the shared hostname)
-    return cluster.client_env(tool_env()) | {"SLURM_PARTITION": cluster.partition, "GLOO_SOCKET_IFNAME": IFACE}
+    return slurm_env(cluster) | {"GLOO_SOCKET_IFNAME": IFACE}
 
 
 def training_pids(cluster, host: int) -> list[int]:
     """torchrun's and the ranks' processes in one host's namespace (not slurmd, srun or the job's shell)."""
-    from two_host_cluster import ip
-
     pids = []
-    for pid in ip("netns", "pids", cluster.netns_name(host), check=False).stdout.split():
+    for pid in cluster.host_pids(host):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
         if Path(argv[0]).name.startswith("python") and any(Path(a).name in ("torchrun", "train.py") for a in argv[1:3]):
-            pids.append(int(pid))
+            pids.append(pid)
     return pids
 
 
@@ -274,7 +266,7 @@ def test_joint_mode_trains_one_model_over_two_slurm_hosts(two_hosts, joint_run):
     workdir, config, proc = joint_run
     output = proc.stdout + proc.stderr
     root = workdir / "results" / "t"
-    submitted = SUBMITTED.findall(output)
+    submitted = submissions(output)
     train_jobs = [job for job, rule in submitted if rule.startswith("train_")]
     assert [rule for _, rule in submitted if rule.startswith("train_")] == ["train_joint"], output[-3000:]
     # one job, both hosts

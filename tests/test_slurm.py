@@ -17,28 +17,16 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from conftest import REPO, check_outputs, job_logs, snakemake, snakemake_cmd, tiny_config, tool_env
+from conftest import PROFILES, check_outputs, job_logs, slurm_env, snakemake, snakemake_cmd, submissions, tiny_config
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
-PROFILES = ("--profile", str(REPO / "profiles" / "slurm"), "--profile", str(REPO / "profiles" / "slurm-test"))
-SUBMITTED = re.compile(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: .*/rule_(\w+?)/")
 # compared byte for byte with the local run: the data stages are deterministic
 SAME_BYTES = ("data", "base_model")
 
 
-def slurm_env(cluster) -> dict:
-    """The tests' environment for Snakemake, pointed at the throwaway cluster and its partition."""
-    return cluster.client_env(tool_env()) | {"SLURM_PARTITION": cluster.partition}
-
-
 def run_id(output: str) -> str:
     return re.search(r"SLURM run ID: (\S+)", output).group(1)
-
-
-def submissions(output: str) -> list[tuple[str, str]]:
-    """(SLURM job id, rule) for each job Snakemake submitted, from its log."""
-    return SUBMITTED.findall(output)
 
 
 def files_under(root) -> set[str]:
