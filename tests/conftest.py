@@ -107,6 +107,22 @@ def train_command(tmp: Path, assets: dict, config: dict, procs: int = 2) -> list
     return [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(procs), *trainer_args(tmp, assets, config)]
 
 
+def training_ranks(workdir) -> list[int]:
+    """pids of the torchrun workers (not torchrun itself) running in ``workdir``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or Path(proc / "cwd").resolve() != Path(workdir).resolve():
+                continue
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(arg.endswith(b"train.py") for arg in cmdline) and any(v.startswith(b"LOCAL_RANK=") for v in environ):
+            pids.append(int(proc.name))
+    return pids
+
+
 def trainer_env() -> dict:
     """tool_env with one thread per rank (2 ranks on 2 cores)."""
     return tool_env() | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
