@@ -1,6 +1,8 @@
 # Two commands set everything up on a fresh machine:
 #   make run   install into .venv, run the demo workflow, build results/demo/report.html
-#   make test  install into .venv, run the test suite
+#   make test  install into .venv, run the test suite (all of it, as CI does)
+# and while working:
+#   make test-fast  the tests that start no torchrun, no real Snakemake run and no SLURM (< 3 min)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha256sum requirements.lock | cut -c1-12)
@@ -10,7 +12,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install run report test lint format lock clean
+.PHONY: install run report test test-fast lint format lock clean
 
 install: $(STAMP)
 
@@ -32,6 +34,10 @@ report: install
 
 test: install
 	$(PY) -m pytest
+
+# the markers are declared in pyproject.toml
+test-fast: install
+	$(PY) -m pytest -m "not e2e and not slurm and not torchrun"
 
 lint: install
 	snakemake --lint

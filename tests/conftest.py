@@ -1,8 +1,9 @@
-"""Shared fixtures: the demo model and tokenized shards built once, a Snakemake runner, one local
-end-to-end run, and the throwaway SLURM cluster."""
+"""Shared fixtures: the demo model and tokenized shards built once, a Snakemake runner, the trainer's
+command line, one local end-to-end run, and the throwaway SLURM clusters (one host, two hosts)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,59 @@ def planned_jobs(proc: subprocess.CompletedProcess) -> dict[str, int]:
     return counts
 
 
+def trainer_args(tmp: Path, assets: dict, config: dict, shards: int = 1) -> list[str]:
+    """train.py and its arguments: ``config`` (JSON) over ``assets``' node0 shard (given ``shards`` times),
+    logs and train_state.json in tmp/train, checkpoints in tmp/ckpt."""
+    log_dir = tmp / "train"
+    return [
+        str(REPO / "workflow_scripts/train.py"), "--config", json.dumps(config),
+        "--data", *[str(assets["node0"])] * shards, "--packing", *[str(assets["packing"])] * shards,
+        "--base-model", str(assets["base"]), "--log-dir", str(log_dir), "--checkpoint-root", str(tmp / "ckpt"),
+        "--state", str(log_dir / "train_state.json"),
+    ]  # fmt: skip
+
+
+def train_command(tmp: Path, assets: dict, config: dict, procs: int = 2) -> list[str]:
+    """torchrun starting ``procs`` ranks of trainer_args on this machine."""
+    return [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(procs), *trainer_args(tmp, assets, config)]
+
+
+def training_ranks(workdir) -> list[int]:
+    """pids of the torchrun workers (not torchrun itself) running in ``workdir``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or Path(proc / "cwd").resolve() != Path(workdir).resolve():
+                continue
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(arg.endswith(b"train.py") for arg in cmdline) and any(v.startswith(b"LOCAL_RANK=") for v in environ):
+            pids.append(int(proc.name))
+    return pids
+
+
+def trainer_env() -> dict:
+    """tool_env with one thread per rank (2 ranks on 2 cores)."""
+    return tool_env() | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def run_trainer(tmp: Path, assets: dict, config: dict, procs: int = 2) -> subprocess.CompletedProcess:
+    """train_command to the end; fails the test with the end of its stderr if it exits non-zero."""
+    cmd = train_command(tmp, assets, config, procs)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=trainer_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def start_trainer(tmp: Path, assets: dict, config: dict, procs: int = 2) -> subprocess.Popen:
+    """train_command in the background, in a session of its own (to signal the whole job step as SLURM does)."""
+    cmd = train_command(tmp, assets, config, procs)
+    return subprocess.Popen(cmd, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
 def split_files(tmp: Path, data, nodes: int = 2, **options) -> dict:
     """Run split.py's run_split on ``data`` into ``tmp``; returns the result and output paths."""
     from types import SimpleNamespace
@@ -108,6 +162,18 @@ def split_files(tmp: Path, data, nodes: int = 2, **options) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     result = run_split(SimpleNamespace(**args))
     return result | {"splits": args["splits"], "eval": args["eval"], "rejects": args["rejects"]}
+
+
+# Test tiers (markers in pyproject.toml): make test-fast leaves out e2e, slurm and torchrun. A test that
+# takes one of these fixtures is in that tier whatever else it does; collection fails if it is not marked so.
+FIXTURE_TIERS = {"ddp_run": "e2e", "slurm_cluster": "slurm", "two_hosts": "slurm"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for fixture, marker in FIXTURE_TIERS.items():
+            if fixture in getattr(item, "fixturenames", ()) and not item.get_closest_marker(marker):
+                raise pytest.UsageError(f"{item.nodeid} takes the {fixture} fixture: mark it @pytest.mark.{marker}")
 
 
 @pytest.fixture(scope="session")
@@ -176,16 +242,46 @@ def ddp_run(tmp_path_factory):
     return workdir, config
 
 
+def throwaway_cluster(tmp_path_factory, name: str, unavailable_reason, start):
+    """The body of a cluster fixture: skipped with ``unavailable_reason()``'s reason, if any; else the
+    cluster ``start`` starts in a temp dir ``name``, stopped at the end."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = start(tmp_path_factory.mktemp(name))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """munged + slurmctld + slurmd on this machine (tests/slurm_cluster.py); skipped without SLURM."""
     from slurm_cluster import start_cluster, unavailable_reason
 
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    cluster = start_cluster(tmp_path_factory.mktemp("slurm-cluster"))
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+    yield from throwaway_cluster(tmp_path_factory, "slurm-cluster", unavailable_reason, start_cluster)
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    """munged + slurmctld here, one slurmd in each of two network namespaces (tests/two_host_cluster.py);
+    skipped without the binaries."""
+    from two_host_cluster import start_two_host_cluster, two_host_unavailable_reason
+
+    yield from throwaway_cluster(tmp_path_factory, "two-hosts", two_host_unavailable_reason, start_two_host_cluster)
+
+
+# Snakemake through profiles/slurm, with the overlay for the throwaway clusters
+PROFILES = ("--profile", str(REPO / "profiles" / "slurm"), "--profile", str(REPO / "profiles" / "slurm-test"))
+SUBMITTED = re.compile(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: .*/rule_(\w+?)/")
+
+
+def submissions(output: str) -> list[tuple[str, str]]:
+    """(SLURM job id, rule) for each job Snakemake submitted, from its log."""
+    return SUBMITTED.findall(output)
+
+
+def slurm_env(cluster) -> dict:
+    """The tests' environment for Snakemake, pointed at a throwaway cluster and its partition."""
+    return cluster.client_env(tool_env()) | {"SLURM_PARTITION": cluster.partition}

@@ -19,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "squeue", "sinfo", "scancel", "scontrol")
@@ -106,6 +107,9 @@ PartitionName={partition} Nodes={host} Default=YES MaxTime=INFINITE State=UP
 
 @dataclass
 class SlurmCluster:
+    # the client commands a job runs that must find this cluster's slurm.conf (see _prepare)
+    WRAPPED: ClassVar[tuple[str, ...]] = ("srun",)
+
     root: Path
     partition: str
     cpus: int
@@ -117,6 +121,12 @@ class SlurmCluster:
     @property
     def conf(self) -> Path:
         return self.root / "slurm.conf"
+
+    @property
+    def nodes(self) -> list[str]:
+        """The compute nodes' names, as slurm.conf lists them."""
+        lines = self.conf.read_text().splitlines()
+        return [line.split()[0].split("=", 1)[1] for line in lines if line.startswith("NodeName=")]
 
     def client_env(self, base: dict | None = None) -> dict:
         """``base`` (default os.environ) without inherited SLURM_* settings, plus this cluster's:
@@ -164,9 +174,12 @@ class SlurmCluster:
         self.cmd("scancel", "-p", self.partition, check=False)
 
     def log_tail(self, chars: int = 3000) -> str:
+        names = ("munged.log", "slurmctld.log", "slurmd.log", "slurmctld.out", "slurmd.out", "munged.out")
+        # per-node slurmd files where there are several nodes (slurmd-%n.log, the slurmd-<node> processes' .out)
+        paths = [self.root / name for name in names] + sorted(self.root.glob("slurmd-*.log"))
+        paths += sorted(self.root.glob("slurmd-*.out"))
         parts = []
-        for name in ("munged.log", "slurmctld.log", "slurmd.log", "slurmctld.out", "slurmd.out", "munged.out"):
-            path = self.root / name
+        for path in paths:
             if path.exists() and path.stat().st_size:
                 parts.append(f"--- {path}\n{path.read_text(errors='replace')[-chars:]}")
         return "\n".join(parts)
@@ -202,16 +215,21 @@ class SlurmCluster:
         host = socket.gethostname().split(".")[0]
         self._prepare(host)
         self._start_controller(deadline)
-        self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", host])
+        for name, args in self._slurmd_commands(host).items():
+            self._spawn(name, args)
+        self._wait_started(self._nodes_idle, deadline, "every node idle in sinfo")
 
-        def node_idle() -> bool:
-            states = self.cmd("sinfo", "-h", "-o", "%t", check=False).stdout.split()
-            return bool(states) and all(s.rstrip("*~#") == "idle" for s in states)
+    def _slurmd_commands(self, host: str) -> dict[str, list[str]]:
+        """Process name -> command line of each slurmd: here one, the node named after this host."""
+        return {"slurmd": ["slurmd", "-D", "-f", str(self.conf), "-N", host]}
 
-        self._wait_started(node_idle, deadline, "the node to be idle in sinfo")
+    def _nodes_idle(self) -> bool:
+        lines = self.cmd("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.splitlines()
+        idle = {line.split()[0] for line in lines if line.strip() and line.split()[1].rstrip("*~#") == "idle"}
+        return idle == set(self.nodes)
 
     def _prepare(self, host: str) -> None:
-        """The munge key, slurm.conf and the srun wrapper under ``root``."""
+        """The munge key, slurm.conf and the client wrappers (WRAPPED) under ``root``."""
         for sub in ("state", "spool", "munge"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         # munged refuses group/world-accessible key files and socket directories
@@ -229,11 +247,13 @@ class SlurmCluster:
         self.env = {"SLURM_CONF": str(self.conf)}
         # The jobstep executor runs each job as `srun ... snakemake ...` with every SLURM_* variable
         # but the job's ids removed from srun's environment, SLURM_CONF included; without it srun
-        # looks for /etc/slurm/slurm.conf. This srun, first on the jobs' PATH, puts it back.
+        # looks for /etc/slurm/slurm.conf. This srun (and any other WRAPPED client), first on the
+        # jobs' PATH, puts it back.
         (self.root / "bin").mkdir(exist_ok=True)
-        wrapper = self.root / "bin" / "srun"
-        wrapper.write_text(f'#!/bin/sh\nexport SLURM_CONF={shlex.quote(str(self.conf))}\nexec {which("srun")} "$@"\n')
-        wrapper.chmod(0o755)
+        for name in self.WRAPPED:
+            wrapper = self.root / "bin" / name
+            wrapper.write_text(f'#!/bin/sh\nexport SLURM_CONF={shlex.quote(str(self.conf))}\nexec {which(name)} "$@"\n')
+            wrapper.chmod(0o755)
 
     def _start_controller(self, deadline: float) -> None:
         """munged, then slurmctld; returns once slurmctld answers a ping."""

@@ -375,6 +375,7 @@ def check_submissions(name: str, exports: dict, submissions: list[tuple[str, dic
 SUBMITTED_EXAMPLES = [name for name in EXAMPLES if not name.startswith(("002-zero2", "002-zero3", "002-fsdp"))]
 
 
+@pytest.mark.e2e  # Snakemake walks the whole DAG, submitting through a fake sbatch
 @pytest.mark.parametrize("name", SUBMITTED_EXAMPLES)
 def test_example_submits_the_seeds_sbatch_resources(name, tmp_path):
     exports, submissions, _ = submit_example(name, tmp_path)

@@ -17,7 +17,20 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from batching import DataPlan, data_sha256, load_examples, micro_batch_indices
-from conftest import BIN, REPO, job_logs, planned_jobs, snakemake, snakemake_cmd, tiny_config, tool_env
+from conftest import (
+    BIN,
+    PROFILES,
+    REPO,
+    job_logs,
+    planned_jobs,
+    slurm_env,
+    snakemake,
+    snakemake_cmd,
+    submissions,
+    tiny_config,
+    tool_env,
+    trainer_args,
+)
 from launch import (
     NODE_RANK_FROM_SLURM,
     job_port,
@@ -29,10 +42,6 @@ from launch import (
     torchrun_args,
 )
 from two_host_cluster import IFACE, free_subnet, two_host_conf
-
-PROFILES = ("--profile", str(REPO / "profiles" / "slurm"), "--profile", str(REPO / "profiles" / "slurm-test"))
-SUBMITTED = re.compile(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: .*/rule_(\w+?)/")
-
 
 # ---------------------------------------------------------------- pure parts
 
@@ -140,16 +149,11 @@ def test_failing_node_group_ends_the_others():
 def local_joint_command(tmp_path, demo_assets, **cfg) -> list[str]:
     """launch.py outside SLURM: two node groups of one process each, over two shards (node0's, twice)."""
     cfg = {"mode": "joint", "lr": 3e-3, "micro_batch_size": 8, "log_every": 2} | cfg
-    log_dir = tmp_path / "train"
-    return [
-        str(BIN / "python"), str(REPO / "workflow_scripts/launch.py"), "--nodes", "2", "--procs-per-node", "1",
-        "--threads", "2", "--", str(REPO / "workflow_scripts/train.py"), "--config", json.dumps(cfg),
-        "--data", str(demo_assets["node0"]), str(demo_assets["node0"]),
-        "--packing", str(demo_assets["packing"]), str(demo_assets["packing"]), "--base-model", str(demo_assets["base"]),
-        "--log-dir", str(log_dir), "--checkpoint-root", str(tmp_path / "ckpt"), "--state", str(log_dir / "state.json"),
-    ]  # fmt: skip
+    launch = [str(BIN / "python"), str(REPO / "workflow_scripts/launch.py"), "--nodes", "2", "--procs-per-node", "1"]
+    return [*launch, "--threads", "2", "--", *trainer_args(tmp_path, demo_assets, cfg, shards=2)]
 
 
+@pytest.mark.torchrun
 def test_joint_training_outside_slurm_runs_node_groups_here(tmp_path, demo_assets):
     cmd = local_joint_command(tmp_path, demo_assets, max_steps=6, checkpoint_every=6)
     log_dir = tmp_path / "train"
@@ -163,6 +167,7 @@ def test_joint_training_outside_slurm_runs_node_groups_here(tmp_path, demo_asset
     assert len(losses) == 3 and losses[-1] < losses[0]
 
 
+@pytest.mark.torchrun
 def test_sigterm_checkpoints_every_node_group_and_the_rerun_resumes(tmp_path, demo_assets):
     cmd = local_joint_command(tmp_path, demo_assets, max_steps=40, checkpoint_every=4)
     proc = subprocess.Popen(cmd, env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -227,38 +232,21 @@ def test_slurm_profile_asks_for_every_node_with_its_gpus_in_one_job(tmp_path):
 # ---------------------------------------------------------------- on a two-host SLURM cluster
 
 
-@pytest.fixture(scope="module")
-def two_hosts(tmp_path_factory):
-    """munged + slurmctld here, one slurmd in each of two network namespaces; skipped without the binaries."""
-    from two_host_cluster import start_two_host_cluster, two_host_unavailable_reason
-
-    reason = two_host_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    cluster = start_two_host_cluster(tmp_path_factory.mktemp("two-hosts"))
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
 def cluster_env(cluster) -> dict:
     # the ranks talk over the hosts' eth1 (gloo would pick the interface of the shared hostname)
-    return cluster.client_env(tool_env()) | {"SLURM_PARTITION": cluster.partition, "GLOO_SOCKET_IFNAME": IFACE}
+    return slurm_env(cluster) | {"GLOO_SOCKET_IFNAME": IFACE}
 
 
 def training_pids(cluster, host: int) -> list[int]:
     """torchrun's and the ranks' processes in one host's namespace (not slurmd, srun or the job's shell)."""
-    from two_host_cluster import ip
-
     pids = []
-    for pid in ip("netns", "pids", cluster.netns_name(host), check=False).stdout.split():
+    for pid in cluster.host_pids(host):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
         if Path(argv[0]).name.startswith("python") and any(Path(a).name in ("torchrun", "train.py") for a in argv[1:3]):
-            pids.append(int(pid))
+            pids.append(pid)
     return pids
 
 
@@ -278,7 +266,7 @@ def test_joint_mode_trains_one_model_over_two_slurm_hosts(two_hosts, joint_run):
     workdir, config, proc = joint_run
     output = proc.stdout + proc.stderr
     root = workdir / "results" / "t"
-    submitted = SUBMITTED.findall(output)
+    submitted = submissions(output)
     train_jobs = [job for job, rule in submitted if rule.startswith("train_")]
     assert [rule for _, rule in submitted if rule.startswith("train_")] == ["train_joint"], output[-3000:]
     # one job, both hosts

@@ -10,28 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, REPO, tool_env
+from conftest import run_trainer, start_trainer
+
+pytestmark = pytest.mark.torchrun
 
 CONFIG = {"lr": 3e-3, "micro_batch_size": 2, "max_steps": 14, "log_every": 1, "checkpoint_every": 4, "seed": 3}
-
-
-def command(tmp_path, demo_assets, cfg):
-    return [
-        str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(REPO / "workflow_scripts/train.py"),
-        "--config", json.dumps(cfg), "--data", str(demo_assets["node0"]), "--packing", str(demo_assets["packing"]),
-        "--base-model", str(demo_assets["base"]),
-        "--log-dir", str(tmp_path / "train"), "--checkpoint-root", str(tmp_path / "ckpt"),
-        "--state", str(tmp_path / "train" / "train_state.json"),
-    ]  # fmt: skip
-
-
-ENV = tool_env() | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def train(tmp_path, demo_assets, cfg=CONFIG):
-    proc = subprocess.run(command(tmp_path, demo_assets, cfg), capture_output=True, text=True, env=ENV, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 def losses(tmp_path):
@@ -69,10 +52,9 @@ def wait_for(predicate, timeout=300):
 def test_sigterm_then_rerun_equals_uninterrupted_run(tmp_path, demo_assets, strategy):
     cfg = CONFIG | {"strategy": strategy, "zero_stage": 3}
     a, b = tmp_path / "a", tmp_path / "b"
-    train(a, demo_assets, cfg)
+    run_trainer(a, demo_assets, cfg)
 
-    proc = subprocess.Popen(command(b, demo_assets, cfg), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # fmt: skip
+    proc = start_trainer(b, demo_assets, cfg)
     assert wait_for(lambda: any((b / "ckpt").glob("*/step-4/COMPLETE")))
     os.killpg(proc.pid, signal.SIGTERM)  # as SLURM does: the whole job step
     _, err = proc.communicate(timeout=300)
@@ -82,7 +64,7 @@ def test_sigterm_then_rerun_equals_uninterrupted_run(tmp_path, demo_assets, stra
     stopped = max(int(p.parent.name.split("-")[1]) for p in (b / "ckpt").glob("*/step-*/COMPLETE"))
     assert 4 <= stopped < 14
 
-    resumed = train(b, demo_assets, cfg)
+    resumed = run_trainer(b, demo_assets, cfg)
     assert f"at step {stopped}" in resumed.stderr  # resumed, not restarted
     assert losses(b) == losses(a)  # every step once, bit for bit
     wa, wb = final_weights(a, strategy), final_weights(b, strategy)
@@ -91,13 +73,13 @@ def test_sigterm_then_rerun_equals_uninterrupted_run(tmp_path, demo_assets, stra
 
 def test_partial_checkpoint_is_ignored_and_reported(tmp_path, demo_assets):
     cfg = CONFIG | {"max_steps": 8}
-    train(tmp_path / "a", demo_assets, cfg)
+    run_trainer(tmp_path / "a", demo_assets, cfg)
     b = tmp_path / "b"
-    train(b, demo_assets, cfg)
+    run_trainer(b, demo_assets, cfg)
     (last,) = list((b / "ckpt").glob("*/step-8"))
     (last / "COMPLETE").unlink()  # as if killed -9 while saving
     (last / "state.pt").write_bytes(b"truncated")
-    rerun = train(b, demo_assets, cfg)
+    rerun = run_trainer(b, demo_assets, cfg)
     assert "ignoring partial checkpoint" in rerun.stderr and "step-8" in rerun.stderr
     assert "at step 4" in rerun.stderr
     assert losses(b) == losses(tmp_path / "a")
@@ -105,8 +87,7 @@ def test_partial_checkpoint_is_ignored_and_reported(tmp_path, demo_assets):
 
 def test_one_dead_rank_ends_every_rank(tmp_path, demo_assets):
     cfg = CONFIG | {"max_steps": 100000, "checkpoint_every": 100000}
-    proc = subprocess.Popen(command(tmp_path, demo_assets, cfg), env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    proc = start_trainer(tmp_path, demo_assets, cfg)
     assert wait_for(lambda: (tmp_path / "train" / "metrics.jsonl").exists())
     out = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "train.py"], capture_output=True, text=True)
     workers = [int(x) for x in out.stdout.split()]

@@ -17,28 +17,26 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from conftest import REPO, check_outputs, job_logs, snakemake, snakemake_cmd, tiny_config, tool_env
+from conftest import (
+    PROFILES,
+    check_outputs,
+    job_logs,
+    slurm_env,
+    snakemake,
+    snakemake_cmd,
+    submissions,
+    tiny_config,
+    training_ranks,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
-PROFILES = ("--profile", str(REPO / "profiles" / "slurm"), "--profile", str(REPO / "profiles" / "slurm-test"))
-SUBMITTED = re.compile(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: .*/rule_(\w+?)/")
 # compared byte for byte with the local run: the data stages are deterministic
 SAME_BYTES = ("data", "base_model")
 
 
-def slurm_env(cluster) -> dict:
-    """The tests' environment for Snakemake, pointed at the throwaway cluster and its partition."""
-    return cluster.client_env(tool_env()) | {"SLURM_PARTITION": cluster.partition}
-
-
 def run_id(output: str) -> str:
     return re.search(r"SLURM run ID: (\S+)", output).group(1)
-
-
-def submissions(output: str) -> list[tuple[str, str]]:
-    """(SLURM job id, rule) for each job Snakemake submitted, from its log."""
-    return SUBMITTED.findall(output)
 
 
 def files_under(root) -> set[str]:
@@ -159,22 +157,6 @@ def test_sigint_cancels_the_slurm_jobs(slurm_cluster, tmp_path):
 RUNTIME_MIN, WARNING_S = 2, 60
 PREEMPT_STEPS = 40
 SIGURG_BIT = 1 << (signal.SIGURG - 1)
-
-
-def training_ranks(workdir) -> list[int]:
-    """pids of the torchrun workers (not torchrun itself) running in ``workdir``."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if not proc.name.isdigit() or Path(proc / "cwd").resolve() != Path(workdir).resolve():
-                continue
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-            environ = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(arg.endswith(b"train.py") for arg in cmdline) and any(v.startswith(b"LOCAL_RANK=") for v in environ):
-            pids.append(int(proc.name))
-    return pids
 
 
 def signalled(pid: int) -> bool:

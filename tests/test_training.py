@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 from batching import DataPlan, micro_batch_indices
-from conftest import BIN, REPO, tool_env
+from conftest import REPO, run_trainer, tool_env
 from pipeline_io import UserError
 from settings import training_config
 from strategies import lr_lambda
@@ -57,26 +57,21 @@ def test_unknown_training_key_is_rejected():
 def train_and_consolidate(tmp_path, demo_assets, max_shard_size="2GB", **overrides):
     cfg = {"lr": 3e-3, "micro_batch_size": 2, "max_steps": 8, "log_every": 2, "checkpoint_every": 4} | overrides
     log_dir, state = tmp_path / "train", tmp_path / "train" / "train_state.json"
-    cmd = [
-        str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(REPO / "workflow_scripts/train.py"),
-        "--config", json.dumps(cfg), "--data", str(demo_assets["node0"]), "--packing", str(demo_assets["packing"]),
-        "--base-model", str(demo_assets["base"]),
-        "--log-dir", str(log_dir), "--checkpoint-root", str(tmp_path / "ckpt"), "--state", str(state),
-    ]  # fmt: skip
-    env = tool_env() | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_trainer(tmp_path, demo_assets, cfg)
     losses = [json.loads(line)["loss"] for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     out = tmp_path / "model"
-    cmd = [
-        sys.executable, str(REPO / "workflow_scripts/consolidate.py"), "--state", str(state), "--output", str(out),
-        "--max-shard-size", max_shard_size,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
+    proc = consolidate(state, out, "--max-shard-size", max_shard_size)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return losses, out
 
 
+def consolidate(state, output, *options) -> subprocess.CompletedProcess:
+    script = REPO / "workflow_scripts/consolidate.py"
+    cmd = [sys.executable, str(script), "--state", str(state), "--output", str(output), *options]
+    return subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
+
+
+@pytest.mark.torchrun
 @pytest.mark.parametrize(
     "strategy,extra",
     # LoRA + DDP runs end to end in the seed-004 twin (tests/test_examples.py)
@@ -97,6 +92,7 @@ def test_lora_trains_and_consolidates(tmp_path, demo_assets, strategy, extra):
     assert all(v.shape[1] == 4 for v in lora_b.values())
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("stage", [2])  # ZeRO-1 is consolidated (and checked) end to end in the seed-002 twin
 def test_deepspeed_full_finetune_consolidates_sharded_with_equal_logits(tmp_path, demo_assets, stage):
     """ZeRO-2 (one merged fp32 vector per group) through DeepSpeed's converter, written as 4 MB shards."""
@@ -216,6 +212,7 @@ def test_zero2_lazy_reader_matches_deepspeeds_merge(world):
                          [[p + 64 for p in paddings[0]]], exclude_frozen=False)  # fmt: skip
 
 
+@pytest.mark.torchrun
 def test_truncated_checkpoint_fails_consolidation_with_one_line(tmp_path, demo_assets):
     _, _ = train_and_consolidate(tmp_path, demo_assets, strategy="ddp", max_steps=4)
     state = json.loads((tmp_path / "train" / "train_state.json").read_text())
@@ -223,11 +220,7 @@ def test_truncated_checkpoint_fails_consolidation_with_one_line(tmp_path, demo_a
     target = next(weights.rglob("state.pt"))
     assert str(target).startswith(state["checkpoint"])
     target.write_bytes(target.read_bytes()[:1000])
-    cmd = [
-        sys.executable, str(REPO / "workflow_scripts/consolidate.py"),
-        "--state", str(tmp_path / "train" / "train_state.json"), "--output", str(tmp_path / "again"),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
+    proc = consolidate(tmp_path / "train" / "train_state.json", tmp_path / "again")
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and "state.pt" in last

@@ -6,10 +6,11 @@ import pytest
 from conftest import DEMO_CSV, check_outputs, planned_jobs, snakemake, tiny_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-pytestmark = pytest.mark.e2e
+# the tests that take ddp_run are e2e (it runs the workflow); the dry runs of bad input are not
 DOWNSTREAM_OF_TRAINING = {"train_node", "consolidate_node", "evaluate_model", "summarize", "provenance", "all"}
 
 
+@pytest.mark.e2e
 def test_ddp_end_to_end(ddp_run):
     workdir, _ = ddp_run
     root = workdir / "results" / "t"
@@ -24,11 +25,13 @@ def test_ddp_end_to_end(ddp_run):
     assert "train/loss" in events.Tags()["scalars"]
 
 
+@pytest.mark.e2e
 def test_finished_run_dry_runs_to_nothing(ddp_run):
     workdir, config = ddp_run
     assert planned_jobs(snakemake(workdir, config, "-n")) == {}
 
 
+@pytest.mark.e2e
 def test_lr_change_reruns_only_training_and_downstream(ddp_run):
     workdir, config = ddp_run
     changed = json.loads(json.dumps(config))
@@ -38,6 +41,7 @@ def test_lr_change_reruns_only_training_and_downstream(ddp_run):
     assert jobs["train_node"] == 2 and jobs["evaluate_model"] == 2  # the base model is not re-evaluated
 
 
+@pytest.mark.e2e
 def test_deleting_one_nodes_model_reruns_only_that_node(ddp_run):
     import shutil
 
@@ -50,6 +54,7 @@ def test_deleting_one_nodes_model_reruns_only_that_node(ddp_run):
     assert planned_jobs(snakemake(workdir, config, "-n")) == {}
 
 
+@pytest.mark.e2e
 def test_report_builds(ddp_run):
     workdir, config = ddp_run
     snakemake(workdir, config, "--report", str(workdir / "report.html"))
@@ -90,6 +95,7 @@ def test_bad_input_stops_with_one_line(tmp_path, override, needle):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.e2e
 def test_evaluation_is_deterministic(ddp_run):
     import subprocess
     import sys

@@ -18,12 +18,11 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
-import shlex
 import signal
-import socket
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from slurm_cluster import PARTITION, SlurmCluster, available_memory_mb, unavailable_reason, which
 
@@ -81,8 +80,15 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run([which("ip"), *args], capture_output=True, text=True, check=check, timeout=30)
 
 
+def netns_pids(name: str) -> list[int]:
+    return [int(pid) for pid in ip("netns", "pids", name, check=False).stdout.split()]
+
+
 @dataclass
 class TwoHostCluster(SlurmCluster):
+    # scontrol too: launch.py, in the job, asks it for the job's nodes and the first node's address
+    WRAPPED: ClassVar[tuple[str, ...]] = ("srun", "scontrol")
+
     hosts: int = 2
     tag: str = field(default_factory=lambda: f"{os.getpid() % 100000}")
     node_addrs: dict = field(default_factory=dict)  # node name -> eth1 address
@@ -90,19 +96,12 @@ class TwoHostCluster(SlurmCluster):
     _links: list = field(default_factory=list)  # links and namespaces made, for teardown
     _netns: list = field(default_factory=list)
 
-    @property
-    def nodes(self) -> list[str]:
-        return list(self.node_addrs)
-
     def netns_name(self, i: int) -> str:
         return f"slurmt{self.tag}-{i}"
 
-    def log_tail(self, chars: int = 3000) -> str:
-        parts = [super().log_tail(chars)]
-        for path in sorted(self.root.glob("slurmd-*.log")) + sorted(self.root.glob("slurmd-*.out")):
-            if path.stat().st_size:
-                parts.append(f"--- {path}\n{path.read_text(errors='replace')[-chars:]}")
-        return "\n".join(parts)
+    def host_pids(self, i: int) -> list[int]:
+        """Every process in host ``i``'s network namespace."""
+        return netns_pids(self.netns_name(i))
 
     def _network(self) -> None:
         used = [line.split()[3] for line in ip("-o", "-4", "addr").stdout.splitlines()]
@@ -129,32 +128,23 @@ class TwoHostCluster(SlurmCluster):
             ip("-n", ns, "link", "set", "lo", "up")
             self.node_addrs[f"node{i}"] = addr
 
-    def _start(self, deadline: float) -> None:
-        host = socket.gethostname().split(".")[0]
+    def _prepare(self, host: str) -> None:
+        """The hosts' network, then the single-machine cluster's files with slurm.conf made two-host."""
         self._network()
         super()._prepare(host)
-        # like srun (see SlurmCluster._prepare), scontrol in a job finds this cluster's slurm.conf:
-        # launch.py asks it for the job's nodes and the first node's address
-        scontrol = self.root / "bin" / "scontrol"
-        conf = shlex.quote(str(self.conf))
-        scontrol.write_text(f'#!/bin/sh\nexport SLURM_CONF={conf}\nexec {which("scontrol")} "$@"\n')
-        scontrol.chmod(0o755)
         conf = two_host_conf(self.conf.read_text(), host, self.bridge_addr, self.node_addrs, self.root,
                              self.partition, self.cpus, self.memory_mb)  # fmt: skip
         self.conf.write_text(conf)
         for node in self.nodes:
             (self.root / "spool" / node).mkdir(parents=True, exist_ok=True)
-        self._start_controller(deadline)
-        for i, node in enumerate(self.nodes):
-            netns = f"/run/netns/{self.netns_name(i)}"
-            slurmd = [which("slurmd"), "-D", "-f", str(self.conf), "-N", node]
-            self._spawn(f"slurmd-{node}", ["nsenter", f"--net={netns}", *slurmd])
-        self._wait_started(self._nodes_idle, deadline, f"{len(self.nodes)} idle nodes in sinfo")
 
-    def _nodes_idle(self) -> bool:
-        states = self.cmd("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.split("\n")
-        idle = {line.split()[0] for line in states if line.strip() and line.split()[1].rstrip("*~#") == "idle"}
-        return idle == set(self.nodes)
+    def _slurmd_commands(self, host: str) -> dict[str, list[str]]:
+        """One slurmd per host, each in its host's network namespace."""
+        return {
+            f"slurmd-{node}": ["nsenter", f"--net=/run/netns/{self.netns_name(i)}", which("slurmd"), "-D", "-f",
+                               str(self.conf), "-N", node]
+            for i, node in enumerate(self.nodes)
+        }  # fmt: skip
 
     def stop(self) -> None:
         try:
@@ -165,10 +155,9 @@ class TwoHostCluster(SlurmCluster):
     def _teardown_network(self) -> None:
         # processes still inside the namespaces (a job's orphans) are ours: end them by pid first
         for ns in self._netns:
-            pids = ip("netns", "pids", ns, check=False).stdout.split()
-            for pid in pids:
+            for pid in netns_pids(ns):
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
         for ns in self._netns:
             ip("netns", "del", ns, check=False)
         for link in reversed(self._links):
