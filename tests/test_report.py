@@ -56,3 +56,19 @@ def test_consolidation_table_reads_each_models_self_check(tmp_path):
     assert [c for c in table if c.startswith("peak")] == [
         "peak_rss_mb_training_side_model", "peak_rss_mb_write", "peak_rss_mb_reload_check"
     ]  # fmt: skip
+
+
+def test_every_score_in_a_summary_is_on_0_1():
+    from evaluation import score
+    from summarize import SCORES, summary_table
+
+    references = ["the cat sat on the mat today", "a quick brown fox jumps over it", "ten green bottles on the wall"]
+    same = score(references, references, METRICS)
+    assert {k: same[k] for k in SCORES} == {k: pytest.approx(1.0) for k in SCORES}  # chrF 1.0, not 100
+    other = score(["the cat sat on a rug", "", "ten green bottles on the wall"], references, METRICS)
+    results = [{"model": "base", "eval_loss": 4.0, "perplexity": 54.6} | other,
+               {"model": "node0", "eval_loss": 2.0, "perplexity": 7.39} | same]  # fmt: skip
+    table = summary_table(results)
+    assert table[SCORES].notna().all().all()
+    assert ((table[SCORES] >= 0) & (table[SCORES] <= 1)).all().all()
+    assert 0 < table.loc[0, "chrf"] < 1 and 0 < table.loc[0, "bleu"] < 1

@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLUMNS = ["model", "eval_loss", "perplexity", "exact_match", "rouge_l", "bleu", "chrf"]
+SCORES = ["exact_match", "rouge_l", "bleu", "chrf"]  # all on 0-1, higher is better
 
 
 def summary_table(results: list[dict]) -> pd.DataFrame:
