@@ -72,3 +72,21 @@ def test_every_score_in_a_summary_is_on_0_1():
     assert table[SCORES].notna().all().all()
     assert ((table[SCORES] >= 0) & (table[SCORES] <= 1)).all().all()
     assert 0 < table.loc[0, "chrf"] < 1 and 0 < table.loc[0, "bleu"] < 1
+
+
+def test_leaderboard_names_the_best_model_against_base():
+    from summarize import leaderboard_text, summary_table
+
+    results = [
+        {"model": "node0", "eval_loss": 1.5, "exact_match": 0.25, "rouge_l": 0.5, "bleu": 0.2, "chrf": 0.4},
+        {"model": "base", "eval_loss": 6.0, "exact_match": 0.0, "rouge_l": 0.1, "bleu": 0.0, "chrf": 0.1},
+        {"model": "node1", "eval_loss": 1.2, "exact_match": 0.375, "rouge_l": 0.6, "bleu": 0.3, "chrf": 0.5},
+    ]
+    lines = leaderboard_text(summary_table(results)).splitlines()
+    assert lines[0] == "Best model: node1 (lowest eval loss of the 3 models evaluated on the same held-out set)"
+    assert lines[1].split() == "eval loss 1.200 vs base 6.000: 0.20x base (-4.800)".split()
+    assert lines[2].split() == "exact match 0.375 vs base 0.000: +0.375".split()
+    assert [line.split()[0] for line in lines[-4:]] == ["model", "base", "node0", "node1"]  # every model, base first
+
+    only_base = leaderboard_text(summary_table(results[1:2])).splitlines()
+    assert only_base[0].startswith("Best model: base") and "no trained model" in only_base[3]
