@@ -1,6 +1,8 @@
 """Evaluation and summary pieces the report shows: per-category exact match, throughput, consolidation."""
 
 import json
+import re
+import subprocess
 
 import pytest
 from conftest import REPO
@@ -90,3 +92,33 @@ def test_leaderboard_names_the_best_model_against_base():
 
     only_base = leaderboard_text(summary_table(results[1:2])).splitlines()
     assert only_base[0].startswith("Best model: base") and "no trained model" in only_base[3]
+
+
+def test_landing_page_shows_the_leaderboard(tmp_path):
+    """Snakemake's report renders report/workflow.rst with the leaderboard file's text in it."""
+    from conftest import BIN
+
+    board = "Best model: node1 (lowest eval loss)\n  eval loss    1.200 vs base 6.000: 0.20x base (-4.800)\n"
+    (tmp_path / "Snakefile").write_text(
+        f"report: {str(REPO / 'report' / 'workflow.rst')!r}\n"
+        'config.update({"run": "t", "nodes": 2, "training": {"strategy": "ddp"}})\n'
+        "rule all:\n"
+        "    output: report('eval/leaderboard.txt', category='Evaluation')\n"
+        f"    run: open(output[0], 'w').write({board!r})\n"
+    )
+    for args in (["--cores", "1"], ["--report", "report.html"]):
+        proc = subprocess.run([str(BIN / "snakemake"), *args], cwd=tmp_path, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    html = (tmp_path / "report.html").read_text()
+    page = json.loads(re.search(r"var workflow_desc = (\".*\");", html).group(1))
+    assert "Fine-tuning run <strong>t</strong>" in page
+    assert '<pre class="literal-block">\n' + board.replace(">", "&gt;") + "</pre>" in page
+
+    # without the leaderboard among the report's items the page has its first paragraph only
+    from jinja2 import Environment
+
+    class Snakemake:
+        config = {"run": "t", "nodes": 2, "training": {"strategy": "ddp"}}
+
+    template = Environment(trim_blocks=True, lstrip_blocks=True).from_string((REPO / "report/workflow.rst").read_text())
+    assert template.render(snakemake=Snakemake, files=[], categories={}).strip().endswith("held-out set.")
