@@ -122,3 +122,18 @@ def test_landing_page_shows_the_leaderboard(tmp_path):
 
     template = Environment(trim_blocks=True, lstrip_blocks=True).from_string((REPO / "report/workflow.rst").read_text())
     assert template.render(snakemake=Snakemake, files=[], categories={}).strip().endswith("held-out set.")
+
+
+@pytest.mark.parametrize("by_reason", [{}, {"empty_response": 3, "invalid_json": 1}])
+def test_reject_chart_is_not_drawn_empty(by_reason):
+    import matplotlib.pyplot as plt
+    from data_report import draw_rejects
+
+    fig, ax = plt.subplots()
+    draw_rejects(ax, {"rejects_by_reason": by_reason, "rejected": sum(by_reason.values()), "rows_in": 100})
+    texts = " ".join(t.get_text() for t in ax.texts)
+    if by_reason:
+        assert [p.get_width() for p in ax.patches] == [3, 1] and not texts
+    else:
+        assert not ax.patches and not ax.axison and "No rejected rows" in texts
+    plt.close(fig)
