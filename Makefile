@@ -28,6 +28,8 @@ $(STAMP): requirements.lock
 run: install
 	snakemake --cores all
 	snakemake --report results/$(RUN)/report.html
+	@echo; cat results/$(RUN)/eval/leaderboard.txt
+	@echo "report: results/$(RUN)/report.html"
 
 report: install
 	snakemake --report results/$(RUN)/report.html

@@ -19,6 +19,12 @@ rule summarize:
             caption="../report/throughput.rst",
             category="Training",
         ),
+        leaderboard_text=report(
+            f"{R}/eval/leaderboard.txt",
+            caption="../report/leaderboard_text.rst",
+            category="Evaluation",
+            subcategory="1. Best model",
+        ),
         leaderboard=report(
             LEADERBOARD,
             caption="../report/leaderboard.rst",
@@ -51,4 +57,5 @@ rule summarize:
         " --summary {output.summary} --curves {output.curves} --throughput {output.throughput}"
         " --categories {output.categories}"
         " --samples {output.samples} --leaderboard {output.leaderboard}"
+        " --leaderboard-text {output.leaderboard_text}"
         " --models {input.models} --consolidation {output.consolidation} > {log} 2>&1"

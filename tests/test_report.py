@@ -1,6 +1,8 @@
 """Evaluation and summary pieces the report shows: per-category exact match, throughput, consolidation."""
 
 import json
+import re
+import subprocess
 
 import pytest
 from conftest import REPO
@@ -56,3 +58,82 @@ def test_consolidation_table_reads_each_models_self_check(tmp_path):
     assert [c for c in table if c.startswith("peak")] == [
         "peak_rss_mb_training_side_model", "peak_rss_mb_write", "peak_rss_mb_reload_check"
     ]  # fmt: skip
+
+
+def test_every_score_in_a_summary_is_on_0_1():
+    from evaluation import score
+    from summarize import SCORES, summary_table
+
+    references = ["the cat sat on the mat today", "a quick brown fox jumps over it", "ten green bottles on the wall"]
+    same = score(references, references, METRICS)
+    assert {k: same[k] for k in SCORES} == {k: pytest.approx(1.0) for k in SCORES}  # chrF 1.0, not 100
+    other = score(["the cat sat on a rug", "", "ten green bottles on the wall"], references, METRICS)
+    results = [{"model": "base", "eval_loss": 4.0, "perplexity": 54.6} | other,
+               {"model": "node0", "eval_loss": 2.0, "perplexity": 7.39} | same]  # fmt: skip
+    table = summary_table(results)
+    assert table[SCORES].notna().all().all()
+    assert ((table[SCORES] >= 0) & (table[SCORES] <= 1)).all().all()
+    assert 0 < table.loc[0, "chrf"] < 1 and 0 < table.loc[0, "bleu"] < 1
+
+
+def test_leaderboard_names_the_best_model_against_base():
+    from summarize import leaderboard_text, summary_table
+
+    results = [
+        {"model": "node0", "eval_loss": 1.5, "exact_match": 0.25, "rouge_l": 0.5, "bleu": 0.2, "chrf": 0.4},
+        {"model": "base", "eval_loss": 6.0, "exact_match": 0.0, "rouge_l": 0.1, "bleu": 0.0, "chrf": 0.1},
+        {"model": "node1", "eval_loss": 1.2, "exact_match": 0.375, "rouge_l": 0.6, "bleu": 0.3, "chrf": 0.5},
+    ]
+    lines = leaderboard_text(summary_table(results)).splitlines()
+    assert lines[0] == "Best model: node1 (lowest eval loss of the 3 models evaluated on the same held-out set)"
+    assert lines[1].split() == "eval loss 1.200 vs base 6.000: 0.20x base (-4.800)".split()
+    assert lines[2].split() == "exact match 0.375 vs base 0.000: +0.375".split()
+    assert [line.split()[0] for line in lines[-4:]] == ["model", "base", "node0", "node1"]  # every model, base first
+
+    only_base = leaderboard_text(summary_table(results[1:2])).splitlines()
+    assert only_base[0].startswith("Best model: base") and "no trained model" in only_base[3]
+
+
+def test_landing_page_shows_the_leaderboard(tmp_path):
+    """Snakemake's report renders report/workflow.rst with the leaderboard file's text in it."""
+    from conftest import BIN
+
+    board = "Best model: node1 (lowest eval loss)\n  eval loss    1.200 vs base 6.000: 0.20x base (-4.800)\n"
+    (tmp_path / "Snakefile").write_text(
+        f"report: {str(REPO / 'report' / 'workflow.rst')!r}\n"
+        'config.update({"run": "t", "nodes": 2, "training": {"strategy": "ddp"}})\n'
+        "rule all:\n"
+        "    output: report('eval/leaderboard.txt', category='Evaluation')\n"
+        f"    run: open(output[0], 'w').write({board!r})\n"
+    )
+    for args in (["--cores", "1"], ["--report", "report.html"]):
+        proc = subprocess.run([str(BIN / "snakemake"), *args], cwd=tmp_path, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    html = (tmp_path / "report.html").read_text()
+    page = json.loads(re.search(r"var workflow_desc = (\".*\");", html).group(1))
+    assert "Fine-tuning run <strong>t</strong>" in page
+    assert '<pre class="literal-block">\n' + board.replace(">", "&gt;") + "</pre>" in page
+
+    # without the leaderboard among the report's items the page has its first paragraph only
+    from jinja2 import Environment
+
+    class Snakemake:
+        config = {"run": "t", "nodes": 2, "training": {"strategy": "ddp"}}
+
+    template = Environment(trim_blocks=True, lstrip_blocks=True).from_string((REPO / "report/workflow.rst").read_text())
+    assert template.render(snakemake=Snakemake, files=[], categories={}).strip().endswith("held-out set.")
+
+
+@pytest.mark.parametrize("by_reason", [{}, {"empty_response": 3, "invalid_json": 1}])
+def test_reject_chart_is_not_drawn_empty(by_reason):
+    import matplotlib.pyplot as plt
+    from data_report import draw_rejects
+
+    fig, ax = plt.subplots()
+    draw_rejects(ax, {"rejects_by_reason": by_reason, "rejected": sum(by_reason.values()), "rows_in": 100})
+    texts = " ".join(t.get_text() for t in ax.texts)
+    if by_reason:
+        assert [p.get_width() for p in ax.patches] == [3, 1] and not texts
+    else:
+        assert not ax.patches and not ax.axison and "No rejected rows" in texts
+    plt.close(fig)

@@ -62,6 +62,7 @@ def test_report_builds(ddp_run):
     for name in (
         "summary.csv",
         "leaderboard.png",
+        "leaderboard.txt",
         "loss_curves.png",
         "throughput.png",
         "consolidation.csv",

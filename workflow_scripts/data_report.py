@@ -41,6 +41,20 @@ def collect(manifest: dict, stats: dict[str, dict], lengths: dict[str, list[int]
     }
 
 
+def draw_rejects(ax, report: dict) -> None:
+    """Rejected rows per reason as bars; with no rejects, no empty chart but a line saying so."""
+    reasons = {r: n for r, n in report["rejects_by_reason"].items() if n}
+    ax.set_title(f"Rejected rows by reason ({report['rejected']} of {report['rows_in']})")
+    if not reasons:
+        ax.axis("off")
+        text = f"No rejected rows:\nall {report['rows_in']} input rows kept"
+        ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=12)
+        return
+    ax.barh(list(reasons), list(reasons.values()), color="tab:red")
+    ax.set(xlabel="rows")
+    ax.grid(alpha=0.3)
+
+
 def plot(report: dict, lengths: dict[str, list[int]], path: Path) -> None:
     fig, (ax_len, ax_rej, ax_tok) = plt.subplots(1, 3, figsize=(14, 4))
     for name, n in lengths.items():
@@ -48,13 +62,11 @@ def plot(report: dict, lengths: dict[str, list[int]], path: Path) -> None:
             ax_len.hist(n, bins=40, histtype="step", label=name)
     ax_len.set(title="Sequence length per shard", xlabel="tokens", ylabel="examples", yscale="log")
     ax_len.legend()
-    reasons = report["rejects_by_reason"] or {"(none)": 0}
-    ax_rej.barh(list(reasons), list(reasons.values()), color="tab:red")
-    ax_rej.set(title=f"Rejected rows by reason ({report['rejected']} of {report['rows_in']})", xlabel="rows")
+    draw_rejects(ax_rej, report)
     names = list(report["shards"])
     ax_tok.bar(names, [report["shards"][n]["tokens"] for n in names], color="tab:blue")
     ax_tok.set(title="Tokens per shard", ylabel="tokens")
-    for ax in (ax_len, ax_rej, ax_tok):
+    for ax in (ax_len, ax_tok):
         ax.grid(alpha=0.3)
     fig.tight_layout()
     with atomic_path(path) as tmp:

@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLUMNS = ["model", "eval_loss", "perplexity", "exact_match", "rouge_l", "bleu", "chrf"]
+SCORES = ["exact_match", "rouge_l", "bleu", "chrf"]  # all on 0-1, higher is better
 
 
 def summary_table(results: list[dict]) -> pd.DataFrame:
@@ -25,6 +26,36 @@ def summary_table(results: list[dict]) -> pd.DataFrame:
         frame["eval_loss_vs_base"] = frame["eval_loss"] / base["eval_loss"].iloc[0]
         frame["exact_match_delta"] = frame["exact_match"] - base["exact_match"].iloc[0]
     return frame.reset_index(drop=True)
+
+
+def leaderboard_text(table: pd.DataFrame) -> str:
+    """What the end of a run says: the best model (lowest held-out eval loss), its eval loss and exact match
+    against the untrained base model's, then every model's numbers. `make run` prints it; the report shows it."""
+    rows = table.dropna(subset=["eval_loss"])
+    best = rows.loc[rows["eval_loss"].idxmin()]
+    lines = [
+        f"Best model: {best['model']} (lowest eval loss of the {len(rows)} models evaluated on the same held-out set)"
+    ]
+    base = rows[rows["model"] == "base"]
+    if len(base):
+        b = base.iloc[0]
+        lines += [
+            f"  eval loss    {best['eval_loss']:.3f} vs base {b['eval_loss']:.3f}:"
+            f" {best['eval_loss'] / b['eval_loss']:.2f}x base ({best['eval_loss'] - b['eval_loss']:+.3f})",
+            f"  exact match  {best['exact_match']:.3f} vs base {b['exact_match']:.3f}:"
+            f" {best['exact_match'] - b['exact_match']:+.3f}",
+        ]
+        if best["model"] == "base":
+            lines.append("  no trained model has a lower eval loss than the untrained base model")
+    else:
+        lines.append(f"  eval loss {best['eval_loss']:.3f}, exact match {best['exact_match']:.3f} (no base model)")
+    columns = [c for c in ("model", "eval_loss", *SCORES) if c in table]
+    lines += [
+        "",
+        "eval_loss: lower is better; exact_match, rouge_l, bleu, chrf: 0-1, higher is better",
+        table[columns].to_string(index=False, float_format="{:.3f}".format),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def read_metrics(path: Path) -> pd.DataFrame:
@@ -155,6 +186,7 @@ def main(argv=None) -> None:
     p.add_argument("--throughput", required=True, type=Path)
     p.add_argument("--categories", required=True, type=Path)
     p.add_argument("--leaderboard", required=True, type=Path)
+    p.add_argument("--leaderboard-text", required=True, type=Path)
     p.add_argument("--samples", required=True, type=Path)
     p.add_argument("--models", nargs="+", required=True, type=Path, help="models/<node> folders")
     p.add_argument("--consolidation", required=True, type=Path)
@@ -168,12 +200,16 @@ def main(argv=None) -> None:
     for node, tps in plot_throughput(curves, a.throughput).items():
         print(f"{node}: median {tps:,.0f} tokens/s")
     plot_categories(results, a.categories)
-    print(f"best model: {plot_leaderboard(table, a.leaderboard)}")
+    plot_leaderboard(table, a.leaderboard)
+    board = leaderboard_text(table)
+    with atomic_path(a.leaderboard_text) as tmp:
+        tmp.write_text(board)
     with atomic_path(a.samples) as tmp:
         samples_table(results).to_csv(tmp, index=False)
     with atomic_path(a.consolidation) as tmp:
         consolidation_table(a.models).to_csv(tmp, index=False, float_format="%.6g")
     print(table.to_string(index=False))
+    print(board, end="")
 
 
 if __name__ == "__main__":

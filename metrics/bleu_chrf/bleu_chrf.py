@@ -4,14 +4,17 @@ import datasets
 import evaluate
 import sacrebleu
 
-_DESCRIPTION = "Corpus-level BLEU and chrF of predictions against one reference each, on a 0-100 scale."
+_DESCRIPTION = (
+    "Corpus-level BLEU and chrF of predictions against one reference each, on a 0-1 scale like the repo's"
+    " other metrics (sacrebleu's 0-100 scores divided by 100)."
+)
 _KWARGS = """
 Args:
     predictions (list of str): generated answers.
     references (list of str): reference answers.
 Returns:
-    bleu (float): sacrebleu corpus BLEU (0-100).
-    chrf (float): sacrebleu corpus chrF (0-100).
+    bleu (float): sacrebleu corpus BLEU / 100 (0-1).
+    chrf (float): sacrebleu corpus chrF / 100 (0-1).
 """
 
 
@@ -31,7 +34,7 @@ class BleuChrf(evaluate.Metric):
         if not predictions:
             return {"bleu": 0.0, "chrf": 0.0}
         refs = [list(references)]
-        return {
-            "bleu": sacrebleu.corpus_bleu(predictions, refs).score,
-            "chrf": sacrebleu.corpus_chrf(predictions, refs).score,
-        }
+        bleu = sacrebleu.corpus_bleu(predictions, refs).score
+        chrf = sacrebleu.corpus_chrf(predictions, refs).score
+        # identical texts give a BLEU of 100.00000000000004 (rounding in the geometric mean)
+        return {"bleu": min(bleu / 100, 1.0), "chrf": min(chrf / 100, 1.0)}
