@@ -217,8 +217,9 @@ class Outputs:
                 c.__exit__(RuntimeError, RuntimeError("failed"), None)
 
 
-def token_counter(tokenizer_path: str | None, chat_template: str | None):
-    """A function giving each conversation's token count as tokenize_shard will produce it."""
+def token_counter(tokenizer_path: str | None, chat_template: str | None, template_kwargs: dict | None = None):
+    """A function giving each conversation's token count as tokenize_shard will produce it
+    (0 for a row the chat template cannot render, which tokenize_shard rejects)."""
     if not tokenizer_path:
         return None
     from tokenization import ChatRenderer, encode_messages
@@ -227,8 +228,8 @@ def token_counter(tokenizer_path: str | None, chat_template: str | None):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     if chat_template:
         tokenizer.chat_template = Path(chat_template).read_text()
-    render = ChatRenderer(tokenizer)
-    return lambda convs: [len(e["input_ids"]) for e in encode_messages(tokenizer, convs, render)]
+    render = ChatRenderer(tokenizer, template_kwargs)
+    return lambda convs: [len(e.get("input_ids", ())) for e in encode_messages(tokenizer, convs, render)]
 
 
 def run_split(a) -> dict:
