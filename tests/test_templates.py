@@ -384,3 +384,15 @@ def test_split_token_counts_match_tokenization(tmp_path):
     convs = [SINGLE_TURN[1:], SINGLE_TURN, MULTI_TURN[1:]]
     counts = token_counter(str(tmp_path / "tok"), None, {"enable_thinking": False})(convs)
     assert counts == [len(ids(tok, tok.apply_chat_template(convs[0], tokenize=False))), 0, counts[2]] and counts[2]
+
+
+def test_generation_settings_stop_at_the_end_of_turn(qwen3, llama3_base):
+    from tokenization import generation_settings
+
+    settings = generation_settings(qwen3, {"enable_thinking": False})
+    assert settings == {
+        "eos_token_id": [qwen3.convert_tokens_to_ids("<|im_end|>")],
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    stops = generation_settings(llama3_base)["eos_token_id"]
+    assert stops == llama3_base.convert_tokens_to_ids(["<|end_of_text|>", "<|eot_id|>"])
