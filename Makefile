@@ -16,7 +16,8 @@ export TOKENIZERS_PARALLELISM ?= false
 
 install: $(STAMP)
 
-$(STAMP): requirements.lock
+# the stamp's name carries the lock's hash: a changed lock reinstalls, a touched one (a new checkout) does not
+$(STAMP):
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first: the CPU wheel here, the CUDA build on a GPU cluster; deepspeed builds against it

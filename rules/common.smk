@@ -124,6 +124,7 @@ TOKENIZER_OPTIONS = dict(
     chat_template=DATA["chat_template"],
     max_seq_len=DATA["max_seq_len"],
     overlength=DATA["overlength"],
+    template_kwargs=json.dumps(DATA["template_kwargs"]),
 )
 SPLIT_ARGS = cli_args(
     data=DATA["path"],
@@ -140,7 +141,7 @@ SPLIT_ARGS = cli_args(
     **TOKENIZER_OPTIONS,
     max_reject_fraction=DATA["max_reject_fraction"],
 )
-TOKENIZE_ARGS = cli_args(**TOKENIZER_OPTIONS, cache_dir=DATA["cache_dir"])
+TOKENIZE_ARGS = cli_args(**TOKENIZER_OPTIONS, train_on=DATA["train_on"], cache_dir=DATA["cache_dir"])
 DEMO_MODEL_ARGS = cli_args(
     data=DATA["path"],  # as written: a folder or glob stays one argument
     format=DATA["format"],

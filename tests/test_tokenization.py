@@ -55,9 +55,11 @@ def test_labels_cover_only_the_answers_and_eos(tokenizer):
     answer = [t for t in ex["labels"] if t != IGNORE]
     assert answer[-1] == tokenizer.eos_token_id
     assert tokenizer.decode(answer, skip_special_tokens=True) == "7"
-    (multi,) = encode_messages(tokenizer, [CONVERSATIONS[2]])
+    (multi,) = encode_messages(tokenizer, [CONVERSATIONS[2]], train_on="all")
     labelled = tokenizer.decode([t for t in multi["labels"] if t != IGNORE])
     assert labelled == "one<|im_end|>two<|im_end|>"
+    (last,) = encode_messages(tokenizer, [CONVERSATIONS[2]])  # data.train_on's default: the last answer only
+    assert tokenizer.decode([t for t in last["labels"] if t != IGNORE]) == "two<|im_end|>"
 
 
 def test_evaluation_prompt_ids_equal_training_prefix(tokenizer):

@@ -56,3 +56,14 @@ def file_sha256(path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def json_object(text: str) -> dict:
+    """argparse type of --template-kwargs: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--template-kwargs: not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"--template-kwargs: a JSON object is needed, not {text!r}")
+    return value

@@ -30,7 +30,7 @@ from data_formats import (
     resolve_paths,
     to_examples,
 )
-from pipeline_io import UserError, atomic_path, cli, file_sha256, write_json
+from pipeline_io import UserError, atomic_path, cli, file_sha256, json_object, write_json
 from settings import option
 
 REASONS = (
@@ -217,8 +217,9 @@ class Outputs:
                 c.__exit__(RuntimeError, RuntimeError("failed"), None)
 
 
-def token_counter(tokenizer_path: str | None, chat_template: str | None):
-    """A function giving each conversation's token count as tokenize_shard will produce it."""
+def token_counter(tokenizer_path: str | None, chat_template: str | None, template_kwargs: dict | None = None):
+    """A function giving each conversation's token count as tokenize_shard will produce it
+    (0 for a row the chat template cannot render, which tokenize_shard rejects)."""
     if not tokenizer_path:
         return None
     from tokenization import ChatRenderer, encode_messages
@@ -227,8 +228,8 @@ def token_counter(tokenizer_path: str | None, chat_template: str | None):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     if chat_template:
         tokenizer.chat_template = Path(chat_template).read_text()
-    render = ChatRenderer(tokenizer)
-    return lambda convs: [len(e["input_ids"]) for e in encode_messages(tokenizer, convs, render)]
+    render = ChatRenderer(tokenizer, template_kwargs)
+    return lambda convs: [len(e.get("input_ids", ())) for e in encode_messages(tokenizer, convs, render)]
 
 
 def run_split(a) -> dict:
@@ -242,7 +243,7 @@ def run_split(a) -> dict:
         a.balance,
         a.max_seq_len,
         a.overlength,
-        token_counter(a.tokenizer, a.chat_template),
+        token_counter(a.tokenizer, a.chat_template, a.template_kwargs),
     )
     outputs = Outputs(a.splits, a.eval, a.rejects)
     reasons, rows_in, ok = Counter(), 0, False
@@ -293,6 +294,7 @@ def main(argv=None) -> None:
     p.add_argument("--balance", **option("data.balance"))
     p.add_argument("--tokenizer", default=None, help="tokenizer for lengths (too_long, balance: tokens)")
     p.add_argument("--chat-template", default=None)
+    p.add_argument("--template-kwargs", type=json_object, **option("data.template_kwargs"))
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--overlength", **option("data.overlength"))
     p.add_argument("--max-reject-fraction", type=float, **option("data.max_reject_fraction"))

@@ -1,13 +1,21 @@
 """tokenize_shard: render conversations with the chat template, tokenize, mask, pack, cache.
 
 One Parquet row per example: ``input_ids``, ``labels`` (-100 everywhere but the
-assistant turns, so the loss is on the answers only), ``length`` and
+trained assistant turns, so the loss is on the answers only), ``length`` and
 ``prompt_length`` (the ids evaluation feeds the model before it generates the last
 answer). Training and evaluation read the same ids from this cache.
 
-A conversation is rendered once and cut at the assistant turns; each piece is
-tokenized on its own (all pieces of a batch in one call of the fast tokenizer),
-so a turn's tokens never depend on what follows it.
+A conversation is rendered once and tokenized as one string, so special tokens and
+merges are what the tokenizer gives for the whole text; the trained turns are found
+in that render (see ``render_conversation``) and mapped to tokens by the fast
+tokenizer's character offsets. The first ``prompt_length`` ids are checked to be
+exactly the ids of ``apply_chat_template(messages[:-1], add_generation_prompt=True,
+**template_kwargs)`` (with the BOS the model family wants, when the template does
+not write it; see ``prompt_tokens``). Labels cover the last assistant turn (``train_on: all``: every one)
+from the end of its header to its end-of-turn token inclusive: the tokenizer's EOS
+and whichever of ``END_OF_TURN`` the tokenizer has as added tokens. A row the
+template cannot render that way is rejected with a reason, and its source file and
+row, in the stats; the stage goes on.
 
 The cache is content-addressed: the key hashes the shard's bytes, the tokenizer
 files, the chat template, the length policy and the packing settings, so two runs
@@ -33,11 +41,13 @@ import os
 import random
 import shutil
 import tempfile
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pipeline_io import UserError, atomic_path, cli, file_sha256, write_json
+from pipeline_io import UserError, atomic_path, cli, file_sha256, json_object, write_json
 from settings import option
 from tqdm import tqdm
 from transformers import AutoTokenizer
@@ -48,6 +58,11 @@ CACHE_VERSION = 2
 MANIFEST = "manifest.json"  # sizes and sha256 of an entry's files; present only in a complete entry
 ENTRY_FILES = ("tokens.parquet", "packing.parquet", "stats.json")
 PAD_BATCH = 8  # micro-batch size of the pad-to-longest comparison
+TRAIN_ON = ("last", "all")
+# Tokens that close a turn in the common chat formats (ChatML/Qwen, Llama 3, Gemma, Phi-3): those the
+# tokenizer has as added tokens, and its EOS, end an assistant turn's labels.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
+SHOWN_REJECTS = 100  # rejected rows listed in the stats (all are counted)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -78,85 +93,243 @@ def messages_for(prompt: str, question: str, response: str | None = None) -> lis
     return messages
 
 
+class Reject(Exception):
+    """A row the chat template cannot turn into a training example: a reason code and a detail."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
 class ChatRenderer:
-    """The tokenizer's chat template, compiled once and rendered directly.
+    """The tokenizer's chat template, compiled once and rendered directly, with ``template_kwargs``.
 
     ``apply_chat_template`` re-validates its arguments on every call, which costs more
-    than the rendering itself; the output is the same (a test checks it).
+    than the rendering itself; the output is the same (a test checks it). The renderer
+    also knows what closes an assistant turn (``end_of_turn``) and whether the model
+    family wants a BOS token the template does not write (``bos``).
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, template_kwargs: dict | None = None):
         self.tokenizer = tokenizer
-        self.extra = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        self.template_kwargs = dict(template_kwargs or {})
+        special = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        self.variables = special | self.template_kwargs  # as apply_chat_template: kwargs win
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
 
             self.compiled = _compile_jinja_template(tokenizer.chat_template)
         except (ImportError, AttributeError):  # a transformers without the helper: the slow path
             self.compiled = None
+        added = tokenizer.get_added_vocab()
+        eos = [tokenizer.eos_token] if tokenizer.eos_token else []
+        self.end_of_turn = tuple(dict.fromkeys(eos + [t for t in END_OF_TURN if t in added]))
+        self.end_of_turn_ids = [tokenizer.convert_tokens_to_ids(t) for t in self.end_of_turn]
+        # BOS: wanted when the tokenizer puts it in front of any text it encodes with special tokens
+        # (Llama 3's post-processor does; Qwen has no BOS); prepended where the template does not write it.
+        self.bos_id = tokenizer.bos_token_id
+        wanted = self.bos_id is not None and tokenizer("a")["input_ids"][:1] == [self.bos_id]
+        self.bos = tokenizer.bos_token if wanted else None
 
     def __call__(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         if self.compiled is None:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **self.template_kwargs
             )
         return self.compiled.render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.extra
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.variables
         )
 
-
-def segments(render, messages: list[dict]) -> list[tuple[str, bool]]:
-    """Cut the rendered conversation into (text, is_answer) pieces at each assistant turn."""
-    full = render(messages)
-    pieces, pos = [], 0
-    for i, turn in enumerate(messages):
-        if turn["role"] != "assistant":
-            continue
-        start = len(render(messages[:i], add_generation_prompt=True))
-        end = len(full) if i == len(messages) - 1 else len(render(messages[: i + 1]))
-        if not (pos <= start <= end <= len(full)):
-            raise UserError("chat template: a conversation does not render as a prefix of its continuation")
-        pieces += [(full[pos:start], False), (full[start:end], True)]
-        pos = end
-    if pos < len(full):
-        pieces.append((full[pos:], False))
-    return pieces
+    def bos_ids(self, text: str) -> list[int]:
+        """The BOS id to put before ``text``'s tokens, if the family wants one and the template wrote none."""
+        return [self.bos_id] if self.bos and not text.startswith(self.bos) else []
 
 
-def encode_messages(tokenizer, conversations: list[list[dict]], render: ChatRenderer | None = None) -> list[dict]:
-    """Tokenize a batch of conversations; labels cover each answer up to and including EOS."""
-    render = render or ChatRenderer(tokenizer)
-    cut = [segments(render, m) for m in conversations]
-    flat = [text for pieces in cut for text, _ in pieces]
+@dataclass
+class Rendered:
+    """A conversation rendered once: the text, the last answer's generation prompt, the trained spans."""
+
+    text: str
+    prompt: str  # render(messages[:-1], add_generation_prompt=True): a prefix of text
+    spans: list[tuple[int, int]]  # characters of text trained on; the last one starts at len(prompt)
+
+
+def common_prefix(a: str, b: str) -> int:
+    if b.startswith(a):
+        return len(a)
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def render_conversation(render: ChatRenderer, messages: list[dict], train_on: str = "last") -> Rendered:
+    """Render the whole conversation once and find each trained assistant turn in it.
+
+    A turn's span starts where the conversation stops agreeing with that turn's
+    generation prompt (``render(messages[:i], add_generation_prompt=True)``), which is
+    where the template's assistant header ends, and runs to the first end-of-turn token
+    after it, inclusive. No shorter render is assumed to be a prefix of a longer one,
+    except the last answer's generation prompt, which must be (it is the evaluation
+    prompt): templates render history differently from the last turn (Qwen3 drops
+    earlier turns' reasoning and gives the last one a ``<think>`` block).
+    """
+    try:
+        text = render(messages)
+    except Exception as e:  # a template's raise_exception, or any error while rendering
+        raise Reject("template_error", f"the chat template raised {type(e).__name__}: {e}") from None
+    answers = [i for i, turn in enumerate(messages) if turn["role"] == "assistant"]
+    last = len(messages) - 1
+    if not answers or answers[-1] != last:
+        raise Reject("template_error", "the conversation does not end with an assistant turn")
+    spans, prompt, done = [], "", 0
+    for i in answers if train_on == "all" else answers[-1:]:
+        content = messages[i]["content"]
+        if marker := next((t for t in render.end_of_turn if t in content), None):
+            raise Reject("control_token", f"assistant turn {i} contains the end-of-turn token {marker} as text")
+        try:
+            prompt = render(messages[:i], add_generation_prompt=True)
+        except Exception as e:
+            raise Reject("template_error", f"the chat template raised {type(e).__name__}: {e}") from None
+        start = common_prefix(prompt, text)
+        if i == last and start < len(prompt):
+            raise Reject(
+                "prompt_mismatch",
+                f"the conversation does not render with the last answer's generation prompt as its start "
+                f"(they differ at character {start}: {text[start : start + 30]!r} vs {prompt[start : start + 30]!r})",
+            )
+        if start < done:
+            raise Reject("turn_not_found", f"assistant turn {i}: its generation prompt differs before turn {i} starts")
+        stops = [(at, t) for t in render.end_of_turn if (at := text.find(t, start)) >= 0]
+        if not stops:
+            raise Reject("turn_not_found", f"assistant turn {i}: no end-of-turn token {render.end_of_turn} after it")
+        at, stop = min(stops)
+        if content.split("</think>")[-1].strip() not in text[start:at]:
+            raise Reject("turn_not_found", f"assistant turn {i}: its text is not between its header and {stop}")
+        done = at + len(stop)
+        spans.append((start, done))
+    return Rendered(text, prompt, spans)
+
+
+class Offsets:
+    """Ids and character offsets of one text, for a tokenizer without a Rust backend: the part
+    of ``tokenizers.Encoding`` used here."""
+
+    def __init__(self, ids: list[int], offsets: list[tuple[int, int]]):
+        self.ids, self.offsets, self.starts = ids, offsets, [a for a, _ in offsets]
+
+    def char_to_token(self, pos: int) -> int | None:
+        k = bisect.bisect_right(self.starts, pos) - 1
+        return k if k >= 0 and self.offsets[k][0] <= pos < self.offsets[k][1] else None
+
+    def token_to_chars(self, k: int) -> tuple[int, int]:
+        return self.offsets[k]
+
+
+def tokenize_texts(tokenizer, texts: list[str]) -> list:
+    """Encodings (ids, character offsets) of each text, no special tokens added, in one batch call."""
+    if not texts:
+        return []
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:  # the Rust tokenizer directly: transformers' per-encoding wrapper costs ~15%
         if backend.truncation or backend.padding:
             backend.no_truncation()
             backend.no_padding()
-        ids = [e.ids for e in backend.encode_batch(flat, add_special_tokens=False)] if flat else []
-    else:
-        ids = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
-    eos, out, k = tokenizer.eos_token_id, [], 0
-    for pieces in cut:
-        input_ids, labels, prompt_length = [], [], 0
-        for _, is_answer in pieces:
-            piece = ids[k]
-            k += 1
-            if is_answer:
-                prompt_length = len(input_ids)  # ends up at the last answer
-                end = piece.index(eos) + 1 if eos in piece else len(piece)
-                labels += piece[:end] + [IGNORE] * (len(piece) - end)
-            else:
-                labels += [IGNORE] * len(piece)
-            input_ids += piece
-        out.append({"input_ids": input_ids, "labels": labels, "prompt_length": prompt_length})
+        return backend.encode_batch(texts, add_special_tokens=False)
+    out = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    return [Offsets(i, o) for i, o in zip(out["input_ids"], out["offset_mapping"], strict=True)]
+
+
+def token_at(enc, pos: int, end: int) -> int:
+    """The first token holding a character of text[pos:end] (offsets may skip trimmed whitespace)."""
+    for c in range(pos, end):
+        if (k := enc.char_to_token(c)) is not None:
+            return k
+    raise Reject("turn_not_found", f"no token covers characters {pos}-{end} of the render")
+
+
+def first_token(enc, pos: int, end: int) -> int:
+    """The first token of text[pos:end]: one that crosses ``pos`` counts, and so does whitespace
+    before the first character's token whose offsets were trimmed to start after ``pos``."""
+    k = token_at(enc, pos, end)
+    while k > 0 and enc.token_to_chars(k - 1)[0] >= pos:
+        k -= 1
+    return k
+
+
+def prompt_tokens(tokenizer, enc, prompt: str) -> int | None:
+    """How many of the render's tokens are the prompt's: None when they are not its own tokens.
+
+    The render's tokens up to a token boundary at the prompt's end are the prompt's own
+    tokens (pre-tokenization and merges never reach across a boundary no token crosses);
+    where the offsets show no such boundary, the prompt is tokenized alone and compared.
+    """
+    end = len(prompt)
+    k = enc.char_to_token(end)
+    if k is not None and enc.token_to_chars(k)[0] == end and (k == 0 or enc.token_to_chars(k - 1)[1] == end):
+        return k
+    alone = tokenize_texts(tokenizer, [prompt])[0].ids
+    return len(alone) if enc.ids[: len(alone)] == alone else None
+
+
+def label(render: ChatRenderer, conv: Rendered, enc) -> dict:
+    """Ids of the whole render, labels on its trained spans, and the prompt length, checked."""
+    bos = render.bos_ids(conv.text)
+    ids, b = bos + enc.ids, len(bos)
+    n = prompt_tokens(render.tokenizer, enc, conv.prompt)
+    if n is None:
+        raise Reject(
+            "prompt_mismatch",
+            "tokenized whole, the conversation does not start with its generation prompt's tokens "
+            f"(a token merges across the end of the prompt: {conv.text[len(conv.prompt) - 10 :][:20]!r})",
+        )
+    labels = [IGNORE] * len(ids)
+    *earlier, (_, end) = conv.spans
+    spans = [(first_token(enc, s, e), e) for s, e in earlier] + [(n, end)]
+    for lo, e in spans:  # from the token at the span's start to the end-of-turn token, inclusive
+        hi = b + token_at(enc, e - 1, e) + 1
+        labels[b + lo : hi] = ids[b + lo : hi]
+    return {"input_ids": ids, "labels": labels, "prompt_length": b + n}
+
+
+def encode_messages(
+    tokenizer, conversations: list[list[dict]], render: ChatRenderer | None = None, train_on: str = "last"
+) -> list[dict]:
+    """Tokenize a batch of conversations: ``input_ids``, ``labels``, ``prompt_length``.
+
+    Labels cover the last assistant turn (``train_on="all"``: every assistant turn)
+    from the end of its header to its end-of-turn token, inclusive. A row the template
+    cannot render into that is ``{"reject": (reason, detail)}`` instead.
+    """
+    if train_on not in TRAIN_ON:
+        raise UserError(f"train_on must be one of {TRAIN_ON}, not {train_on!r}")
+    render = render or ChatRenderer(tokenizer)
+    rendered = []
+    for messages in conversations:
+        try:
+            rendered.append(render_conversation(render, messages, train_on))
+        except Reject as e:
+            rendered.append(e)
+    encoded = iter(tokenize_texts(tokenizer, [r.text for r in rendered if isinstance(r, Rendered)]))
+    out = []
+    for r in rendered:
+        if isinstance(r, Rendered):
+            try:
+                r = label(render, r, next(encoded))
+            except Reject as e:
+                r = e
+        out.append({"reject": (r.reason, r.detail)} if isinstance(r, Reject) else r)
     return out
 
 
-def encode(tokenizer, prompts, questions, responses) -> list[dict]:
+def encode(tokenizer, prompts, questions, responses, **kwargs) -> list[dict]:
     """Single-turn convenience over encode_messages."""
     convs = [messages_for(p, q, r) for p, q, r in zip(prompts, questions, responses, strict=True)]
-    return encode_messages(tokenizer, convs)
+    return encode_messages(tokenizer, convs, **kwargs)
+
+
+def generation_settings(tokenizer, template_kwargs: dict | None = None) -> dict:
+    """What a model fine-tuned here should be generated with: stop at any end-of-turn token the
+    template uses, and render prompts with the same template arguments (for generation_config)."""
+    render = ChatRenderer(tokenizer, template_kwargs)
+    return {"eos_token_id": render.end_of_turn_ids, "chat_template_kwargs": render.template_kwargs}
 
 
 def fit_length(example: dict, max_len: int, policy: str) -> dict | None:
@@ -356,24 +529,51 @@ def publish(build: Path, entry: Path) -> None:
 # ---------------------------------------------------------------- stage
 
 
-def tokenize_shard(tokenizer, shard: Path, tokens_out: Path, max_len: int, policy: str, batch_rows: int = 2048):
-    """Stream the shard through render → tokenize → mask → fit, writing as it goes."""
+def tokenize_shard(
+    tokenizer,
+    shard: Path,
+    tokens_out: Path,
+    max_len: int,
+    policy: str,
+    batch_rows: int = 2048,
+    *,
+    train_on: str = "last",
+    template_kwargs: dict | None = None,
+):
+    """Stream the shard through render → tokenize → mask → fit, writing as it goes.
+
+    Rows the chat template cannot render into a training example are left out and
+    listed in the stats (``rejected`` by reason, ``rejects`` with file, row and detail).
+    """
     file = pq.ParquetFile(shard)
-    render = ChatRenderer(tokenizer)
-    lengths, dropped, truncated = [], 0, 0
+    render = ChatRenderer(tokenizer, template_kwargs)
+    present = set(file.schema_arrow.names)
+    columns = [c for c in ("messages", "content_hash", "category", "source_file", "source_row") if c in present]
+    lengths, dropped, truncated, reasons, rejects = [], 0, 0, Counter(), []
     with atomic_path(tokens_out) as tmp, pq.ParquetWriter(tmp, SCHEMA) as writer:
         bar = tqdm(total=file.metadata.num_rows, desc=f"tokenize {shard.name}", unit="ex", mininterval=5)
-        for batch in file.iter_batches(batch_size=batch_rows, columns=["messages", "content_hash", "category"]):
+        for batch in file.iter_batches(batch_size=batch_rows, columns=columns):
             rows = batch.to_pylist()
-            encoded = encode_messages(tokenizer, [json.loads(r["messages"]) for r in rows], render)
+            conversations = [json.loads(r["messages"]) for r in rows]
+            encoded = encode_messages(tokenizer, conversations, render, train_on)
             out = {name: [] for name in SCHEMA.names}
-            for row, ex in zip(rows, encoded, strict=True):
+            for row, messages, ex in zip(rows, conversations, encoded, strict=True):
+                if "reject" in ex:
+                    reason, detail = ex["reject"]
+                    reasons[reason] += 1
+                    where = f"{row.get('source_file', shard)}: row {row.get('source_row', '?')}"
+                    if len(rejects) < SHOWN_REJECTS:
+                        log.warning("%s rejected (%s): %s", where, reason, detail)
+                        rejects.append(
+                            {k: row.get(k) for k in ("source_file", "source_row", "content_hash")}
+                            | {"reason": reason, "detail": detail}
+                        )
+                    continue
                 fitted = fit_length(ex, max_len, policy)
                 if fitted is None:
                     dropped += 1
                     continue
                 truncated += fitted is not ex
-                messages = json.loads(row["messages"])
                 for key in ("input_ids", "labels", "prompt_length"):
                     out[key].append(fitted[key])
                 out["length"].append(len(fitted["input_ids"]))
@@ -384,11 +584,19 @@ def tokenize_shard(tokenizer, shard: Path, tokens_out: Path, max_len: int, polic
             writer.write_table(pa.Table.from_pydict(out, schema=SCHEMA))
             bar.update(len(rows))
         bar.close()
+        if rejects and not lengths:
+            first = rejects[0]
+            raise UserError(
+                f"{shard}: every row was rejected by the chat template ({dict(reasons)}), e.g. "
+                f"{first['source_file']}: row {first['source_row']}: {first['detail']}"
+            )
     return lengths, {
         "examples": len(lengths),
         "tokens": sum(lengths),
         "dropped_too_long": dropped,
         "truncated": truncated,
+        "rejected": dict(reasons),
+        "rejects": rejects,
     }
 
 
@@ -408,6 +616,13 @@ def main(argv=None) -> None:
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file replacing the tokenizer's")
     p.add_argument("--max-seq-len", type=int, required=True)
     p.add_argument("--overlength", **option("data.overlength"))
+    p.add_argument("--train-on", help="assistant turns trained on", **option("data.train_on"))
+    p.add_argument(
+        "--template-kwargs",
+        type=json_object,
+        help="JSON object of chat template arguments, e.g. '{\"enable_thinking\": false}'",
+        **option("data.template_kwargs"),
+    )
     p.add_argument("--pack-len", type=int, default=0, help="bin size of the packing plan (0 = max-seq-len)")
     p.add_argument("--cache-dir", type=Path, default=None, help="content-addressed cache shared between runs")
     p.add_argument("--output", required=True, type=Path)
@@ -421,6 +636,7 @@ def main(argv=None) -> None:
         raise UserError(f"{a.tokenizer}: the tokenizer has no chat template; set data.chat_template")
     pack_len = a.pack_len or a.max_seq_len
     settings = {"max_seq_len": a.max_seq_len, "overlength": a.overlength, "pack_len": pack_len}
+    settings |= {"train_on": a.train_on, "template_kwargs": a.template_kwargs}
     key = cache_key(a.shard, tokenizer_fingerprint(tokenizer, a.tokenizer), settings)
     outputs = {"tokens.parquet": a.output, "packing.parquet": a.packing}
     entry = (a.cache_dir / key) if a.cache_dir else None
@@ -436,7 +652,15 @@ def main(argv=None) -> None:
         os.umask(umask)
         build.chmod(0o777 & ~umask)  # an entry folder as mkdir would make it, not mkdtemp's 0700
         try:
-            lengths, stats = tokenize_shard(tokenizer, a.shard, build / "tokens.parquet", a.max_seq_len, a.overlength)
+            lengths, stats = tokenize_shard(
+                tokenizer,
+                a.shard,
+                build / "tokens.parquet",
+                a.max_seq_len,
+                a.overlength,
+                train_on=a.train_on,
+                template_kwargs=a.template_kwargs,
+            )
             stats |= write_packing(lengths, pack_len, build / "packing.parquet") | {"key": key, "settings": settings}
             write_json(build / "stats.json", stats)
             if entry:
@@ -452,7 +676,8 @@ def main(argv=None) -> None:
         if damage:
             stats |= {"cache_damage": f"{entry}: {damage}"}
     write_json(a.stats, stats | {"shard": str(a.shard)})
-    print(f"{a.shard}: {stats['examples']} examples, {stats['tokens']} tokens, cache {stats['cache']}")
+    rejected = f", rejected {stats['rejected']}" if stats.get("rejected") else ""
+    print(f"{a.shard}: {stats['examples']} examples, {stats['tokens']} tokens{rejected}, cache {stats['cache']}")
 
 
 if __name__ == "__main__":
