@@ -92,8 +92,10 @@ def planned_jobs(proc: subprocess.CompletedProcess) -> dict[str, int]:
 
 def trainer_args(tmp: Path, assets: dict, config: dict, shards: int = 1) -> list[str]:
     """train.py and its arguments: ``config`` (JSON) over ``assets``' node0 shard (given ``shards`` times),
-    logs and train_state.json in tmp/train, checkpoints in tmp/ckpt."""
+    logs and train_state.json in tmp/train, checkpoints in tmp/ckpt. Keys ``config`` leaves out take the
+    schema's defaults, as in the workflow, but for the precision: fp32 unless the test says otherwise."""
     log_dir = tmp / "train"
+    config = {"precision": "fp32"} | config
     return [
         str(REPO / "workflow_scripts/train.py"), "--config", json.dumps(config),
         "--data", *[str(assets["node0"])] * shards, "--packing", *[str(assets["packing"])] * shards,

@@ -98,3 +98,44 @@ def test_one_dead_rank_ends_every_rank(tmp_path, demo_assets):
     assert proc.returncode != 0
     assert time.time() - start < 60
     assert wait_for(lambda: all(not os.path.exists(f"/proc/{w}") for w in workers), timeout=5)
+
+
+def plan_of(tmp_path) -> dict:
+    return json.loads((tmp_path / "train" / "plan.json").read_text())
+
+
+def test_a_finished_run_trains_again_from_step_0(tmp_path, demo_assets):
+    """--forcerun train_node (or deleted outputs) on a finished config is a fresh start, not a resume at the end."""
+    cfg = CONFIG | {"max_steps": 8}
+    run_trainer(tmp_path, demo_assets, cfg)
+    first = losses(tmp_path)
+    again = run_trainer(tmp_path, demo_assets, cfg)
+    assert "had finished training; starting again from step 0" in again.stderr
+    assert plan_of(tmp_path)["start_step"] == 0 and "resumed from" not in again.stderr
+    assert losses(tmp_path) == first  # all 8 steps trained again, each logged once
+    (key,) = [p for p in (tmp_path / "ckpt").iterdir() if p.is_dir()]
+    assert sorted(p.name for p in key.iterdir()) == ["step-4", "step-8"]  # the old run's folders were replaced
+
+
+def test_a_base_model_changed_in_place_starts_fresh(tmp_path, demo_assets):
+    """The resume key covers the base model's content, not its path."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path / "base"
+    shutil.copytree(demo_assets["base"], base)
+    assets = demo_assets | {"base": base}
+    cfg = CONFIG | {"max_steps": 8}
+    run = tmp_path / "run"
+    run_trainer(run, assets, cfg)
+    (old_key,) = [p for p in (run / "ckpt").iterdir() if p.is_dir()]
+    shutil.rmtree(old_key / "step-8")  # as if the job was killed after step 4's checkpoint
+    weights = load_file(base / "model.safetensors")
+    name = next(iter(weights))
+    save_file({**weights, name: weights[name] + 0.01}, base / "model.safetensors", metadata={"format": "pt"})
+
+    rerun = run_trainer(run, assets, cfg)
+    assert "resumed from" not in rerun.stderr and plan_of(run)["start_step"] == 0
+    assert plan_of(run)["checkpoints"] != str(old_key)
+    assert [(s["path"], s["newest_step"]) for s in plan_of(run)["superseded_checkpoints"]] == [(str(old_key), 4)]

@@ -79,7 +79,7 @@ def consolidate(state, output, *options) -> subprocess.CompletedProcess:
     ids=["fsdp", "deepspeed-zero3"],
 )
 def test_lora_trains_and_consolidates(tmp_path, demo_assets, strategy, extra):
-    losses, out = train_and_consolidate(tmp_path, demo_assets, strategy=strategy, peft="lora", lora_r=4, **extra)
+    losses, out = train_and_consolidate(tmp_path, demo_assets, strategy=strategy, peft="lora", lora={"r": 4}, **extra)
     assert losses[-1] < losses[0]
     report = json.loads((out / "consolidation.json").read_text())
     assert report["lora_b_tensors"] == 4 * 4  # 4 layers x q, k, v, o
