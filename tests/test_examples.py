@@ -290,7 +290,9 @@ def submit_example(name: str, tmp_path: Path) -> tuple[dict, list[tuple[str, dic
     fake_slurm(tmp_path / "fakebin")
     log = tmp_path / "sbatch.jsonl"
     log.touch()
-    env = tool_env() | exports | {"FAKE_SLURM_LOG": str(log)}
+    # HF_HUB_OFFLINE=0: the examples name hub models that the cluster's jobs would download; offline, the
+    # workflow would stop at parse time because they are not in this machine's cache (nothing downloads here)
+    env = tool_env() | exports | {"FAKE_SLURM_LOG": str(log), "HF_HUB_OFFLINE": "0"}
     env["PATH"] = f"{tmp_path / 'fakebin'}{os.pathsep}{env['PATH']}"
     for var in [v for v in env if v.startswith("SLURM_") and v not in exports]:
         env.pop(var)  # a test run from inside a SLURM job must not leak its job's settings
