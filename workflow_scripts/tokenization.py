@@ -15,7 +15,9 @@ not write it; see ``prompt_tokens``). Labels cover the last assistant turn (``tr
 from the end of its header to its end-of-turn token inclusive: the tokenizer's EOS
 and whichever of ``END_OF_TURN`` the tokenizer has as added tokens. A row the
 template cannot render that way is rejected with a reason, and its source file and
-row, in the stats; the stage goes on.
+row, in the stats; the stage goes on. The template is data.chat_template's file, data.format_template
+(a plain prompt format, turned into a chat template by ``chat_format.format_chat_template``) or the
+tokenizer's own; without any, one line naming both keys (``use_template``).
 
 The cache is content-addressed: the key hashes the shard's bytes, the tokenizer
 files, the chat template, the length policy and the packing settings, so two runs
