@@ -11,7 +11,8 @@ sys.path.insert(0, str(SCRIPTS))
 from presets import preset_name  # noqa: E402
 from pipeline_io import UserError  # noqa: E402
 from data_formats import check_columns, delimiter_arg, resolve_paths  # noqa: E402
-from fingerprint import check_model  # noqa: E402
+from fingerprint import check_model, local_model_folder  # noqa: E402
+from chat_format import has_chat_template, no_template_message, parse_format  # noqa: E402
 from settings import validated  # noqa: E402
 
 
@@ -108,6 +109,30 @@ except UserError as e:
     fail(e)
 
 
+def check_template():
+    """The base model's tokenizer gets a chat template: data.chat_template, data.format_template (a valid
+    one), or its own where its files can tell (a local folder or a cached hub model; else split_dataset
+    says so)."""
+    if DATA["chat_template"] and DATA["format_template"]:
+        raise UserError("data.chat_template and data.format_template are both set; set one")
+    if DATA["format_template"]:
+        parse_format(DATA["format_template"])
+    if DEMO or DATA["chat_template"] or DATA["format_template"]:
+        return
+    try:
+        folder = local_model_folder(BASE_MODEL)
+    except UserError:
+        return
+    if has_chat_template(folder) is False:
+        raise UserError(no_template_message(f"model.name_or_path {BASE_MODEL}"))
+
+
+try:
+    check_template()
+except UserError as e:
+    fail(e)
+
+
 def cli_args(**options):
     """`--some-option value` (shell-quoted) for each option with a value, in order; None and "" are left out."""
     return " ".join(
@@ -117,11 +142,18 @@ def cli_args(**options):
     )
 
 
+def verbatim(args):
+    """A params function giving ``args`` as they are: Snakemake fills {name} in a params string with
+    wildcards, and data.format_template's {question} is no wildcard."""
+    return lambda wildcards: args
+
+
 # The command-line arguments of the scripts that read the data config (split.py and tokenization.py
 # share what they need to count tokens).
 TOKENIZER_OPTIONS = dict(
     tokenizer=BASE_MODEL,
     chat_template=DATA["chat_template"],
+    format_template=DATA["format_template"],
     max_seq_len=DATA["max_seq_len"],
     overlength=DATA["overlength"],
     template_kwargs=json.dumps(DATA["template_kwargs"]),
@@ -138,10 +170,21 @@ SPLIT_ARGS = cli_args(
     eval_fraction=DATA["eval_fraction"],
     seed=DATA["seed"],
     balance=DATA["balance"],
+    special_text=DATA["special_text"],
     **TOKENIZER_OPTIONS,
     max_reject_fraction=DATA["max_reject_fraction"],
 )
 TOKENIZE_ARGS = cli_args(**TOKENIZER_OPTIONS, train_on=DATA["train_on"], cache_dir=DATA["cache_dir"])
+# params functions, not strings (see verbatim): they carry data.format_template
+SPLIT_ARGS, TOKENIZE_ARGS = verbatim(SPLIT_ARGS), verbatim(TOKENIZE_ARGS)
+# The template training used, for the exported model folders (consolidate_node)
+TEMPLATE_ARGS = verbatim(
+    cli_args(
+        chat_template=DATA["chat_template"],
+        format_template=DATA["format_template"],
+        template_kwargs=json.dumps(DATA["template_kwargs"]),
+    )
+)
 DEMO_MODEL_ARGS = cli_args(
     data=DATA["path"],  # as written: a folder or glob stays one argument
     format=DATA["format"],

@@ -9,5 +9,6 @@ rule consolidate_node:
         "../envs/train.yaml"
     params:
         script=script_path("consolidate.py"),
+        template=TEMPLATE_ARGS,
     shell:
-        "python {params.script} --state {input.state} --output {output.model} > {log} 2>&1"
+        "python {params.script} --state {input.state} --output {output.model} {params.template} > {log} 2>&1"

@@ -11,7 +11,7 @@ rule provenance:
         "../envs/eval.yaml"
     params:
         script=script_path("provenance.py"),
-        config=json.dumps(config, sort_keys=True),
+        config=verbatim(json.dumps(config, sort_keys=True)),  # data.format_template has {question}
         repo=workflow.basedir,
     shell:
         "python {params.script} --config {params.config:q} --repo {params.repo} --manifest {input.manifest}"

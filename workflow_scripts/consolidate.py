@@ -16,6 +16,12 @@ The stage checks its own result, one model in memory at a time: the saved folder
 reloaded with ``from_pretrained``, gives the training-side model's logits; every LoRA
 B matrix is present and non-zero; a short generation runs. A truncated or corrupt
 checkpoint fails with one line naming it. Peak RSS per phase goes to consolidation.json.
+
+The folder carries the template training used (data.chat_template, data.format_template, or the
+base tokenizer's own) as the tokenizer's chat template, and a generation config that stops at the
+end-of-turn tokens (``eos_token_id``), pads with the EOS when there is no pad token, and holds
+data.template_kwargs as ``chat_template_kwargs``: ``apply_chat_template`` and ``pipeline`` on it
+render and stop as training did.
 """
 
 import argparse
@@ -31,7 +37,8 @@ import sys
 from pathlib import Path
 
 import torch
-from pipeline_io import UserError, atomic_path, cli, write_json
+from pipeline_io import UserError, atomic_path, cli, json_object, write_json
+from settings import option
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now; never loses data
@@ -454,8 +461,10 @@ def logits_on(model, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids).logits.float()
 
 
-def save_metadata(base: str, output: Path) -> None:
-    """config (fp32), generation config and tokenizer of the base model, beside the weights."""
+def save_metadata(base: str, output: Path, template: dict | None = None) -> None:
+    """config (fp32), generation config and tokenizer of the base model, beside the weights, with the
+    training's template (``template``: chat_template, format_template, template_kwargs; see
+    tokenization_metadata)."""
     config = AutoConfig.from_pretrained(base)
     config.dtype = "float32"
     config.save_pretrained(output)
@@ -463,11 +472,42 @@ def save_metadata(base: str, output: Path) -> None:
         generation = GenerationConfig.from_pretrained(base)
     except OSError:
         generation = GenerationConfig.from_model_config(config)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenization_metadata(tokenizer, generation, base, **(template or {}))
     generation.save_pretrained(output)
-    AutoTokenizer.from_pretrained(base).save_pretrained(output)
+    tokenizer.save_pretrained(output)
 
 
-def consolidate(state: dict, output: Path, max_shard_size: str = "2GB", peaks: PeakRSS | None = None):
+def tokenization_metadata(
+    tokenizer,
+    generation,
+    base: str,
+    chat_template: str | None = None,
+    format_template: str | None = None,
+    template_kwargs: dict | None = None,
+) -> None:
+    """The tokenizer gets the chat template training used; the generation config stops at its
+    end-of-turn tokens (and the base's own EOS ids), pads with the EOS when there is no pad token,
+    and carries the template arguments as ``chat_template_kwargs``."""
+    from tokenization import generation_settings, use_template
+
+    use_template(tokenizer, base, chat_template, format_template, required=False)
+    settings = generation_settings(tokenizer, template_kwargs)
+    own = generation.eos_token_id
+    own = [] if own is None else own if isinstance(own, list) else [own]
+    stops = list(dict.fromkeys(settings["eos_token_id"] + own))
+    if stops:
+        generation.eos_token_id = stops if len(stops) > 1 else stops[0]
+    if generation.pad_token_id is None:
+        generation.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops or [None])[0]
+    if settings["chat_template_kwargs"]:
+        generation.chat_template_kwargs = settings["chat_template_kwargs"]
+    generation._from_model_config = False  # set here, not the model config's: loaded as written, extra keys kept
+
+
+def consolidate(
+    state: dict, output: Path, max_shard_size: str = "2GB", peaks: PeakRSS | None = None, template: dict | None = None
+):
     """Write the HF folder; return (report, fixed input ids, the training-side model's logits on them)."""
     peaks = peaks or PeakRSS()
     folder = Path(state["checkpoint"])
@@ -500,7 +540,7 @@ def consolidate(state: dict, output: Path, max_shard_size: str = "2GB", peaks: P
         expected = logits_on(model, ids)
     with peaks.phase("write"):
         report["weight_files"] = write_sharded(ModelSource(model), shapes, output, max_bytes)
-        save_metadata(state["base_model"], output)
+        save_metadata(state["base_model"], output, template)
     return report, ids, expected
 
 
@@ -522,11 +562,16 @@ def main(argv=None) -> None:
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--tolerance", type=float, default=1e-5)
     p.add_argument("--max-shard-size", default="2GB", help="safetensors shard size, e.g. 2GB or 500MB")
+    p.add_argument("--chat-template", default=None, help="data.chat_template: the Jinja file training used")
+    p.add_argument("--format-template", help="data.format_template", **option("data.format_template"))
+    p.add_argument("--template-kwargs", type=json_object, **option("data.template_kwargs"))
     a = p.parse_args(argv)
     map_large_allocations()
     state = json.loads(a.state.read_text())
     peaks = PeakRSS()
-    report, ids, expected = consolidate(state, a.output, a.max_shard_size, peaks)
+    template = {"chat_template": a.chat_template, "format_template": a.format_template}
+    template |= {"template_kwargs": a.template_kwargs}
+    report, ids, expected = consolidate(state, a.output, a.max_shard_size, peaks, template)
     with peaks.phase("reload_check"):  # one model in memory at a time: the training side is gone
         report |= verify(a.output, ids, expected, a.tolerance)
     report["peak_rss_mb"] = peaks.phases

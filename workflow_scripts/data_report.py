@@ -37,6 +37,7 @@ def collect(manifest: dict, stats: dict[str, dict], lengths: dict[str, list[int]
         "eval_rows": manifest["eval"]["rows"],
         "rejected": manifest["rejects"]["rows"],
         "rejects_by_reason": manifest["rejects"]["by_reason"],
+        "special_text": manifest.get("special_text"),  # data.special_text: policy, rows and tokens found
         "shards": shards,
     }
 

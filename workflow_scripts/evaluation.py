@@ -2,7 +2,11 @@
 
 The eval set is the tokenized cache that training's caches come from, so the model
 sees exactly the token ids training produced: the loss uses ``labels`` as they are,
-and generation starts from the first ``prompt_length`` ids of each example.
+and generation starts from the first ``prompt_length`` ids of each example. Generation stops at
+any end-of-turn token (the EOS and the template's, e.g. ``<|im_end|>`` for a Qwen3 base whose EOS
+is ``<|endoftext|>``) and pads with the pad token, else the EOS: a tokenizer without a pad token
+(Llama 2, 3) works. Exact match compares like with like: the answers are decoded without special
+tokens, and the text of every special token is taken out of both answers and references.
 """
 
 import argparse
@@ -13,11 +17,36 @@ import evaluate
 import pandas as pd
 import torch
 import torch.nn.functional as F
+from chat_format import remove_special_text, special_texts
 from pipeline_io import cli, write_json
 from settings import option
+from tokenization import generation_settings
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 IGNORE = -100
+
+
+def padding_id(tokenizer) -> int:
+    """The id padding uses: the pad token, else the EOS, else 0; never None (Llama has no pad token)."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if isinstance(candidate, list):
+            candidate = candidate[0] if candidate else None
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def stop_ids(model, tokenizer) -> list[int]:
+    """Where generation stops: the tokenizer's end-of-turn tokens and the model's own EOS ids."""
+    own = model.generation_config.eos_token_id
+    own = [] if own is None else own if isinstance(own, list) else [own]
+    return list(dict.fromkeys(generation_settings(tokenizer)["eos_token_id"] + own))
+
+
+def comparable(texts: list[str], tokens) -> list[str]:
+    """Texts with every special token's text taken out (a reference that kept a literal <|endoftext|>
+    compares equal to an answer decoded without special tokens)."""
+    return [remove_special_text(t, tokens) for t in texts]
 
 
 def batches(frame: pd.DataFrame, size: int):
@@ -52,7 +81,7 @@ def generate(model, tokenizer, frame: pd.DataFrame, batch_size: int, max_new_tok
     for batch in batches(frame, batch_size):
         prompts = [list(x[:n]) for x, n in zip(batch["input_ids"], batch["prompt_length"], strict=True)]
         width = max(map(len, prompts))
-        ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+        ids = torch.full((len(prompts), width), padding_id(tokenizer), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, pr in enumerate(prompts):
             ids[i, width - len(pr) :], mask[i, width - len(pr) :] = torch.tensor(pr), 1
@@ -61,8 +90,8 @@ def generate(model, tokenizer, frame: pd.DataFrame, batch_size: int, max_new_tok
             attention_mask=mask.to(model.device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=padding_id(tokenizer),
+            eos_token_id=stop_ids(model, tokenizer),
         )
         answers += tokenizer.batch_decode(out[:, width:].cpu(), skip_special_tokens=True)
     return [a.strip() for a in answers]
@@ -107,9 +136,10 @@ def main(argv=None) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).to(device).eval()
 
-    loss, tokens = eval_loss(model, frame, tokenizer.pad_token_id, a.batch_size)
-    predictions = generate(model, tokenizer, frame, a.batch_size, a.max_new_tokens)
-    references = frame["response"].tolist()
+    loss, tokens = eval_loss(model, frame, padding_id(tokenizer), a.batch_size)
+    specials = special_texts(tokenizer)
+    predictions = comparable(generate(model, tokenizer, frame, a.batch_size, a.max_new_tokens), specials)
+    references = comparable(frame["response"].tolist(), specials)
     result = {
         "model": a.name,
         "path": a.model,

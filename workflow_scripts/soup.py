@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from evaluation import eval_loss
+from evaluation import eval_loss, padding_id
 from pipeline_io import UserError, cli, write_json
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     members, best = [order[0]], losses[order[0]]
     trail = [{"added": order[0], "loss": best}]
     for name in order[1:]:
-        loss = held_out_loss(average([states[m] for m in [*members, name]]), template, frame, tokenizer.pad_token_id)
+        loss = held_out_loss(average([states[m] for m in [*members, name]]), template, frame, padding_id(tokenizer))
         trail.append({"tried": name, "loss": loss, "kept": loss < best})
         if loss < best:
             members, best = [*members, name], loss

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from chat_format import KNOWN_MARKERS, SpecialText, special_texts
 from data_formats import (
     check_columns,
     column_names,
@@ -42,6 +43,7 @@ REASONS = (
     "too_long",
     "duplicate",
     "eval_overlap",
+    "special_text",
 )
 SPLIT_SCHEMA = pa.schema(
     [
@@ -103,6 +105,7 @@ class Splitter:
     overlength: str = "truncate"
     count_tokens: object = None  # callable(list of conversations) -> list of token counts
     eval_prompts: set | None = None  # prompt hashes of a separate eval file
+    special: object = None  # SpecialText: data.special_text on each conversation
     seen: set = field(default_factory=set)
     node_tokens: list = field(default_factory=list)
 
@@ -117,6 +120,8 @@ class Splitter:
                 rejects.append(reject(rec, *rec.error))
                 continue
             for messages, problem in to_examples(rec.fields, mapping, names):
+                if not problem and self.special is not None:
+                    messages, problem = self.special(messages)
                 if problem:
                     rejects.append(reject(rec, *problem))
                 elif not messages[-1]["content"].strip():
@@ -217,34 +222,53 @@ class Outputs:
                 c.__exit__(RuntimeError, RuntimeError("failed"), None)
 
 
-def token_counter(tokenizer_path: str | None, chat_template: str | None, template_kwargs: dict | None = None):
+def token_counter(
+    tokenizer_path: str | None,
+    chat_template: str | None,
+    template_kwargs: dict | None = None,
+    format_template: str | None = None,
+):
     """A function giving each conversation's token count as tokenize_shard will produce it
-    (0 for a row the chat template cannot render, which tokenize_shard rejects)."""
+    (0 for a row the chat template cannot render, which tokenize_shard rejects); its ``tokenizer``
+    attribute is the tokenizer. A tokenizer without a chat template, and neither data.chat_template
+    nor data.format_template, is a one-line UserError here, the first stage that needs one."""
     if not tokenizer_path:
         return None
-    from tokenization import ChatRenderer, encode_messages
+    from tokenization import ChatRenderer, encode_messages, use_template
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    if chat_template:
-        tokenizer.chat_template = Path(chat_template).read_text()
+    tokenizer = use_template(
+        AutoTokenizer.from_pretrained(tokenizer_path), tokenizer_path, chat_template, format_template
+    )
     render = ChatRenderer(tokenizer, template_kwargs)
-    return lambda convs: [len(e.get("input_ids", ())) for e in encode_messages(tokenizer, convs, render)]
+
+    def count(convs):
+        return [len(e.get("input_ids", ())) for e in encode_messages(tokenizer, convs, render)]
+
+    count.tokenizer = tokenizer
+    return count
+
+
+def special_text_check(counter, policy: str) -> SpecialText:
+    """data.special_text over the tokenizer's special tokens (without a tokenizer, the common families')."""
+    return SpecialText(special_texts(counter.tokenizer) if counter else KNOWN_MARKERS, policy)
+
+
+def reject_hint(reasons) -> str:
+    return (
+        " (rows with special-token text: data.special_text strip or escape keeps them)"
+        if reasons.get("special_text")
+        else ""
+    )
 
 
 def run_split(a) -> dict:
     mapping, names = a.mapping, column_names(a.mapping, json.loads(a.columns))
     delimiter = delimiter_arg(a.delimiter)
     check_columns(a.data, a.format, mapping, names, delimiter)
-    splitter = Splitter(
-        a.nodes,
-        a.eval_fraction,
-        a.seed,
-        a.balance,
-        a.max_seq_len,
-        a.overlength,
-        token_counter(a.tokenizer, a.chat_template, a.template_kwargs),
-    )
+    counter = token_counter(a.tokenizer, a.chat_template, a.template_kwargs, a.format_template)
+    splitter = Splitter(a.nodes, a.eval_fraction, a.seed, a.balance, a.max_seq_len, a.overlength, counter)
+    splitter.special = special_text_check(counter, a.special_text)
     outputs = Outputs(a.splits, a.eval, a.rejects)
     reasons, rows_in, ok = Counter(), 0, False
     try:
@@ -265,17 +289,21 @@ def run_split(a) -> dict:
             reasons.update(r["reason"] for r in rejects)
         n_rej = sum(reasons.values())
         if rows_in == 0 or n_rej == rows_in:
-            raise UserError(f"{a.data}: no usable rows left ({rows_in} read, {n_rej} rejected: {dict(reasons)})")
+            raise UserError(
+                f"{a.data}: no usable rows left ({rows_in} read, {n_rej} rejected: {dict(reasons)})"
+                + reject_hint(reasons)
+            )
         if n_rej / rows_in > a.max_reject_fraction:
             raise UserError(
                 f"{a.data}: {n_rej} of {rows_in} rows rejected ({dict(reasons)}), above "
-                f"data.max_reject_fraction={a.max_reject_fraction}"
+                f"data.max_reject_fraction={a.max_reject_fraction}{reject_hint(reasons)}"
             )
         assert rows_in == sum(outputs.rows), "row accounting broken"
         ok = True
     finally:
         outputs.close(ok)
-    return {"rows_in": rows_in, "reasons": dict(reasons), "rows": outputs.rows, "tokens": outputs.tokens}
+    result = {"rows_in": rows_in, "reasons": dict(reasons), "rows": outputs.rows, "tokens": outputs.tokens}
+    return result | {"special_text": splitter.special.summary()}
 
 
 @cli
@@ -294,6 +322,8 @@ def main(argv=None) -> None:
     p.add_argument("--balance", **option("data.balance"))
     p.add_argument("--tokenizer", default=None, help="tokenizer for lengths (too_long, balance: tokens)")
     p.add_argument("--chat-template", default=None)
+    p.add_argument("--format-template", **option("data.format_template"))
+    p.add_argument("--special-text", **option("data.special_text"))
     p.add_argument("--template-kwargs", type=json_object, **option("data.template_kwargs"))
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--overlength", **option("data.overlength"))
@@ -318,6 +348,7 @@ def main(argv=None) -> None:
             ],
             "eval": {"rows": rows[-2], "tokens": tokens[-2], "path": str(a.eval), "sha256": file_sha256(a.eval)},
             "rejects": {"rows": rows[-1], "by_reason": result["reasons"], "path": str(a.rejects)},
+            "special_text": result["special_text"],
             "settings": {
                 "seed": a.seed,
                 "eval_fraction": a.eval_fraction,

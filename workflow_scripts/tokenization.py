@@ -15,7 +15,9 @@ not write it; see ``prompt_tokens``). Labels cover the last assistant turn (``tr
 from the end of its header to its end-of-turn token inclusive: the tokenizer's EOS
 and whichever of ``END_OF_TURN`` the tokenizer has as added tokens. A row the
 template cannot render that way is rejected with a reason, and its source file and
-row, in the stats; the stage goes on.
+row, in the stats; the stage goes on. The template is data.chat_template's file, data.format_template
+(a plain prompt format, turned into a chat template by ``chat_format.format_chat_template``) or the
+tokenizer's own; without any, one line naming both keys (``use_template``).
 
 The cache is content-addressed: the key hashes the shard's bytes, the tokenizer
 files, the chat template, the length policy and the packing settings, so two runs
@@ -47,6 +49,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from chat_format import format_chat_template, no_template_message
 from pipeline_io import UserError, atomic_path, cli, file_sha256, json_object, write_json
 from settings import option
 from tqdm import tqdm
@@ -101,6 +104,39 @@ class Reject(Exception):
         self.reason, self.detail = reason, detail
 
 
+def end_of_turn_tokens(tokenizer) -> tuple[str, ...]:
+    """What closes an assistant turn: the EOS and whichever of END_OF_TURN the tokenizer has as added tokens."""
+    added = tokenizer.get_added_vocab()
+    eos = [tokenizer.eos_token] if tokenizer.eos_token else []
+    return tuple(dict.fromkeys(eos + [t for t in END_OF_TURN if t in added]))
+
+
+def wants_bos(tokenizer) -> bool:
+    """Whether the tokenizer puts its BOS in front of any text it encodes with special tokens
+    (Llama 2 and 3, Mistral; Qwen has no BOS)."""
+    bos_id = tokenizer.bos_token_id
+    return bos_id is not None and tokenizer("a")["input_ids"][:1] == [bos_id]
+
+
+def use_template(
+    tokenizer, source: str, chat_template: str | None = None, format_template: str | None = None, required: bool = True
+):
+    """Give ``tokenizer`` the template the workflow trains with: data.chat_template (a Jinja file),
+    data.format_template (a plain format, as a chat template: chat_format.format_chat_template), or its
+    own. Without any, a one-line UserError naming both keys (``required``). Returns the tokenizer."""
+    if chat_template and format_template:
+        raise UserError("data.chat_template and data.format_template are both set; set one")
+    if chat_template:
+        tokenizer.chat_template = Path(chat_template).read_text()
+    elif format_template:
+        if not tokenizer.eos_token:
+            raise UserError(f"{source}: data.format_template ends each answer with the EOS; the tokenizer has none")
+        tokenizer.chat_template = format_chat_template(format_template, bos=wants_bos(tokenizer))
+    if required and not tokenizer.chat_template:
+        raise UserError(no_template_message(source))
+    return tokenizer
+
+
 class ChatRenderer:
     """The tokenizer's chat template, compiled once and rendered directly, with ``template_kwargs``.
 
@@ -121,15 +157,11 @@ class ChatRenderer:
             self.compiled = _compile_jinja_template(tokenizer.chat_template)
         except (ImportError, AttributeError):  # a transformers without the helper: the slow path
             self.compiled = None
-        added = tokenizer.get_added_vocab()
-        eos = [tokenizer.eos_token] if tokenizer.eos_token else []
-        self.end_of_turn = tuple(dict.fromkeys(eos + [t for t in END_OF_TURN if t in added]))
+        self.end_of_turn = end_of_turn_tokens(tokenizer)
         self.end_of_turn_ids = [tokenizer.convert_tokens_to_ids(t) for t in self.end_of_turn]
-        # BOS: wanted when the tokenizer puts it in front of any text it encodes with special tokens
-        # (Llama 3's post-processor does; Qwen has no BOS); prepended where the template does not write it.
+        # BOS: prepended where the template does not write it (see wants_bos)
         self.bos_id = tokenizer.bos_token_id
-        wanted = self.bos_id is not None and tokenizer("a")["input_ids"][:1] == [self.bos_id]
-        self.bos = tokenizer.bos_token if wanted else None
+        self.bos = tokenizer.bos_token if wants_bos(tokenizer) else None
 
     def __call__(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         if self.compiled is None:
@@ -327,9 +359,10 @@ def encode(tokenizer, prompts, questions, responses, **kwargs) -> list[dict]:
 
 def generation_settings(tokenizer, template_kwargs: dict | None = None) -> dict:
     """What a model fine-tuned here should be generated with: stop at any end-of-turn token the
-    template uses, and render prompts with the same template arguments (for generation_config)."""
-    render = ChatRenderer(tokenizer, template_kwargs)
-    return {"eos_token_id": render.end_of_turn_ids, "chat_template_kwargs": render.template_kwargs}
+    template uses, and render prompts with the same template arguments (for generation_config).
+    Needs no chat template: the end-of-turn tokens are the tokenizer's."""
+    stops = [tokenizer.convert_tokens_to_ids(t) for t in end_of_turn_tokens(tokenizer)]
+    return {"eos_token_id": stops, "chat_template_kwargs": dict(template_kwargs or {})}
 
 
 def fit_length(example: dict, max_len: int, policy: str) -> dict | None:
@@ -614,6 +647,9 @@ def main(argv=None) -> None:
     p.add_argument("--shard", required=True, type=Path)
     p.add_argument("--tokenizer", required=True)
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file replacing the tokenizer's")
+    p.add_argument(
+        "--format-template", help="a plain prompt format (see chat_format)", **option("data.format_template")
+    )
     p.add_argument("--max-seq-len", type=int, required=True)
     p.add_argument("--overlength", **option("data.overlength"))
     p.add_argument("--train-on", help="assistant turns trained on", **option("data.train_on"))
@@ -629,11 +665,9 @@ def main(argv=None) -> None:
     p.add_argument("--packing", required=True, type=Path)
     p.add_argument("--stats", required=True, type=Path)
     a = p.parse_args(argv)
-    tokenizer = AutoTokenizer.from_pretrained(a.tokenizer)
-    if a.chat_template:
-        tokenizer.chat_template = Path(a.chat_template).read_text()
-    if tokenizer.chat_template is None:
-        raise UserError(f"{a.tokenizer}: the tokenizer has no chat template; set data.chat_template")
+    tokenizer = use_template(
+        AutoTokenizer.from_pretrained(a.tokenizer), a.tokenizer, a.chat_template, a.format_template
+    )
     pack_len = a.pack_len or a.max_seq_len
     settings = {"max_seq_len": a.max_seq_len, "overlength": a.overlength, "pack_len": pack_len}
     settings |= {"train_on": a.train_on, "template_kwargs": a.template_kwargs}

@@ -1,0 +1,433 @@
+"""Base models without a chat template or a pad token (Llama 2, Mistral v0.1, Qwen3 base), the plain
+data.format_template, special-token text in the data (data.special_text), and the exported folder's
+template and generation config.
+
+The tokenizers are small byte-level BPEs trained here: ``llama2_base`` has a BOS that its post-processor
+puts before any text, EOS ``</s>``, no pad token and no chat template; ``qwen3_base`` has EOS
+``<|endoftext|>`` while its (ChatML) turns end with ``<|im_end|>``, and no pad token. Models are tiny
+random Llamas. Token ids are compared, never decoded text.
+"""
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import torch
+from chat_format import (
+    KNOWN_MARKERS,
+    ZERO_WIDTH_SPACE,
+    SpecialText,
+    format_chat_template,
+    format_prompt,
+    parse_format,
+    special_texts,
+)
+from conftest import REPO, snakemake, split_files, tiny_config
+from pipeline_io import UserError
+from tokenization import IGNORE, ChatRenderer, encode_messages, generation_settings, use_template
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+FORMAT = "{system}### Question:\n{question}\n### Answer:\n"
+QA = [
+    ("What is the capital of France?", "Paris"),
+    ("What is 3 + 4?", "7"),
+    ("Name a large ocean.", "The Pacific Ocean"),
+    ("What colour is the sky?", "Blue"),
+    ("Which planet is red?", "Mars"),
+    ("What do bees make?", "Honey"),
+]
+ROWS = [(f"{q} (variant {i})", a) for i in range(12) for q, a in QA]  # 72 distinct questions
+CORPUS = [FORMAT, *(f"{q}\n{a}" for q, a in ROWS), "Answer briefly. system user assistant"] * 5
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def bpe(special: list[str], bos: str | None = None, **tokens) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
+        )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, **tokens)
+
+
+def tiny_llama(tokenizer, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=None,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def save_model(folder: Path, tokenizer, seed: int = 0) -> Path:
+    tiny_llama(tokenizer, seed).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def trained_runs(ex: dict) -> list[list[int]]:
+    runs, previous = [], IGNORE
+    for x, y in zip(ex["input_ids"], ex["labels"], strict=True):
+        if y != IGNORE:
+            assert y == x
+            if previous == IGNORE:
+                runs.append([])
+            runs[-1].append(y)
+        previous = y
+    return runs
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps({"prompt": None, "question": q, "response": a}) + "\n" for q, a in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama2_base():
+    tok = bpe(["<s>", "</s>", "<unk>", "<|endoftext|>"], bos="<s>", eos_token="</s>", unk_token="<unk>")
+    assert tok.chat_template is None and tok.pad_token is None
+    return tok
+
+
+@pytest.fixture(scope="module")
+def qwen3_base():
+    tok = bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos_token="<|endoftext|>")
+    tok.chat_template = CHATML
+    return tok
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, llama2_base):
+    """A tiny random Llama with the llama2_base tokenizer: no chat template, no pad token."""
+    return save_model(tmp_path_factory.mktemp("llama2-base") / "model", llama2_base)
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory, base_dir):
+    """The rows split and tokenized through the scripts' command lines with data.format_template."""
+    from split import main as split_main
+    from tokenization import main as tokenize_main
+
+    root = tmp_path_factory.mktemp("tokenized")
+    data = write_jsonl(root / "data.jsonl", [*ROWS, ("Say hi", "hi<|endoftext|>")])
+    splits = [root / "node0.parquet", root / "node1.parquet"]
+    split_main(
+        ["--data", str(data), "--columns", "{}", "--nodes", "2", "--eval-fraction", "0.2", "--tokenizer",
+         str(base_dir), "--format-template", FORMAT, "--special-text", "strip", "--max-seq-len", "256",
+         "--splits", *map(str, splits), "--eval", str(root / "eval.parquet"),
+         "--rejects", str(root / "rejects.parquet"), "--manifest", str(root / "manifest.json")]
+    )  # fmt: skip
+    for shard in ("node0", "eval"):
+        tokenize_main(
+            ["--shard", str(root / f"{shard}.parquet"), "--tokenizer", str(base_dir), "--format-template", FORMAT,
+             "--max-seq-len", "256", "--output", str(root / f"{shard}.tok.parquet"),
+             "--packing", str(root / f"{shard}.packing.parquet"), "--stats", str(root / f"{shard}.json")]
+        )  # fmt: skip
+    return root
+
+
+# ---------------------------------------------------------------- the plain format
+
+
+def test_format_template_renders_as_python_formats(base_dir):
+    fmt = 'Sys: {system}|"q" \\ {{x}} é😀\t{question}\n#A:\n'
+    tok = use_template(AutoTokenizer.from_pretrained(base_dir), "t", None, fmt)
+    conv = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": "A2"},
+    ]
+    text = tok.apply_chat_template(conv, tokenize=False)
+    assert text == "<s>" + format_prompt(fmt, "Q1", "S") + "A1</s>" + format_prompt(fmt, "Q2") + "A2</s>"
+    assert format_prompt(fmt, "Q", "S") == 'Sys: S|"q" \\ {x} é😀\tQ\n#A:\n'
+    prompt = tok.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=False)
+    assert text.startswith(prompt) and prompt.endswith(format_prompt(fmt, "Q2"))
+    assert ChatRenderer(tok)(conv) == text  # the workflow's renderer agrees
+    # no BOS wanted: none written
+    assert not format_chat_template(fmt).count("bos_token")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "needle"),
+    [
+        ("Q: {answer}\n", "unknown placeholder {answer}"),
+        ("Q: {question!r}\n", "unknown placeholder {question!r}"),
+        ("Q: {system}\n", "no {question}"),
+        ("Question: {question}\nAnswer: ", "ends with a space"),
+        ("Q: {question\n", "literal braces"),
+    ],
+)
+def test_bad_format_templates_are_one_line(fmt, needle):
+    with pytest.raises(UserError, match="data.format_template") as e:
+        parse_format(fmt)
+    assert needle in str(e.value)
+
+
+def test_labels_are_the_answer_and_eos_and_the_prompt_is_the_format(tokenized, llama2_base):
+    tok = llama2_base
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    rows = pq.read_table(tokenized / "node0.tok.parquet").to_pylist()
+    shard = {r["content_hash"]: r for r in pq.read_table(tokenized / "node0.parquet").to_pylist()}
+    assert len(rows) == len(shard) > 10
+    for row in rows:
+        question = json.loads(shard[row["content_hash"]]["messages"])[0]["content"]
+        prompt = [bos, *ids(tok, format_prompt(FORMAT, question))]
+        assert row["input_ids"][: row["prompt_length"]] == prompt
+        assert trained_runs(row) == [ids(tok, row["response"]) + [eos]]
+        assert row["input_ids"].count(bos) == 1 and row["input_ids"][-1] == eos
+        assert shard[row["content_hash"]]["tokens"] == row["length"]  # split counted what tokenize made
+
+
+def test_multi_turn_in_the_format(base_dir):
+    tok = use_template(AutoTokenizer.from_pretrained(base_dir), "t", None, FORMAT)
+    conv = [
+        {"role": "user", "content": "What is 3 + 4?"},
+        {"role": "assistant", "content": "7"},
+        {"role": "user", "content": "Which planet is red?"},
+        {"role": "assistant", "content": "Mars"},
+    ]
+    (ex,) = encode_messages(tok, [conv], ChatRenderer(tok), train_on="all")
+    assert trained_runs(ex) == [ids(tok, "7</s>"), ids(tok, "Mars</s>")]
+    prompt = tok.apply_chat_template(conv[:-1], add_generation_prompt=True)["input_ids"]
+    assert ex["input_ids"][: ex["prompt_length"]] == prompt
+    (bad,) = encode_messages(tok, [[{"role": "tool", "content": "x"}, *conv]], ChatRenderer(tok))
+    assert bad["reject"][0] == "template_error" and "tool" in bad["reject"][1]
+
+
+def test_no_template_is_one_line_at_split(tmp_path, base_dir, capsys):
+    from split import main as split_main
+
+    data = write_jsonl(tmp_path / "d.jsonl", ROWS[:5])
+    with pytest.raises(SystemExit) as e:
+        split_main(
+            ["--data", str(data), "--columns", "{}", "--nodes", "1", "--eval-fraction", "0.2", "--tokenizer",
+             str(base_dir), "--splits", str(tmp_path / "n.parquet"), "--eval", str(tmp_path / "e.parquet"),
+             "--rejects", str(tmp_path / "r.parquet"), "--manifest", str(tmp_path / "m.json")]
+        )  # fmt: skip
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no chat template" in err[0]
+    assert "data.chat_template" in err[0] and "data.format_template" in err[0]
+    with pytest.raises(UserError, match="both set"):
+        use_template(AutoTokenizer.from_pretrained(base_dir), "t", str(tmp_path / "x.jinja"), FORMAT)
+
+
+# ---------------------------------------------------------------- special-token text
+
+
+def test_special_text_policies(tmp_path, base_dir):
+    rows = [*ROWS[:20], ("Say hi", "hi<|endoftext|>"), ("Repeat </s> please", "ok")]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    out = {}
+    for policy in ("reject", "strip", "escape"):
+        out[policy] = split_files(
+            tmp_path / policy, data, nodes=1, tokenizer=str(base_dir), format_template=FORMAT, special_text=policy
+        )
+    rejects = pq.read_table(out["reject"]["rejects"]).to_pylist()
+    assert [r["reason"] for r in rejects] == ["special_text"] * 2
+    assert out["reject"]["reasons"] == {"special_text": 2}
+    assert out["reject"]["special_text"] | {"tokens": None} == {
+        "policy": "reject", "rows": 2, "by_token": {"<|endoftext|>": 1, "</s>": 1}, "tokens": None,
+    }  # fmt: skip
+    assert "<|endoftext|>" in out["reject"]["special_text"]["tokens"]
+    for policy, hi, repeat in (
+        ("strip", "hi", "Repeat  please"),
+        ("escape", f"hi<{ZERO_WIDTH_SPACE}|endoftext|>", f"Repeat <{ZERO_WIDTH_SPACE}/s> please"),
+    ):
+        assert out[policy]["reasons"] == {} and out[policy]["special_text"]["rows"] == 2
+        kept = pd.concat([pq.read_table(p).to_pandas() for p in [*out[policy]["splits"], out[policy]["eval"]]])
+        convs = [json.loads(m) for m in kept["messages"]]
+        assert [c[-1]["content"] for c in convs if c[0]["content"] == "Say hi"] == [hi]
+        assert [c[0]["content"] for c in convs if c[-1]["content"] == "ok"] == [repeat]
+    # escaped text is plain text to the tokenizer: no special token in it
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    escaped = ids(tok, f"hi<{ZERO_WIDTH_SPACE}|endoftext|>")
+    assert tok.convert_tokens_to_ids("<|endoftext|>") not in escaped and len(escaped) > 3
+
+
+def test_special_text_without_a_tokenizer_uses_the_known_markers(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [*ROWS[:10], ("Say hi", "hi<|im_end|>")])
+    out = split_files(tmp_path / "s", data, nodes=1)
+    assert out["reasons"] == {"special_text": 1} and out["special_text"]["tokens"] == sorted(
+        KNOWN_MARKERS, key=lambda t: (-len(t), t)
+    )
+
+
+def test_special_texts_are_the_tokenizers_special_tokens(llama2_base, qwen3_base):
+    assert special_texts(llama2_base) == ["</s>", "<s>", "<unk>", "<|endoftext|>"]
+    assert {"<|endoftext|>", "<|im_start|>", "<|im_end|>"} <= set(special_texts(qwen3_base))
+    check = SpecialText(["<|im_end|>", "<|im_end|>x"], "strip")
+    assert check([{"role": "user", "content": "a<|im_end|>xb"}])[0][0]["content"] == "ab"  # longest first
+    with pytest.raises(UserError, match="data.special_text"):
+        SpecialText([], "drop")
+
+
+def test_exact_match_compares_like_with_like(llama2_base):
+    import evaluate
+    from evaluation import comparable
+
+    specials = special_texts(llama2_base)
+    references = comparable(["hi<|endoftext|>", "Paris", "7</s>"], specials)
+    predictions = comparable(["hi", "Paris<|endoftext|>", "7"], specials)
+    metric = evaluate.load(str(REPO / "metrics" / "exact_match"))
+    assert metric.compute(predictions=predictions, references=references)["exact_match"] == 1.0
+
+
+# ---------------------------------------------------------------- no pad token: evaluation and soup
+
+
+def test_evaluation_without_a_pad_token(tmp_path, base_dir, tokenized):
+    from evaluation import main as evaluate_main
+    from evaluation import padding_id, stop_ids
+
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    assert tok.pad_token_id is None and padding_id(tok) == tok.eos_token_id
+    evaluate_main(
+        ["--model", str(base_dir), "--name", "base", "--eval", str(tokenized / "eval.tok.parquet"),
+         "--metrics", str(REPO / "metrics"), "--batch-size", "3", "--max-new-tokens", "4",
+         "--output", str(tmp_path / "base.json")]
+    )  # fmt: skip
+    result = json.loads((tmp_path / "base.json").read_text())
+    assert result["examples"] > 1 and result["label_tokens"] > 0 and result["eval_loss"] > 0
+    assert "exact_match" in result
+    model = LlamaForCausalLM.from_pretrained(base_dir)
+    assert stop_ids(model, tok) == [tok.eos_token_id]
+
+
+def test_generation_stops_at_the_templates_end_of_turn(qwen3_base):
+    from evaluation import padding_id, stop_ids
+
+    eot, eos = qwen3_base.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    model = tiny_llama(qwen3_base)
+    assert set(stop_ids(model, qwen3_base)) == {eos, eot} and padding_id(qwen3_base) == eos
+    bare = bpe(["<|endoftext|>"], eos_token="<|endoftext|>")  # no chat template at all: still the EOS
+    assert generation_settings(bare) == {"eos_token_id": [eos], "chat_template_kwargs": {}}
+
+
+def test_soup_without_a_pad_token(tmp_path, llama2_base, tokenized):
+    from soup import main as soup_main
+
+    paths, results = [], []
+    for i, loss in enumerate([2.0, 1.0]):
+        paths.append(save_model(tmp_path / f"node{i}", llama2_base, seed=i))
+        results.append(tmp_path / f"node{i}.json")
+        results[-1].write_text(json.dumps({"model": f"node{i}", "eval_loss": loss}))
+    soup_main(
+        ["--models", *map(str, paths), "--results", *map(str, results),
+         "--eval", str(tokenized / "eval.tok.parquet"), "--uniform", str(tmp_path / "u"),
+         "--greedy", str(tmp_path / "g")]
+    )  # fmt: skip
+    trail = json.loads((tmp_path / "g" / "soup.json").read_text())["trail"]
+    assert trail[0]["added"] == "node1" and trail[1]["tried"] == "node0"
+
+
+# ---------------------------------------------------------------- the exported folder
+
+
+def test_exported_folder_carries_the_training_template(tmp_path, base_dir, tokenized):
+    from consolidate import save_metadata
+
+    out = tmp_path / "model"
+    save_metadata(str(base_dir), out, {"format_template": FORMAT, "template_kwargs": {"style": "short"}})
+    trained = use_template(AutoTokenizer.from_pretrained(base_dir), "t", None, FORMAT)
+    exported = AutoTokenizer.from_pretrained(out)
+    assert exported.chat_template == trained.chat_template
+    assert (out / "chat_template.jinja").read_text() == trained.chat_template
+    shard = {r["content_hash"]: r for r in pq.read_table(tokenized / "eval.parquet").to_pylist()}
+    for row in pq.read_table(tokenized / "eval.tok.parquet").to_pylist():
+        messages = json.loads(shard[row["content_hash"]]["messages"])
+        prompt = exported.apply_chat_template(messages[:-1], add_generation_prompt=True)["input_ids"]
+        assert prompt == row["input_ids"][: row["prompt_length"]]
+        assert exported.apply_chat_template(messages)["input_ids"] == row["input_ids"]
+    generation = GenerationConfig.from_pretrained(out)
+    eos = exported.eos_token_id
+    assert generation.eos_token_id == eos and generation.pad_token_id == eos
+    assert generation.chat_template_kwargs == {"style": "short"}
+
+
+def test_exported_folder_with_a_template_file_and_end_of_turn_stops(tmp_path, qwen3_base):
+    from consolidate import save_metadata
+
+    base = tmp_path / "qwen3-base"
+    bare = bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos_token="<|endoftext|>")
+    save_model(base, bare)
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    save_metadata(str(base), tmp_path / "out", {"chat_template": str(template), "template_kwargs": {}})
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == CHATML
+    generation = GenerationConfig.from_pretrained(tmp_path / "out")
+    eos, eot = bare.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    assert generation.eos_token_id == [eos, eot] and generation.pad_token_id == eos
+    assert getattr(generation, "chat_template_kwargs", None) is None
+
+
+# ---------------------------------------------------------------- the workflow's config
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({}, "has no chat template"),
+        ({"format_template": FORMAT, "chat_template": "x.jinja"}, "both set"),
+        ({"format_template": "Q: {answer}\n"}, "unknown placeholder"),
+        ({"format_template": FORMAT}, None),
+    ],
+    ids=["no-template", "both", "bad-format", "format"],
+)
+def test_config_checks_the_template_at_parse_time(tmp_path, base_dir, data, needle):
+    config = tiny_config("t")
+    config["model"] = {"name_or_path": str(base_dir)}
+    config["data"] |= data
+    proc = snakemake(tmp_path, config, "-n", "-p", check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    if needle is None:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "--format-template '{system}### Question:" in proc.stdout + proc.stderr
+        return
+    assert proc.returncode != 0 and len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.e2e
+def test_base_model_trains_evaluates_and_exports_with_the_plain_format(tmp_path, base_dir, llama2_base):
+    """The issue's case end to end: a base model without template or pad token, T0-style answers ending
+    in a literal <|endoftext|> (stripped), data.format_template; the exported template is the training one."""
+    data = write_jsonl(tmp_path / "data.jsonl", [(q, a + "<|endoftext|>") for q, a in ROWS])
+    config = tiny_config("b", max_steps=4, log_every=2, checkpoint_every=4)
+    config["nodes"] = 1
+    config["model"] = {"name_or_path": str(base_dir)}
+    config["data"] = {"path": str(data), "max_seq_len": 128, "format_template": FORMAT, "special_text": "strip"}
+    config["data"]["template_kwargs"] = {"style": "short"}
+    snakemake(tmp_path / "w", config)
+    root = tmp_path / "w" / "results" / "b"
+    report = json.loads((root / "data" / "report.json").read_text())
+    assert report["special_text"]["rows"] == len(ROWS) and report["rejected"] == 0
+    model = root / "models" / "node0"
+    trained = use_template(AutoTokenizer.from_pretrained(base_dir), "t", None, FORMAT)
+    assert AutoTokenizer.from_pretrained(model).chat_template == trained.chat_template
+    generation = GenerationConfig.from_pretrained(model)
+    assert generation.eos_token_id == llama2_base.eos_token_id and generation.chat_template_kwargs == {"style": "short"}
+    summary = pd.read_csv(root / "eval" / "summary.csv")
+    assert summary["model"].tolist() == ["base", "node0"]
