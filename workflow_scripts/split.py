@@ -293,7 +293,8 @@ def check_shards(a, rows: list[int], reasons: dict) -> None:
     short = [(f"node{i}", n) for i, n in enumerate(nodes) if n < least]
     what, fixes = [], []
     if short and least == 1:
-        what.append(f"an empty {', '.join(name for name, _ in short)} shard")
+        names = [name for name, _ in short]
+        what.append(f"an empty {names[0]} shard" if len(names) == 1 else f"empty {', '.join(names)} shards")
     elif short:
         listed = ", ".join(f"{name} ({n} rows)" for name, n in short)
         what.append(f"{listed} below the {least} rows one micro-batch on every rank needs")

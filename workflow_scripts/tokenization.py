@@ -729,10 +729,14 @@ def check_rejects(stats: dict, shard: Path, rejects: Path, max_fraction: float, 
         return
     for r in stats.get("rejects", []) if stats.get("cache") == "hit" else []:  # a miss logged them already
         log.warning("%s: row %s rejected (%s): %s", r["source_file"], r["source_row"], r["reason"], r["detail"])
-    allowed = int(max_fraction * rows) - sum(c for r, c in reasons.items() if r not in ("too_long", "prompt_too_long"))
-    limit = f"above data.max_reject_fraction={max_fraction}" if stats["examples"] else "no example left"
+    others = sum(c for r, c in reasons.items() if r not in ("too_long", "prompt_too_long"))
+    if stats["examples"]:
+        allowed = int(max_fraction * rows) - others  # length rejects the fraction allows
+        limit, fraction = f"above data.max_reject_fraction={max_fraction}", ", or raise data.max_reject_fraction"
+    else:
+        allowed, limit, fraction = n - others - 1, "no example left", ""  # keep one
     raise UserError(
-        f"{shard}: {what}, {limit}: {advice(stats, rejects, allowed)}, or raise data.max_reject_fraction; "
+        f"{shard}: {what}, {limit}: {advice(stats, rejects, allowed)}{fraction}; "
         f"every one is listed with its source file, row and reason in {kept}"
     )
 
@@ -743,7 +747,9 @@ def check_units(stats: dict, shard: Path, min_examples: int, min_bins: int) -> N
     if examples >= min_examples and bins >= min_bins:
         return
     units, need = (
-        (f"{bins} packed bins ({examples} examples)", min_bins) if bins < min_bins else (examples, min_examples)
+        (f"{bins} packed bins ({examples} examples)", min_bins)
+        if bins < min_bins
+        else (f"{examples} examples", min_examples)
     )
     raise UserError(
         f"{shard}: {units} after tokenization, fewer than the {need} that one micro-batch on every rank needs "
