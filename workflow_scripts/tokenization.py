@@ -689,7 +689,11 @@ def length_needed(rejects: Path, max_len: int, allowed: int) -> int | None:
     """The smallest data.max_seq_len that leaves out at most ``allowed`` of the length rejects."""
     table = pq.read_table(rejects, columns=["reason", "tokens", "prompt_tokens"]).to_pylist()
     needs = sorted(
-        (r["tokens"] if r["reason"] == "too_long" else r["prompt_tokens"] + 1 for r in table if r["tokens"]),
+        (
+            r["tokens"] if r["reason"] == "too_long" else r["prompt_tokens"] + 1
+            for r in table
+            if r["reason"] in ("too_long", "prompt_too_long")
+        ),
         reverse=True,
     )
     if allowed < 0 or allowed >= len(needs):
