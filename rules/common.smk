@@ -58,6 +58,7 @@ REJECTS = f"{R}/data/rejects.parquet"
 TOKENIZED = f"{R}/data/tokenized/{{shard}}.parquet"  # shard: node0.. or eval
 PACKING = f"{R}/data/tokenized/{{shard}}.packing.parquet"
 TOKEN_STATS = f"{R}/data/tokenized/{{shard}}.json"
+TOKEN_REJECTS = f"{R}/data/tokenized/{{shard}}.rejects.parquet"  # examples tokenization left out
 DATA_REPORT = f"{R}/data/report.json"
 DATA_PLOT = f"{R}/data/overview.png"
 PLAN = f"{R}/plan/memory.json"
@@ -174,7 +175,12 @@ SPLIT_ARGS = cli_args(
     **TOKENIZER_OPTIONS,
     max_reject_fraction=DATA["max_reject_fraction"],
 )
-TOKENIZE_ARGS = cli_args(**TOKENIZER_OPTIONS, train_on=DATA["train_on"], cache_dir=DATA["cache_dir"])
+TOKENIZE_ARGS = cli_args(
+    **TOKENIZER_OPTIONS,
+    train_on=DATA["train_on"],
+    cache_dir=DATA["cache_dir"],
+    max_reject_fraction=DATA["max_reject_fraction"],
+)
 # params functions, not strings (see verbatim): they carry data.format_template
 SPLIT_ARGS, TOKENIZE_ARGS = verbatim(SPLIT_ARGS), verbatim(TOKENIZE_ARGS)
 # The template training used, for the exported model folders (consolidate_node)
@@ -185,6 +191,10 @@ TEMPLATE_ARGS = verbatim(
         template_kwargs=json.dumps(DATA["template_kwargs"]),
     )
 )
+# A node's shard must fill one micro-batch on every rank of its node, in packed bins (training.packing)
+# or examples, before a training job is queued (joint mode: asked of each shard, more than it needs).
+PER_RANK = config["training"]["micro_batch_size"] * config["training"]["procs_per_node"]
+NODE_TOKENIZE_ARGS = cli_args(**{"min_bins" if config["training"]["packing"] else "min_examples": PER_RANK})
 DEMO_MODEL_ARGS = cli_args(
     data=DATA["path"],  # as written: a folder or glob stays one argument
     format=DATA["format"],

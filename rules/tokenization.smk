@@ -6,6 +6,7 @@ rule tokenize_shard:
         tokens=TOKENIZED,
         packing=PACKING,
         stats=TOKEN_STATS,
+        rejects=TOKEN_REJECTS,
     log:
         f"{LOGS}/tokenize_shard/{{shard}}.log",
     conda:
@@ -13,9 +14,11 @@ rule tokenize_shard:
     params:
         script=script_path("tokenization.py"),
         args=TOKENIZE_ARGS,
+        training=NODE_TOKENIZE_ARGS,
     shell:
-        "python {params.script} --shard {input.shard} {params.args}"
-        " --output {output.tokens} --packing {output.packing} --stats {output.stats} > {log} 2>&1"
+        "python {params.script} --shard {input.shard} {params.args} {params.training}"
+        " --output {output.tokens} --packing {output.packing} --stats {output.stats}"
+        " --rejects {output.rejects} > {log} 2>&1"
 
 
 use rule tokenize_shard as tokenize_eval with:
@@ -26,5 +29,10 @@ use rule tokenize_shard as tokenize_eval with:
         tokens=TOKENIZED.format(shard="eval"),
         packing=PACKING.format(shard="eval"),
         stats=TOKEN_STATS.format(shard="eval"),
+        rejects=TOKEN_REJECTS.format(shard="eval"),
     log:
         f"{LOGS}/tokenize_shard/eval.log",
+    params:
+        script=script_path("tokenization.py"),
+        args=TOKENIZE_ARGS,
+        training="",  # the eval set is not trained on

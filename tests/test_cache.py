@@ -75,10 +75,11 @@ def assert_sound(entry):
         ("tokens.parquet", truncate),
         ("tokens.parquet", flip),
         ("packing.parquet", flip),
+        ("rejects.parquet", flip),
         ("stats.json", truncate),
         (MANIFEST, os.unlink),
     ],
-    ids=["truncated", "byte-flipped", "packing-flipped", "stats-truncated", "no-manifest"],
+    ids=["truncated", "byte-flipped", "packing-flipped", "rejects-flipped", "stats-truncated", "no-manifest"],
 )
 def test_damaged_entry_is_rebuilt_with_a_warning_and_other_runs_untouched(
     tmp_path, shard, tok_dir, caplog, name, damage
@@ -141,4 +142,5 @@ def test_without_a_cache_dir_nothing_is_left_behind(tmp_path, shard, tok_dir):
         "--stats", str(out / "node0.json"),
     ])  # fmt: skip
     assert json.loads((out / "node0.json").read_text())["cache"] == "off"
-    assert sorted(p.name for p in out.iterdir()) == ["node0.json", "node0.packing.parquet", "node0.parquet"]
+    expected = ["node0.json", "node0.packing.parquet", "node0.parquet", "node0.rejects.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == expected

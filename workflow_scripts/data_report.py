@@ -1,7 +1,9 @@
 """data_report: what the data stages did, as JSON and one figure for the report.
 
-Rows per node, eval and rejects; rejects by reason; tokens per node; length
-histograms per node; packing efficiency against padding to the longest example.
+Rows per node, eval and rejects; rejects by reason (the split's and tokenization's);
+each shard's rows from the split to the tokenized examples training reads; tokens per
+node; length histograms per node (before truncation, against max_seq_len); packing
+efficiency against padding to the longest example.
 """
 
 import argparse
@@ -27,6 +29,7 @@ def collect(manifest: dict, stats: dict[str, dict], lengths: dict[str, list[int]
             "mean_length": sum(n) / len(n) if n else 0.0,
             "dropped_too_long": s["dropped_too_long"],
             "truncated": s["truncated"],
+            "rejected": s.get("rejected", {}),
             "packing_efficiency": s["packing_efficiency"],
             "pad_to_longest_efficiency": s["pad_to_longest_efficiency"],
             "cache": s.get("cache"),
@@ -39,13 +42,42 @@ def collect(manifest: dict, stats: dict[str, dict], lengths: dict[str, list[int]
         "rejects_by_reason": manifest["rejects"]["by_reason"],
         "special_text": manifest.get("special_text"),  # data.special_text: policy, rows and tokens found
         "shards": shards,
-    }
+    } | funnel(manifest, stats)
+
+
+def funnel(manifest: dict, stats: dict[str, dict]) -> dict:
+    """Where the input rows went: per shard, the rows the split gave it, the examples tokenization left
+    out (by reason; each in data/tokenized/<shard>.rejects.parquet) and the examples training reads.
+    Training draws every tokenized example for whole epochs (eval/summary.csv: examples_trained)."""
+    shards, by_reason = {}, {}
+    split_rows = {f"node{n['node']}": n["rows"] for n in manifest["nodes"]} | {"eval": manifest["eval"]["rows"]}
+    for name, s in stats.items():
+        rejected = s.get("rejected", {})
+        shards[name] = {
+            "split": split_rows.get(name, s.get("rows")),
+            "left_out": sum(rejected.values()),
+            "left_out_by_reason": rejected,
+            "tokenized": s["examples"],
+        }
+        for reason, n in rejected.items():
+            by_reason[reason] = by_reason.get(reason, 0) + n
+    tokenized = sum(s["tokenized"] for s in shards.values())
+    return {
+        "max_seq_len": manifest.get("settings", {}).get("max_seq_len"),
+        "tokenize_rejected": sum(by_reason.values()),
+        "tokenize_rejects_by_reason": by_reason,
+        "funnel": {"rows_in": manifest["rows_in"], "split_rejected": manifest["rejects"]["rows"],
+                   "shards": shards, "tokenized": tokenized},
+    }  # fmt: skip
 
 
 def draw_rejects(ax, report: dict) -> None:
-    """Rejected rows per reason as bars; with no rejects, no empty chart but a line saying so."""
+    """Rejected rows per reason, the split's and tokenization's, as bars; with no rejects, no empty chart
+    but a line saying so."""
     reasons = {r: n for r, n in report["rejects_by_reason"].items() if n}
-    ax.set_title(f"Rejected rows by reason ({report['rejected']} of {report['rows_in']})")
+    reasons |= {f"tokenize: {r}": n for r, n in report.get("tokenize_rejects_by_reason", {}).items() if n}
+    total = report["rejected"] + report.get("tokenize_rejected", 0)
+    ax.set_title(f"Rejected rows by reason ({total} of {report['rows_in']})")
     if not reasons:
         ax.axis("off")
         text = f"No rejected rows:\nall {report['rows_in']} input rows kept"
@@ -56,18 +88,40 @@ def draw_rejects(ax, report: dict) -> None:
     ax.grid(alpha=0.3)
 
 
-def plot(report: dict, lengths: dict[str, list[int]], path: Path) -> None:
-    fig, (ax_len, ax_rej, ax_tok) = plt.subplots(1, 3, figsize=(14, 4))
+def draw_lengths(ax, lengths: dict[str, list[int]], max_len: int | None, before: bool) -> None:
+    """Length histograms per shard, with data.max_seq_len as a vertical line: what lies right of it
+    is truncated or left out."""
     for name, n in lengths.items():
         if n:
-            ax_len.hist(n, bins=40, histtype="step", label=name)
-    ax_len.set(title="Sequence length per shard", xlabel="tokens", ylabel="examples", yscale="log")
-    ax_len.legend()
+            ax.hist(n, bins=40, histtype="step", label=name)
+    if max_len:
+        ax.axvline(max_len, color="black", linestyle="--", label=f"max_seq_len {max_len}")
+    title = "Example length per shard" + (" (before truncation)" if before else "")
+    ax.set(title=title, xlabel="tokens", ylabel="examples", yscale="log")
+    ax.legend()
+
+
+def draw_funnel(ax, report: dict) -> None:
+    """Per shard: the rows the split gave it, and the examples left after tokenization."""
+    shards = report["funnel"]["shards"]
+    names = list(shards)
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [shards[n]["split"] for n in names], 0.4, label="split", color="tab:gray")
+    ax.bar([i + 0.2 for i in x], [shards[n]["tokenized"] for n in names], 0.4, label="tokenized", color="tab:green")
+    ax.set_xticks(list(x), names)
+    ax.set(title=f"Rows per shard ({report['rows_in']} in)", ylabel="rows")
+    ax.legend()
+
+
+def plot(report: dict, lengths: dict[str, list[int]], path: Path, before: bool = False) -> None:
+    fig, (ax_len, ax_rej, ax_fun, ax_tok) = plt.subplots(1, 4, figsize=(18, 4))
+    draw_lengths(ax_len, lengths, report.get("max_seq_len"), before)
     draw_rejects(ax_rej, report)
+    draw_funnel(ax_fun, report)
     names = list(report["shards"])
     ax_tok.bar(names, [report["shards"][n]["tokens"] for n in names], color="tab:blue")
     ax_tok.set(title="Tokens per shard", ylabel="tokens")
-    for ax in (ax_len, ax_tok):
+    for ax in (ax_len, ax_fun, ax_tok):
         ax.grid(alpha=0.3)
     fig.tight_layout()
     with atomic_path(path) as tmp:
@@ -80,6 +134,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--manifest", required=True, type=Path)
     p.add_argument("--tokenized", nargs="+", required=True, type=Path, help="tokenized shards (.parquet)")
+    p.add_argument("--splits", nargs="*", default=[], type=Path, help="the split's shards, same order (lengths)")
     p.add_argument("--json", required=True, type=Path)
     p.add_argument("--plot", required=True, type=Path)
     a = p.parse_args(argv)
@@ -88,8 +143,30 @@ def main(argv=None) -> None:
     lengths = {t.stem: pq.read_table(t, columns=["length"]).column("length").to_pylist() for t in a.tokenized}
     report = collect(manifest, stats, lengths)
     write_json(a.json, report)
-    plot(report, lengths, a.plot)
-    print(json.dumps({k: v for k, v in report.items() if k != "shards"}))
+    full = split_lengths(a.tokenized, a.splits)
+    plot(report, full or lengths, a.plot, before=bool(full))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("shards", "funnel")}))
+    print(funnel_text(report))
+
+
+def split_lengths(tokenized: list[Path], splits: list[Path]) -> dict[str, list[int]] | None:
+    """Each shard's lengths as the split measured them, before truncation (a row the template
+    rejects counts 0 and is left out); None without them (the split had no tokenizer)."""
+    if len(splits) != len(tokenized):
+        return None
+    full = {t.stem: [n for n in pq.read_table(s, columns=["tokens"]).column("tokens").to_pylist() if n]
+            for t, s in zip(tokenized, splits, strict=True)}  # fmt: skip
+    return full if any(full.values()) else None
+
+
+def funnel_text(report: dict) -> str:
+    """The funnel as lines, for the log: rows in, then per shard split → left out → tokenized."""
+    f = report["funnel"]
+    lines = [f"{f['rows_in']} rows in, {f['split_rejected']} rejected by the split {report['rejects_by_reason']}"]
+    for name, s in f["shards"].items():
+        why = f" {s['left_out_by_reason']}" if s["left_out"] else ""
+        lines.append(f"  {name}: {s['split']} rows → {s['left_out']} left out at tokenization{why} → {s['tokenized']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ prompt (all but the final answer, so one question never straddles train and eval
 and a seed; nodes by a hash of the whole content (``balance: rows``) or by the
 least-loaded node in input order (``balance: tokens``). Appending rows never moves
 an existing row.
+
+The split refuses to write an empty eval set or a node shard with fewer rows than
+``--min-examples-per-shard`` (1 unless given), with one line saying how many rows are
+usable and what to change, so a run never reaches training with nothing to train on.
 """
 
 import argparse
@@ -299,11 +303,46 @@ def run_split(a) -> dict:
                 f"data.max_reject_fraction={a.max_reject_fraction}{reject_hint(reasons)}"
             )
         assert rows_in == sum(outputs.rows), "row accounting broken"
+        check_shards(a, outputs.rows, dict(reasons))
         ok = True
     finally:
         outputs.close(ok)
     result = {"rows_in": rows_in, "reasons": dict(reasons), "rows": outputs.rows, "tokens": outputs.tokens}
     return result | {"special_text": splitter.special.summary()}
+
+
+def check_shards(a, rows: list[int], reasons: dict) -> None:
+    """Stop with one line when the eval set is empty or a node shard has fewer than
+    ``a.min_examples_per_shard`` rows (0: no check); ``rows``: per node, eval, rejects."""
+    least = a.min_examples_per_shard
+    if least <= 0:
+        return
+    nodes, eval_rows, rejected = rows[:-2], rows[-2], rows[-1]
+    short = [(f"node{i}", n) for i, n in enumerate(nodes) if n < least]
+    what, fixes = [], []
+    if short and least == 1:
+        names = [name for name, _ in short]
+        what.append(f"an empty {names[0]} shard" if len(names) == 1 else f"empty {', '.join(names)} shards")
+    elif short:
+        listed = ", ".join(f"{name} ({n} rows)" for name, n in short)
+        what.append(f"{listed} below the {least} rows one micro-batch on every rank needs")
+    if short:
+        fixes.append(f"add rows or lower `nodes` (now {len(nodes)})")
+    if eval_rows == 0:
+        what.append("an empty eval set")
+        fixes.append(
+            f"add rows to {a.eval_data}" if a.eval_data else f"raise data.eval_fraction (now {a.eval_fraction})"
+        )
+    elif short and not a.eval_data:
+        fixes.append(f"lower data.eval_fraction (now {a.eval_fraction})")
+    if not what:
+        return
+    usable = sum(rows[:-1])
+    why = f" ({rejected} rejected: {reasons})" if rejected else ""
+    data = f"{a.data} and {a.eval_data}" if a.eval_data else a.data
+    raise UserError(
+        f"{data}: {usable} usable row{'s' * (usable != 1)}{why} make {' and '.join(what)}; {', '.join(fixes)}"
+    )
 
 
 @cli
@@ -328,6 +367,12 @@ def main(argv=None) -> None:
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--overlength", **option("data.overlength"))
     p.add_argument("--max-reject-fraction", type=float, **option("data.max_reject_fraction"))
+    p.add_argument(
+        "--min-examples-per-shard",
+        type=int,
+        default=1,
+        help="stop when a node shard has fewer rows (0: no check); the eval set must not be empty",
+    )
     p.add_argument("--splits", nargs="+", required=True, help="one output path per node")
     p.add_argument("--eval", required=True)
     p.add_argument("--rejects", required=True)

@@ -58,6 +58,28 @@ def leaderboard_text(table: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def examples_trained(plan: dict) -> dict:
+    """From a training job's plan.json: the examples its shard(s) hold after tokenization, and how many
+    the planned steps draw (all for whole epochs; with max_steps short of an epoch, or the last partial
+    global batch of an epoch, fewer; exact without packing, pro rata of the packed bins with it)."""
+    units = plan.get("packed_bins") or plan["examples"]
+    drawn = min(units, plan["total_steps"] * plan["global_batch"])
+    trained = plan["examples"] if drawn >= units else round(plan["examples"] * drawn / units)
+    return {"examples_tokenized": plan["examples"], "examples_trained": trained}
+
+
+def with_examples_trained(table: pd.DataFrame, metrics: list[Path]) -> pd.DataFrame:
+    """The summary with examples_tokenized and examples_trained for each trained model (train/<node>/plan.json,
+    beside its metrics); empty for the base model and the soups."""
+    counts = {p.parent.name: examples_trained(json.loads((p.parent / "plan.json").read_text()))
+              for p in metrics if (p.parent / "plan.json").exists()}  # fmt: skip
+    if not counts:
+        return table
+    for column in ("examples_tokenized", "examples_trained"):
+        table[column] = table["model"].map(lambda m, c=column: counts.get(m, {}).get(c)).astype("Int64")
+    return table
+
+
 def read_metrics(path: Path) -> pd.DataFrame:
     return pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
 
@@ -192,7 +214,7 @@ def main(argv=None) -> None:
     p.add_argument("--consolidation", required=True, type=Path)
     a = p.parse_args(argv)
     results = [json.loads(p.read_text()) for p in a.results]
-    table = summary_table(results)
+    table = with_examples_trained(summary_table(results), a.metrics)
     with atomic_path(a.summary) as tmp:
         table.to_csv(tmp, index=False, float_format="%.6g")
     curves = {p.parent.name: read_metrics(p) for p in a.metrics}

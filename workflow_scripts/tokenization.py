@@ -19,6 +19,12 @@ row, in the stats; the stage goes on. The template is data.chat_template's file,
 (a plain prompt format, turned into a chat template by ``chat_format.format_chat_template``) or the
 tokenizer's own; without any, one line naming both keys (``use_template``).
 
+Every example the stage leaves out (a template reject, one too long for ``overlength:
+drop``, one whose prompt alone fills ``max_seq_len`` under ``truncate``, one with every
+label masked) is written to the shard's rejects file with its source file, row, content
+hash and reason, and counted in the stats; above ``data.max_reject_fraction`` of the
+shard, or with no example left, the stage stops with one line saying what to change.
+
 The cache is content-addressed: the key hashes the shard's bytes, the tokenizer
 files, the chat template, the length policy and the packing settings, so two runs
 with the same data and tokenizer share one entry whatever their names or learning
@@ -36,6 +42,7 @@ neither the cache nor another run.
 
 import argparse
 import bisect
+import contextlib
 import hashlib
 import json
 import logging
@@ -57,15 +64,17 @@ from transformers import AutoTokenizer
 
 log = logging.getLogger("tokenize")
 IGNORE = -100
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 MANIFEST = "manifest.json"  # sizes and sha256 of an entry's files; present only in a complete entry
-ENTRY_FILES = ("tokens.parquet", "packing.parquet", "stats.json")
+ENTRY_FILES = ("tokens.parquet", "packing.parquet", "rejects.parquet", "stats.json")
 PAD_BATCH = 8  # micro-batch size of the pad-to-longest comparison
 TRAIN_ON = ("last", "all")
 # Tokens that close a turn in the common chat formats (ChatML/Qwen, Llama 3, Gemma, Phi-3): those the
 # tokenizer has as added tokens, and its EOS, end an assistant turn's labels.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
-SHOWN_REJECTS = 100  # rejected rows listed in the stats (all are counted)
+SHOWN_REJECTS = 100  # rejected rows listed in the stats and the log (all are in the rejects file)
+# Reasons tokenization leaves an example out for its length or labels (the others are the template's)
+LENGTH_REASONS = ("too_long", "prompt_too_long", "no_labels")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -84,6 +93,20 @@ SCHEMA = pa.schema(
         ("response", pa.string()),
         ("content_hash", pa.string()),
         ("category", pa.string()),
+    ]
+)
+# The shard's rejects file: split's rejects.parquet columns where they apply, plus the content hash,
+# the lengths (null for a template reject) and the conversation, so a dropped row can be looked at
+REJECT_SCHEMA = pa.schema(
+    [
+        ("source_file", pa.string()),
+        ("source_row", pa.int64()),
+        ("reason", pa.string()),
+        ("detail", pa.string()),
+        ("content_hash", pa.string()),
+        ("tokens", pa.int32()),
+        ("prompt_tokens", pa.int32()),
+        ("messages", pa.string()),
     ]
 )
 
@@ -376,6 +399,18 @@ def fit_length(example: dict, max_len: int, policy: str) -> dict | None:
     return {k: v[:max_len] if isinstance(v, list) else v for k, v in example.items()}
 
 
+def length_reject(example: dict, fitted: dict | None, max_len: int, policy: str) -> tuple[str, str] | None:
+    """Why ``fit_length`` left an example out, or emptied it: (reason, detail); None when it is trained."""
+    n, p = len(example["input_ids"]), example["prompt_length"]
+    if fitted is None and policy == "drop":
+        return "too_long", f"{n} tokens > data.max_seq_len {max_len} (data.overlength: drop)"
+    if fitted is None:
+        return "prompt_too_long", f"the prompt alone has {p} tokens: data.max_seq_len {max_len} leaves no answer token"
+    if all(x == IGNORE for x in fitted["labels"]):
+        return "no_labels", "every label is masked: nothing of the answer is trained"
+    return None
+
+
 # ---------------------------------------------------------------- packing
 
 
@@ -572,18 +607,23 @@ def tokenize_shard(
     *,
     train_on: str = "last",
     template_kwargs: dict | None = None,
+    rejects_out: Path | None = None,
 ):
     """Stream the shard through render → tokenize → mask → fit, writing as it goes.
 
-    Rows the chat template cannot render into a training example are left out and
-    listed in the stats (``rejected`` by reason, ``rejects`` with file, row and detail).
+    Rows left out (the chat template cannot render them into a training example, too long,
+    no trained token left) are counted in the stats (``rejected`` by reason, ``rejects``:
+    the first ones with file, row and detail) and, all of them, written to ``rejects_out``.
     """
     file = pq.ParquetFile(shard)
     render = ChatRenderer(tokenizer, template_kwargs)
     present = set(file.schema_arrow.names)
     columns = [c for c in ("messages", "content_hash", "category", "source_file", "source_row") if c in present]
     lengths, dropped, truncated, reasons, rejects = [], 0, 0, Counter(), []
-    with atomic_path(tokens_out) as tmp, pq.ParquetWriter(tmp, SCHEMA) as writer:
+    with contextlib.ExitStack() as stack:
+        writer = stack.enter_context(pq.ParquetWriter(stack.enter_context(atomic_path(tokens_out)), SCHEMA))
+        rejected = RejectWriter(shard, stack.enter_context(atomic_path(rejects_out)) if rejects_out else None)
+        stack.callback(rejected.close)
         bar = tqdm(total=file.metadata.num_rows, desc=f"tokenize {shard.name}", unit="ex", mininterval=5)
         for batch in file.iter_batches(batch_size=batch_rows, columns=columns):
             rows = batch.to_pylist()
@@ -592,19 +632,12 @@ def tokenize_shard(
             out = {name: [] for name in SCHEMA.names}
             for row, messages, ex in zip(rows, conversations, encoded, strict=True):
                 if "reject" in ex:
-                    reason, detail = ex["reject"]
-                    reasons[reason] += 1
-                    where = f"{row.get('source_file', shard)}: row {row.get('source_row', '?')}"
-                    if len(rejects) < SHOWN_REJECTS:
-                        log.warning("%s rejected (%s): %s", where, reason, detail)
-                        rejects.append(
-                            {k: row.get(k) for k in ("source_file", "source_row", "content_hash")}
-                            | {"reason": reason, "detail": detail}
-                        )
+                    rejected.add(row, *ex["reject"])
                     continue
                 fitted = fit_length(ex, max_len, policy)
-                if fitted is None:
-                    dropped += 1
+                if why := length_reject(ex, fitted, max_len, policy):
+                    rejected.add(row, *why, tokens=len(ex["input_ids"]), prompt_tokens=ex["prompt_length"])
+                    dropped += why[0] != "no_labels"
                     continue
                 truncated += fitted is not ex
                 for key in ("input_ids", "labels", "prompt_length"):
@@ -615,15 +648,18 @@ def tokenize_shard(
                 out["category"].append(row["category"] or "")
             lengths += out["length"]
             writer.write_table(pa.Table.from_pydict(out, schema=SCHEMA))
+            rejected.flush()
             bar.update(len(rows))
         bar.close()
-        if rejects and not lengths:
+        reasons, rejects = rejected.reasons, rejected.shown
+        if rejects and not lengths and not reasons.keys() & set(LENGTH_REASONS):
             first = rejects[0]
             raise UserError(
                 f"{shard}: every row was rejected by the chat template ({dict(reasons)}), e.g. "
                 f"{first['source_file']}: row {first['source_row']}: {first['detail']}"
             )
     return lengths, {
+        "rows": len(lengths) + sum(reasons.values()),
         "examples": len(lengths),
         "tokens": sum(lengths),
         "dropped_too_long": dropped,
@@ -633,12 +669,130 @@ def tokenize_shard(
     }
 
 
+class RejectWriter:
+    """The examples tokenization leaves out: counted by reason, the first SHOWN_REJECTS kept for the
+    stats and the log, every one written (with its conversation) to ``path`` when one is given."""
+
+    def __init__(self, shard: Path, path: Path | None):
+        self.shard, self.reasons, self.shown, self.pending = shard, Counter(), [], []
+        self.writer = pq.ParquetWriter(path, REJECT_SCHEMA) if path else None
+        if self.writer:  # a schema-only file when nothing is rejected
+            self.writer.write_table(REJECT_SCHEMA.empty_table())
+
+    def add(self, row: dict, reason: str, detail: str, tokens: int | None = None, prompt_tokens: int | None = None):
+        self.reasons[reason] += 1
+        record = {
+            "source_file": row.get("source_file", str(self.shard)),
+            "source_row": row.get("source_row"),
+            "reason": reason,
+            "detail": detail,
+            "content_hash": row.get("content_hash"),
+        }
+        if len(self.shown) < SHOWN_REJECTS:
+            log.warning("%s: row %s rejected (%s): %s", record["source_file"], record["source_row"], reason, detail)
+            self.shown.append(record)
+        if self.writer:
+            self.pending.append(
+                record | {"tokens": tokens, "prompt_tokens": prompt_tokens, "messages": row["messages"]}
+            )
+
+    def flush(self) -> None:
+        if self.writer and self.pending:
+            self.writer.write_table(pa.Table.from_pylist(self.pending, schema=REJECT_SCHEMA))
+        self.pending = []
+
+    def close(self) -> None:
+        if self.writer:
+            self.flush()
+            self.writer.close()
+
+
 def write_packing(lengths: list[int], capacity: int, path: Path) -> dict:
     bins = pack_best_fit_decreasing(lengths, capacity)
     table = pa.table({"bin": pa.array(range(len(bins)), pa.int32()), "examples": pa.array(bins, pa.list_(pa.int32()))})
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
     return packing_stats(lengths, bins, capacity)
+
+
+# ---------------------------------------------------------------- guards
+
+
+def length_needed(rejects: Path, max_len: int, allowed: int) -> int | None:
+    """The smallest data.max_seq_len that leaves out at most ``allowed`` of the length rejects."""
+    table = pq.read_table(rejects, columns=["reason", "tokens", "prompt_tokens"]).to_pylist()
+    needs = sorted(
+        (
+            r["tokens"] if r["reason"] == "too_long" else r["prompt_tokens"] + 1
+            for r in table
+            if r["reason"] in ("too_long", "prompt_too_long")
+        ),
+        reverse=True,
+    )
+    if allowed < 0 or allowed >= len(needs):
+        return None
+    return max(needs[allowed], max_len + 1)
+
+
+def advice(stats: dict, rejects: Path, allowed: int) -> str:
+    """What to change, for the reasons examples were left out."""
+    reasons, settings = stats["rejected"], stats.get("settings", {})
+    max_len = settings.get("max_seq_len")
+    tips = []
+    if reasons.keys() & {"too_long", "prompt_too_long"}:
+        need = length_needed(rejects, max_len, allowed) if max_len else None
+        keeps = f" to {need} or more" if need else ""
+        tips.append(f"raise data.max_seq_len{keeps} (now {max_len})")
+        if "too_long" in reasons:
+            tips.append("set data.overlength: truncate (it keeps what fits of each answer)")
+    if reasons.keys() - set(LENGTH_REASONS):
+        tips.append("fix the rows or data.chat_template (see the reasons in the config README)")
+    if "no_labels" in reasons:
+        tips.append("check data.train_on and the chat template's assistant turns")
+    return ", ".join(tips)
+
+
+def check_rejects(stats: dict, shard: Path, rejects: Path, max_fraction: float, kept: str) -> None:
+    """Stop (one line naming the count, the reasons and what to change) when tokenization left out more
+    than ``max_fraction`` of the shard, or all of it; warn when it left out any."""
+    reasons = stats.get("rejected", {})
+    n, rows = sum(reasons.values()), stats.get("rows", stats["examples"] + sum(reasons.values()))
+    if not n:
+        return
+    why = ", ".join(f"{reason}: {count}" for reason, count in reasons.items())
+    what = f"{n} of {rows} examples ({n / rows:.0%}) left out at tokenization ({why})"
+    if stats["examples"] and n / rows <= max_fraction:
+        log.warning("%s: %s; each is listed in %s", shard, what, rejects)
+        return
+    for r in stats.get("rejects", []) if stats.get("cache") == "hit" else []:  # a miss logged them already
+        log.warning("%s: row %s rejected (%s): %s", r["source_file"], r["source_row"], r["reason"], r["detail"])
+    others = sum(c for r, c in reasons.items() if r not in ("too_long", "prompt_too_long"))
+    if stats["examples"]:
+        allowed = int(max_fraction * rows) - others  # length rejects the fraction allows
+        limit, fraction = f"above data.max_reject_fraction={max_fraction}", ", or raise data.max_reject_fraction"
+    else:
+        allowed, limit, fraction = n - others - 1, "no example left", ""  # keep one
+    raise UserError(
+        f"{shard}: {what}, {limit}: {advice(stats, rejects, allowed)}{fraction}; "
+        f"every one is listed with its source file, row and reason in {kept}"
+    )
+
+
+def check_units(stats: dict, shard: Path, min_examples: int, min_bins: int) -> None:
+    """Stop when the shard has fewer examples, or packed bins, than one micro-batch on every rank needs."""
+    examples, bins = stats["examples"], stats.get("bins", 0)
+    if examples >= min_examples and bins >= min_bins:
+        return
+    units, need = (
+        (f"{bins} packed bins ({examples} examples)", min_bins)
+        if bins < min_bins
+        else (f"{examples} examples", min_examples)
+    )
+    raise UserError(
+        f"{shard}: {units} after tokenization, fewer than the {need} that one micro-batch on every rank needs "
+        "(training.micro_batch_size × procs_per_node): add rows, lower `nodes`, training.micro_batch_size or "
+        "training.procs_per_node" + (", or set training.packing: false" if bins < min_bins else "")
+    )
 
 
 @cli
@@ -664,7 +818,17 @@ def main(argv=None) -> None:
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--packing", required=True, type=Path)
     p.add_argument("--stats", required=True, type=Path)
+    p.add_argument("--rejects", type=Path, help="examples left out, with reasons (default: <output>.rejects.parquet)")
+    p.add_argument(
+        "--max-reject-fraction",
+        type=float,
+        help="stop when more of the shard's examples are left out",
+        **option("data.max_reject_fraction"),
+    )
+    p.add_argument("--min-examples", type=int, default=1, help="stop with fewer examples (a micro-batch per rank)")
+    p.add_argument("--min-bins", type=int, default=0, help="stop with fewer packed bins (a micro-batch per rank)")
     a = p.parse_args(argv)
+    a.rejects = a.rejects or a.output.with_suffix(".rejects.parquet")
     tokenizer = use_template(
         AutoTokenizer.from_pretrained(a.tokenizer), a.tokenizer, a.chat_template, a.format_template
     )
@@ -672,7 +836,7 @@ def main(argv=None) -> None:
     settings = {"max_seq_len": a.max_seq_len, "overlength": a.overlength, "pack_len": pack_len}
     settings |= {"train_on": a.train_on, "template_kwargs": a.template_kwargs}
     key = cache_key(a.shard, tokenizer_fingerprint(tokenizer, a.tokenizer), settings)
-    outputs = {"tokens.parquet": a.output, "packing.parquet": a.packing}
+    outputs = {"tokens.parquet": a.output, "packing.parquet": a.packing, "rejects.parquet": a.rejects}
     entry = (a.cache_dir / key) if a.cache_dir else None
     stats, damage = from_cache(entry, outputs) if entry else (None, None)
     if stats is not None:
@@ -694,6 +858,7 @@ def main(argv=None) -> None:
                 a.overlength,
                 train_on=a.train_on,
                 template_kwargs=a.template_kwargs,
+                rejects_out=build / "rejects.parquet",
             )
             stats |= write_packing(lengths, pack_len, build / "packing.parquet") | {"key": key, "settings": settings}
             write_json(build / "stats.json", stats)
@@ -709,6 +874,10 @@ def main(argv=None) -> None:
         stats |= {"cache": ("rebuilt" if damage else "miss") if entry else "off"}
         if damage:
             stats |= {"cache_damage": f"{entry}: {damage}"}
+    # the guards come after the cache: their settings are no part of the key
+    kept = f"{entry / 'rejects.parquet'} (the cache entry)" if entry else "this stage's log"
+    check_rejects(stats, a.shard, a.rejects, a.max_reject_fraction, kept)
+    check_units(stats, a.shard, a.min_examples, a.min_bins)
     write_json(a.stats, stats | {"shard": str(a.shard)})
     rejected = f", rejected {stats['rejected']}" if stats.get("rejected") else ""
     print(f"{a.shard}: {stats['examples']} examples, {stats['tokens']} tokens{rejected}, cache {stats['cache']}")
