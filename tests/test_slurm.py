@@ -108,8 +108,8 @@ def test_rerunning_one_nodes_training_submits_one_job(slurm_cluster, slurm_run):
     assert [rule for _, rule in submissions(output)] == ["train_node"], output[-3000:]
     jobs = slurm_cluster.jobs(all_states=True, name=run_id(output))
     assert [(j["comment"], j["state"]) for j in jobs] == [("rule_train_node_wildcards_node1", "COMPLETED")]
-    # it resumed from node1's final checkpoint; node0 was not touched
-    assert json.loads((train / "node1" / "train_state.json").read_text())["plan"]["start_step"] == 12
+    # --forcerun retrains: node1's finished run starts again from step 0; node0 was not touched
+    assert json.loads((train / "node1" / "train_state.json").read_text())["plan"]["start_step"] == 0
     assert (train / "node0" / "train_state.json").stat().st_mtime_ns == untouched
 
 
@@ -157,6 +157,14 @@ def test_sigint_cancels_the_slurm_jobs(slurm_cluster, tmp_path):
 RUNTIME_MIN, WARNING_S = 2, 60
 PREEMPT_STEPS = 40
 SIGURG_BIT = 1 << (signal.SIGURG - 1)
+
+
+def stopped(pid: int) -> bool:
+    """Whether a process is stopped (state T) or gone."""
+    try:
+        return bool(re.search(r"^State:\s*T", Path(f"/proc/{pid}/status").read_text(), re.M))
+    except OSError:
+        return True
 
 
 def signalled(pid: int) -> bool:
@@ -219,6 +227,8 @@ def test_time_limit_signal_checkpoints_and_the_retry_resumes(slurm_cluster, tmp_
         assert len(ranks) == 2, ranks
         for pid in ranks:
             os.kill(pid, signal.SIGSTOP)
+        # SIGSTOP takes effect asynchronously: a rank still shown running would pass for one SLURM resumed
+        slurm_cluster.wait_for(lambda: all(stopped(pid) for pid in ranks), 30, what="the ranks to stop")
         try:
             slurm_cluster.wait_for(lambda: all(signalled(pid) for pid in ranks), timeout=150, what="SIGURG from SLURM")
         finally:
