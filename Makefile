@@ -1,5 +1,6 @@
 # Two commands set everything up on a fresh machine:
-#   make run   install into .venv, run the demo workflow, build results/demo/report.html
+#   make run   install into .venv, run the demo workflow, build results/demo/report.html, then its LoRA
+#              stage (config/demo_lora.yaml) on stage 1's node0, build results/demo-lora/report.html
 #   make test  install into .venv, run the test suite (all of it, as CI does)
 # and while working:
 #   make test-fast  the tests that start no torchrun, no real Snakemake run and no SLURM (< 3 min)
@@ -7,6 +8,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha256sum requirements.lock | cut -c1-12)
 RUN ?= demo
+# the demo's second stage: LoRA with stage 1's results/demo/models/node0 as its base
+LORA_CONFIG := config/demo_lora.yaml
+LORA_RUN := demo-lora
 # the workflow's shell commands (python, torchrun) must come from the venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export HF_HUB_OFFLINE ?= 1
@@ -26,14 +30,21 @@ $(STAMP):
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# Stage 2 is a second invocation: its base model must exist when the workflow is parsed, and stage 1 makes it.
 run: install
 	snakemake --cores all
 	snakemake --report results/$(RUN)/report.html
+	snakemake --cores all --configfile $(LORA_CONFIG)
+	snakemake --report results/$(LORA_RUN)/report.html --configfile $(LORA_CONFIG)
 	@echo; cat results/$(RUN)/eval/leaderboard.txt
 	@echo "report: results/$(RUN)/report.html"
+	@echo; echo "LoRA stage ($(LORA_CONFIG)): base = stage 1's node0, node0 = base + LoRA on a task stage 1 never saw"
+	@cat results/$(LORA_RUN)/eval/leaderboard.txt
+	@echo "report: results/$(LORA_RUN)/report.html"
 
 report: install
 	snakemake --report results/$(RUN)/report.html
+	test ! -d results/$(LORA_RUN) || snakemake --report results/$(LORA_RUN)/report.html --configfile $(LORA_CONFIG)
 
 test: install
 	$(PY) -m pytest

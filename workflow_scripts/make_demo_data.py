@@ -5,7 +5,13 @@ CPU in minutes: look-ups with several phrasings (capitals, successors), copy-lik
 transformations (upper-casing, letter reversal) and small sums. The file uses the
 ``prompt, question, response`` columns of seed 000, plus a ``category`` column.
 
+``--held-out`` writes instead the task family of the second, LoRA stage (config/demo_lora.yaml):
+repeating three letters back in order (``Repeat the letters: c a f`` -> ``c a f``), a family that
+resources/demo/instructions.csv never has. Stage 1's models have seen the letters (in the reverse
+family) but never this instruction, so the LoRA stage has something to learn on top of them.
+
     python workflow_scripts/make_demo_data.py resources/demo/instructions.csv
+    python workflow_scripts/make_demo_data.py --held-out resources/demo/lora_task.csv
 """
 
 import argparse
@@ -84,6 +90,9 @@ SYSTEM = {
     "reverse": "Answer with the letters only.",
     "sum": "Answer with the number only.",
 }
+# The LoRA stage's family: none of these phrasings, nor the category, is in generate()'s rows.
+HELD_OUT_CATEGORY = "repeat"
+REPEAT_QUESTIONS = ["Repeat the letters: {s}", "Say the letters again: {s}", "Copy these letters: {s}"]
 
 
 def generate(seed: int = 0) -> list[dict]:
@@ -118,12 +127,25 @@ def generate(seed: int = 0) -> list[dict]:
     return out
 
 
+def generate_held_out(seed: int = 0) -> list[dict]:
+    """The LoRA stage's rows: every triple of LETTERS once, asked in one of REPEAT_QUESTIONS' phrasings."""
+    rng = random.Random(seed)
+    rows = []
+    for t in (a + b + c for a in LETTERS for b in LETTERS for c in LETTERS):
+        letters = " ".join(t)
+        question = rng.choice(REPEAT_QUESTIONS).format(s=letters)
+        rows.append({"prompt": SYSTEM["reverse"], "question": question, "response": letters})
+    rng.shuffle(rows)
+    return [row | {"category": HELD_OUT_CATEGORY} for row in rows]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--held-out", action="store_true", help="the LoRA stage's task family instead")
     args = parser.parse_args(argv)
-    rows = generate(args.seed)
+    rows = generate_held_out(args.seed) if args.held_out else generate(args.seed)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=["prompt", "question", "response", "category"])
