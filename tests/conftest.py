@@ -289,3 +289,47 @@ def submissions(output: str) -> list[tuple[str, str]]:
 def slurm_env(cluster) -> dict:
     """The tests' environment for Snakemake, pointed at a throwaway cluster and its partition."""
     return cluster.client_env(tool_env()) | {"SLURM_PARTITION": cluster.partition}
+
+
+def bpe_tokenizer(
+    corpus,
+    special: list[str],
+    chat_template: str | None = None,
+    bos: str | None = None,
+    vocab_size: int = 600,
+    **tokens,
+):
+    """A byte-level BPE trained on ``corpus`` with a model family's special tokens (no download); with
+    ``bos``, a post-processor that puts it before any text encoded with special tokens, as Llama 3's
+    tokenizer.json does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, initial_alphabet=alphabet,
+                                  show_progress=False)  # fmt: skip
+    tok.train_from_iterator(corpus, trainer=trainer)
+    if bos:
+        tok.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(trim_offsets=False),
+                processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]),
+            ]
+        )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=chat_template, bos_token=bos, **tokens)
+
+
+def trained_runs(ex: dict) -> list[list[int]]:
+    """The labelled ids, one list per contiguous run; checks labels equal input_ids where set."""
+    runs, previous = [], -100
+    for x, y in zip(ex["input_ids"], ex["labels"], strict=True):
+        if y != -100:
+            assert y == x
+            if previous == -100:
+                runs.append([])
+            runs[-1].append(y)
+        previous = y
+    return runs

@@ -24,10 +24,9 @@ from chat_format import (
     parse_format,
     special_texts,
 )
-from conftest import REPO, snakemake, split_files, tiny_config
+from conftest import REPO, bpe_tokenizer, snakemake, split_files, tiny_config, trained_runs
 from pipeline_io import UserError
-from tokenization import IGNORE, ChatRenderer, encode_messages, generation_settings, use_template
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenization import ChatRenderer, encode_messages, generation_settings, use_template
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 FORMAT = "{system}### Question:\n{question}\n### Answer:\n"
@@ -48,21 +47,7 @@ CHATML = (
 
 
 def bpe(special: list[str], bos: str | None = None, **tokens) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer=trainer)
-    if bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
-        )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, **tokens)
+    return bpe_tokenizer(CORPUS, special, None, bos, vocab_size=500, **tokens)
 
 
 def tiny_llama(tokenizer, seed: int = 0) -> LlamaForCausalLM:
@@ -83,18 +68,6 @@ def save_model(folder: Path, tokenizer, seed: int = 0) -> Path:
 
 def ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def trained_runs(ex: dict) -> list[list[int]]:
-    runs, previous = [], IGNORE
-    for x, y in zip(ex["input_ids"], ex["labels"], strict=True):
-        if y != IGNORE:
-            assert y == x
-            if previous == IGNORE:
-                runs.append([])
-            runs[-1].append(y)
-        previous = y
-    return runs
 
 
 def write_jsonl(path: Path, rows) -> Path:

@@ -11,9 +11,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO
+from conftest import REPO, trained_runs
+from conftest import bpe_tokenizer as shared_bpe_tokenizer
 from tokenization import IGNORE, ChatRenderer, encode_messages, main, tokenize_shard
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, processors
 from transformers import PreTrainedTokenizerFast
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "templates"
@@ -51,26 +52,7 @@ def template(name: str) -> str:
 
 
 def bpe_tokenizer(special: list[str], chat_template: str, bos: str | None = None, **tokens) -> PreTrainedTokenizerFast:
-    """A byte-level BPE on CORPUS with the family's special tokens; with ``bos``, a post-processor
-    that puts it before any text encoded with special tokens, as Llama 3's tokenizer.json does."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer=trainer)
-    if bos:
-        tok.post_processor = processors.Sequence(
-            [
-                processors.ByteLevel(trim_offsets=False),
-                processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]),
-            ]
-        )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=chat_template, bos_token=bos, **tokens)
+    return shared_bpe_tokenizer(CORPUS, special, chat_template, bos, vocab_size=600, **tokens)
 
 
 @pytest.fixture(scope="module")
@@ -100,19 +82,6 @@ def ids(tokenizer, text: str) -> list[int]:
 
 def generation_prompt_ids(tokenizer, messages: list[dict], **kwargs) -> list[int]:
     return tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, **kwargs)["input_ids"]
-
-
-def trained_runs(ex: dict) -> list[list[int]]:
-    """The labelled ids, one list per contiguous run; checks labels equal input_ids where set."""
-    runs, previous = [], IGNORE
-    for x, y in zip(ex["input_ids"], ex["labels"], strict=True):
-        if y != IGNORE:
-            assert y == x
-            if previous == IGNORE:
-                runs.append([])
-            runs[-1].append(y)
-        previous = y
-    return runs
 
 
 def encode_one(tokenizer, messages, **kwargs) -> dict:
