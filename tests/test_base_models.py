@@ -66,6 +66,10 @@ def save_model(folder: Path, tokenizer, seed: int = 0) -> Path:
     return folder
 
 
+def chat(*turns: tuple[str, str]) -> list[dict]:
+    return [{"role": role, "content": content} for role, content in turns]
+
+
 def ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -125,13 +129,7 @@ def tokenized(tmp_path_factory, base_dir):
 def test_format_template_renders_as_python_formats(base_dir):
     fmt = 'Sys: {system}|"q" \\ {{x}} é😀\t{question}\n#A:\n'
     tok = use_template(AutoTokenizer.from_pretrained(base_dir), "t", None, fmt)
-    conv = [
-        {"role": "system", "content": "S"},
-        {"role": "user", "content": "Q1"},
-        {"role": "assistant", "content": "A1"},
-        {"role": "user", "content": "Q2"},
-        {"role": "assistant", "content": "A2"},
-    ]
+    conv = chat(("system", "S"), ("user", "Q1"), ("assistant", "A1"), ("user", "Q2"), ("assistant", "A2"))
     text = tok.apply_chat_template(conv, tokenize=False)
     assert text == "<s>" + format_prompt(fmt, "Q1", "S") + "A1</s>" + format_prompt(fmt, "Q2") + "A2</s>"
     assert format_prompt(fmt, "Q", "S") == 'Sys: S|"q" \\ {x} é😀\tQ\n#A:\n'
@@ -175,12 +173,7 @@ def test_labels_are_the_answer_and_eos_and_the_prompt_is_the_format(tokenized, l
 
 def test_multi_turn_in_the_format(base_dir):
     tok = use_template(AutoTokenizer.from_pretrained(base_dir), "t", None, FORMAT)
-    conv = [
-        {"role": "user", "content": "What is 3 + 4?"},
-        {"role": "assistant", "content": "7"},
-        {"role": "user", "content": "Which planet is red?"},
-        {"role": "assistant", "content": "Mars"},
-    ]
+    conv = chat(("user", "What is 3 + 4?"), ("assistant", "7"), ("user", "Which planet is red?"), ("assistant", "Mars"))
     (ex,) = encode_messages(tok, [conv], ChatRenderer(tok), train_on="all")
     assert trained_runs(ex) == [ids(tok, "7</s>"), ids(tok, "Mars</s>")]
     prompt = tok.apply_chat_template(conv[:-1], add_generation_prompt=True)["input_ids"]
