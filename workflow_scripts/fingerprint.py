@@ -22,6 +22,12 @@ from pipeline_io import UserError, file_sha256, write_json
 HEX_NAME = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # git sha1 or LFS sha256 blob names
 
 
+def is_hub_id(name_or_path: str) -> bool:
+    """Whether the name is a hub id (owner/name), not a file-system path."""
+    local = Path(name_or_path).expanduser().exists() or name_or_path.startswith(("/", ".", "~"))
+    return not local and name_or_path.count("/") == 1
+
+
 def local_model_folder(name_or_path: str) -> Path:
     """The folder from_pretrained reads: a local path, or the hub cache's snapshot of a hub id.
 
@@ -31,7 +37,7 @@ def local_model_folder(name_or_path: str) -> Path:
         if not (path / "config.json").is_file():
             raise UserError(f"model.name_or_path {name_or_path}: folder has no config.json (not a Hugging Face model)")
         return path
-    if path.exists() or name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") != 1:
+    if not is_hub_id(name_or_path):
         raise UserError(
             f"model.name_or_path {name_or_path}: no such model folder"
             " (give a local Hugging Face folder or a hub id such as Qwen/Qwen3-0.6B)"
@@ -56,8 +62,7 @@ def check_model(name_or_path: str) -> None:
     try:
         local_model_folder(name_or_path)
     except UserError:
-        looks_local = Path(name_or_path).expanduser().exists() or name_or_path.startswith(("/", ".", "~"))
-        if looks_local or name_or_path.count("/") != 1 or constants.HF_HUB_OFFLINE:
+        if not is_hub_id(name_or_path) or constants.HF_HUB_OFFLINE:
             raise
 
 
