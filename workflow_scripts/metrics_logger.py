@@ -63,8 +63,9 @@ class MetricsLogger:
     def should_log(self, step: int) -> bool:
         return step % self.cfg.log_every == 0 or step == self.plan.total_steps
 
-    def log(self, step: int, loss_sum: torch.Tensor, grad_norm: float, lr: float) -> None:
-        """After optimizer step ``step`` (1-based): the interval's mean loss and throughput over all ranks."""
+    def log(self, step: int, loss_sum: torch.Tensor, grad_norm: float, lr: float, extra: dict | None = None) -> None:
+        """After optimizer step ``step`` (1-based): the interval's mean loss and throughput over all ranks;
+        ``extra``: fp16's loss scale and skipped steps."""
         if not self.should_log(step):
             return
         stats = [loss_sum.item() / self.cfg.grad_accum, float(self.tokens), self.flops]
@@ -87,6 +88,7 @@ class MetricsLogger:
                 # which SLURM job trained this step: a resumed run shows where the next job took over
                 "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             }
+            | (extra or {})
         )
         self.tokens, self.flops, self.clock, self.last_logged = 0, 0.0, time.perf_counter(), step
 

@@ -20,6 +20,29 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(cfg) -> torch.dtype:
+    return DTYPES[cfg.precision]
+
+
+def offloaded(cfg, device: torch.device) -> bool:
+    """FSDP2 CPU offload (DeepSpeed reads training.offload itself); on a CPU run there is nothing to offload to."""
+    return cfg.offload != "none" and device.type == "cuda"
+
+
+def loss_scaler(cfg, device, sharded: bool):
+    """fp16: dynamic loss scaling (a step whose gradients overflow is skipped and the scale halved).
+    FSDP's gradients are sharded, so its scaler agrees on overflow over all ranks."""
+    if cfg.precision != "fp16":
+        return None
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)
+
 
 def lr_lambda(cfg, total_steps: int):
     """The learning-rate factor of each step: linear warmup, then cosine, linear or constant decay
@@ -57,6 +80,8 @@ class Strategy:
     clipped optimizer step. A subclass wraps the model, runs micro-batches and saves/loads."""
 
     model: torch.nn.Module
+    scaler = None  # a GradScaler with fp16
+    skipped = 0  # optimizer steps fp16 skipped for overflowing gradients
 
     def __init__(self, cfg, device, total_steps: int):
         self.cfg, self.device, self.total_steps = cfg, device, total_steps
@@ -72,15 +97,45 @@ class Strategy:
     def make_scheduler(self, optimizer) -> LambdaLR:
         return LambdaLR(optimizer, lr_lambda(self.cfg, self.total_steps))
 
+    def backward(self, loss: torch.Tensor) -> None:
+        loss = loss / self.cfg.grad_accum
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
     def step(self) -> float:
-        """Clip the gradients by global norm, step, advance the schedule; the norm before clipping."""
+        """Clip the gradients by global norm, step, advance the schedule; the norm before clipping.
+        With fp16, a step whose gradients overflowed is skipped (and counted)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
-        self.optimizer.step()
+        if self.scaler:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.skipped += int(self.scaler.get_scale() < scale)
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
+
+    def loss_scale_stats(self) -> dict:
+        """fp16's loss scale and the optimizer steps skipped so far for overflowing gradients."""
+        if self.cfg.precision != "fp16":
+            return {}
+        return {"loss_scale": self.scaler.get_scale(), "skipped_steps": self.skipped}
+
+    def extra_state(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict()} | (
+            {"scaler": self.scaler.state_dict(), "skipped": self.skipped} if self.scaler else {}
+        )
+
+    def load_extra_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler:
+            self.scaler.load_state_dict(state["scaler"])
+            self.skipped = state["skipped"]
 
     def current_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
@@ -95,14 +150,15 @@ class DDPStrategy(Strategy):
         self.model = DistributedDataParallel(self.inner, device_ids=[device.index] if device.type == "cuda" else None)
         self.optimizer = self.make_optimizer(self.inner.parameters())
         self.scheduler = self.make_scheduler(self.optimizer)
-        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+        self.autocast = torch.autocast(device.type, dtype=compute_dtype(cfg), enabled=cfg.precision != "fp32")
+        self.scaler = loss_scaler(cfg, device, sharded=False)
 
     def forward_backward(self, batch, last_micro: bool):
         sync = contextlib.nullcontext() if last_micro else self.model.no_sync()
         with sync:
             with self.autocast:
                 loss = self.model(**batch).loss
-            (loss / self.cfg.grad_accum).backward()
+            self.backward(loss)
         return loss
 
     def save(self, folder: Path) -> None:
@@ -110,7 +166,7 @@ class DDPStrategy(Strategy):
             state = {
                 "model": trainable_state_dict(self.inner),
                 "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
+                **self.extra_state(),
             }
             torch.save(state, folder / "state.pt")
 
@@ -123,34 +179,45 @@ class DDPStrategy(Strategy):
         if unexpected or lacking:
             raise RuntimeError(f"{folder / 'state.pt'}: does not match the model ({unexpected[:2]} {lacking[:2]})")
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.load_extra_state(state)
+
+
+def fsdp_kwargs(cfg, device) -> dict:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    return {
+        "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype(cfg), reduce_dtype=torch.float32),
+        "offload_policy": CPUOffloadPolicy() if offloaded(cfg, device) else OffloadPolicy(),
+    }
+
+
+def shard_fsdp(model, cfg, device) -> None:
+    """FSDP2: ``fully_shard`` each decoder block, then the root. A model on the meta device stays
+    there (model_loading fills it); a materialized one moves to the device one block at a time."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = fsdp_kwargs(cfg, device)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
 
 
 class FSDPStrategy(Strategy):
     def __init__(self, cfg, model, device, total_steps):
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import FSDPModule
 
         super().__init__(cfg, device, total_steps)
-        dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-        kwargs = {
-            "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
-            "offload_policy": CPUOffloadPolicy()
-            if cfg.offload != "none" and device.type == "cuda"
-            else OffloadPolicy(),
-        }
-        if device.type == "cuda":
-            model.to(device)
-        for layer in decoder_layers(model):
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
+        if not isinstance(model, FSDPModule):  # model_loading shards while loading; tests pass whole models
+            shard_fsdp(model, cfg, device)
         self.model = model
         self.optimizer = self.make_optimizer(model.parameters())
         self.scheduler = self.make_scheduler(self.optimizer)
+        self.scaler = loss_scaler(cfg, device, sharded=True)
 
     def forward_backward(self, batch, last_micro: bool):
         self.model.set_requires_gradient_sync(last_micro)
         loss = self.model(**batch).loss
-        (loss / self.cfg.grad_accum).backward()
+        self.backward(loss)
         return loss
 
     def _options(self):
@@ -165,7 +232,7 @@ class FSDPStrategy(Strategy):
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(folder / "dcp"))
         if dist.get_rank() == 0:
-            torch.save({"scheduler": self.scheduler.state_dict()}, folder / "scheduler.pt")
+            torch.save(self.extra_state(), folder / "scheduler.pt")
 
     def load(self, folder: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -181,8 +248,7 @@ class FSDPStrategy(Strategy):
             optim_state_dict=state["optimizer"],
             options=self._options(),
         )
-        sched = torch.load(folder / "scheduler.pt", weights_only=True)
-        self.scheduler.load_state_dict(sched["scheduler"])
+        self.load_extra_state(torch.load(folder / "scheduler.pt", weights_only=True))
 
 
 def deepspeed_config(cfg, world_size: int) -> dict:
@@ -200,6 +266,8 @@ def deepspeed_config(cfg, world_size: int) -> dict:
         "gradient_clipping": cfg.max_grad_norm,
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.precision == "bf16"},
+        # dynamic loss scaling (loss_scale 0), as torch's GradScaler: start at 2^16, halve on overflow
+        "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 1 << 30,
@@ -230,6 +298,11 @@ class DeepSpeedStrategy(Strategy):
         """The engine clipped and stepped at the last micro-batch's boundary; its norm."""
         norm = self.model.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
+
+    def loss_scale_stats(self) -> dict:
+        if self.cfg.precision != "fp16":
+            return {}
+        return {"loss_scale": float(self.optimizer.cur_scale), "skipped_steps": int(self.model.skipped_steps)}
 
     def save(self, folder: Path) -> None:
         self.model.save_checkpoint(

@@ -26,52 +26,13 @@ from batching import TrainingData
 from checkpoint import Checkpointer, run_key, superseded
 from fingerprint import cache_file_for, model_fingerprint, optional_file_sha256
 from metrics_logger import MetricsLogger, flops_per_sequence_fn
+from model_loading import load_model
 from pipeline_io import cli, write_json
 from preemption import StopSignal
 from settings import TrainConfig
 from strategies import build_strategy
 
 log = logging.getLogger("train")
-
-
-# ---------------------------------------------------------------- model
-
-
-def attention_implementation(device: torch.device) -> str:
-    if device.type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return "sdpa"
-
-
-def load_model(base: str, cfg: TrainConfig, device: torch.device):
-    from transformers import AutoModelForCausalLM
-
-    attn = attention_implementation(device)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation=attn)
-    # No KV cache in training: with one, transformers ignores the position ids when building the
-    # attention mask, and packed sequences would attend to each other.
-    model.config.use_cache = False
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.peft == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(
-            r=cfg.lora_r,
-            lora_alpha=cfg.lora_alpha,
-            lora_dropout=cfg.lora_dropout,
-            target_modules=list(cfg.lora_target_modules),
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, lora)
-        if cfg.gradient_checkpointing:
-            model.enable_input_require_grads()
-    return model, attn
 
 
 # ---------------------------------------------------------------- setup
@@ -152,7 +113,7 @@ def train(strategy, data, metrics, ckpt, stop, start_step: int) -> None:
     strategy.model.train()
     for step in range(start_step + 1, last + 1):
         loss_sum, grad_norm = train_step(strategy, data, step - 1, metrics)
-        metrics.log(step, loss_sum, grad_norm, strategy.current_lr())
+        metrics.log(step, loss_sum, grad_norm, strategy.current_lr(), strategy.loss_scale_stats())
         ckpt.maybe_save(step, last)
         stop.maybe_exit(step, last, strategy.device, ckpt, on_exit=metrics.close)
 
