@@ -29,7 +29,8 @@ def test_peft_names_map_to_checkpoint_keys():
     peft_name = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
     assert checkpoint_name(peft_name, keys, "model") == "model.layers.0.self_attn.q_proj.weight"
     assert checkpoint_name("lm_head.weight", keys, "model") == "lm_head.weight"
-    assert checkpoint_name("layers.0.self_attn.q_proj.weight", keys, "model") == "model.layers.0.self_attn.q_proj.weight"
+    unprefixed = "layers.0.self_attn.q_proj.weight"
+    assert checkpoint_name(unprefixed, keys, "model") == "model.layers.0.self_attn.q_proj.weight"
     assert checkpoint_name("model.norm.weight", keys, "model") is None
 
 

@@ -34,8 +34,9 @@ def checkpoints(tmp_path_factory):
 def check(base, training: dict, tmp_path) -> dict:
     out = tmp_path / "check.json"
     config = {"precision": "fp32", "zero_stage": 3} | training
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(REPO / "tests" / "sharded_load_check.py"),
-           str(base), json.dumps(config), str(out)]  # fmt: skip
+    script = REPO / "tests" / "sharded_load_check.py"
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(script), str(base), json.dumps(config),
+           str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=trainer_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -43,7 +44,12 @@ def check(base, training: dict, tmp_path) -> dict:
 
 # FSDP reads the checkpoint files itself: one run on a bf16 file (fp32 master shards from it), one on
 # tied embeddings saved as several files with an index
-CASES = [("fsdp", "none", "tied"), ("fsdp", "lora", "bf16"), ("deepspeed", "none", "fp32"), ("deepspeed", "lora", "fp32")]
+CASES = [
+    ("fsdp", "none", "tied"),
+    ("fsdp", "lora", "bf16"),
+    ("deepspeed", "none", "fp32"),
+    ("deepspeed", "lora", "fp32"),
+]
 
 
 @pytest.mark.parametrize(("strategy", "peft", "base"), CASES)
