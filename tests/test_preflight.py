@@ -15,7 +15,8 @@ GB = 2**30
 def training(**kw):
     base = {"mode": "per_node", "nodes": 1, "strategy": "deepspeed", "zero_stage": 3, "offload": "all",
             "peft": "none", "lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}, "procs_per_node": 4,
-            "precision": "bf16", "micro_batch_size": 1, "gradient_checkpointing": True, "gpu_memory_gb": 80}  # fmt: skip
+            "precision": "bf16", "micro_batch_size": 1, "gradient_checkpointing": True,
+            "gpu_memory_gb": 80}  # fmt: skip
     return base | kw
 
 

@@ -337,7 +337,7 @@ def main(argv=None) -> None:
     if host["fits"] is False:
         raise UserError(
             f"training needs about {host['peak_gb']:.0f} GB of host memory per node ({moment}) but the training job "
-            f"has {limit_gb:.0f} GB (mem_mb {a.host_memory_mb}, TRAIN_MEM_MB in profiles/slurm) ({n / 1e9:.2f}B "
+            f"has {limit_gb:.0f} GB (mem_mb {a.host_memory_mb}: TRAIN_MEM_MB in profiles/slurm; {n / 1e9:.2f}B "
             f"parameters, {t['strategy']}, offload {t['offload']}, {host['ranks_per_node']} ranks per node); try: "
             f"{host_advice(t, host, host_peak)}"
         )
