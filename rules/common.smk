@@ -231,16 +231,31 @@ def training_json():
     return json.dumps(config["training"], sort_keys=True)
 
 
-MEMORY_KEYS = ["strategy", "zero_stage", "offload", "peft", "lora", "procs_per_node", "precision",
+MEMORY_KEYS = ["mode", "strategy", "zero_stage", "offload", "peft", "lora", "procs_per_node", "precision",
                "micro_batch_size", "gradient_checkpointing", "gpu_memory_gb"]  # fmt: skip
 
 
 def memory_json():
     """The training keys that change memory use (so a new learning rate does not rerun the plan)."""
-    keys = {k: config["training"][k] for k in MEMORY_KEYS}
+    keys = {k: config["training"][k] for k in MEMORY_KEYS} | {"nodes": config["nodes"]}
     if JOINT:  # ZeRO and FSDP shard over every node's ranks
         keys["world_size"] = config["nodes"] * config["training"]["procs_per_node"]
     return json.dumps(keys, sort_keys=True)
+
+
+def train_mem_mb():
+    """The host memory (MB, per node) of the training job as Snakemake will submit it, for plan_training:
+    the train_node / train_joint `mem_mb` of --set-resources (profiles/slurm: TRAIN_MEM_MB), else of
+    --default-resources; None when neither sets a fixed number (no profile: no limit to check)."""
+    settings = workflow.resource_settings
+    name = "train_joint" if JOINT else "train_node"
+    for resources in (settings.overwrite_resources.get(name) or {}, settings.default_resources or {}):
+        if "mem_mb" in resources:  # Snakemake has turned mem, mem_mib and "500GB" into mem_mb
+            value = resources["mem_mb"]
+            if hasattr(value, "is_evaluable"):  # a parsed Resource; an evaluable one depends on the job
+                value = None if value.is_evaluable() else value.value
+            return value if isinstance(value, int) else None
+    return None
 
 
 def final_outputs():

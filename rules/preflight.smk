@@ -16,7 +16,9 @@ rule plan_training:
         training=memory_json(),
         seq_len=config["data"]["max_seq_len"],
         vocab=config["model"]["demo_vocab_size"],
+        # the training job's host memory: changing it reruns this plan, not training (whose input is ancient)
+        host_memory=cli_args(host_memory_mb=train_mem_mb()),
     shell:
         "python {params.script} --model {params.model} --training {params.training:q}"
-        " --seq-len {params.seq_len} --vocab-size {params.vocab}"
+        " --seq-len {params.seq_len} --vocab-size {params.vocab} {params.host_memory}"
         " --output {output.plan} --table {output.table} > {log} 2>&1"

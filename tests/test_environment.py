@@ -1,10 +1,11 @@
-"""check_environment's benchmark: the bandwidth and rate formulas, and reading its results."""
+"""check_environment: what stops a run on the node (problems), the benchmark's bandwidth and rate formulas,
+and reading its results."""
 
 import json
 import re
 
 import pytest
-from environment import benchmark_summary, bus_bandwidth, matmul_rate, parse_benchmark
+from environment import benchmark_summary, bus_bandwidth, matmul_rate, parse_benchmark, problems
 from pipeline_io import UserError
 
 
@@ -50,3 +51,30 @@ def test_parse_benchmark_accepts_a_complete_result():
 def test_parse_benchmark_rejects_incomplete_results(text, message):
     with pytest.raises(UserError, match=re.escape(message)):
         parse_benchmark(text, 2)
+
+
+def report(gpus=("Tesla T4", "Tesla T4"), bf16=False, cuda=True, **packages):
+    """A collect() result as check_environment would see it on a node with these GPUs."""
+    pkgs = {"torch": "2.13.0", "deepspeed": "0.19.0", "peft": "0.17.0"} | packages
+    listed = [{"name": name, "memory_gb": 15.0, "capability": "7.5"} for name in gpus] if cuda else []
+    gpu = {"cuda_available": cuda, "gpu_count": len(listed), "bf16_supported": bf16 and cuda, "gpus": listed}
+    return {"packages": pkgs, "fsdp2_available": True, "gpu": gpu}
+
+
+def test_bf16_on_a_gpu_without_it_names_fp16():
+    found = problems(report(), "ddp", "lora", 2, "bf16")
+    assert found == ["training.precision is bf16 but Tesla T4 has no bf16: use training.precision: fp16"]
+    # fp16 and fp32 run there; bf16 runs where the GPU has it, and on the CPU (slowly)
+    assert problems(report(), "ddp", "lora", 2, "fp16") == []
+    assert problems(report(), "ddp", "lora", 2, "fp32") == []
+    assert problems(report(("NVIDIA A100-SXM4-80GB",) * 2, bf16=True), "ddp", "lora", 2, "bf16") == []
+    assert problems(report(cuda=False), "ddp", "lora", 2, "bf16") == []
+
+
+def test_each_problem_is_one_line_naming_its_key():
+    found = problems(report(("Tesla V100-SXM2-16GB",), deepspeed=None), "deepspeed", "none", 2, "bf16")
+    assert found == [
+        "training.strategy is deepspeed but deepspeed is not installed",
+        "training.procs_per_node is 2 but this node has 1 GPU(s)",
+        "training.precision is bf16 but Tesla V100-SXM2-16GB has no bf16: use training.precision: fp16",
+    ]

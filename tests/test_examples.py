@@ -156,6 +156,65 @@ def test_example_fits_its_gpus(name):
     assert est["total_gb"] <= t["gpu_memory_gb"], (name, est)
 
 
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_fits_its_host_memory(name):
+    """plan_training's host estimate per node, at load and in training, within the header's TRAIN_MEM_MB."""
+    from preflight import host_estimate, largest_checkpoint_file, model_to_params, trainable_parameters
+    from presets import preset_name
+
+    config = with_defaults(load(name))
+    model = config["model"]["name_or_path"]
+    shape = model_shape(model, config)
+    n, largest_layer = model_to_params(shape)
+    t = config["training"]
+    world = t["procs_per_node"] * (config["nodes"] if t["mode"] == "joint" else 1)
+    largest_file, _ = largest_checkpoint_file(model, shape, n, preset_name(model) is not None)
+    host = host_estimate(n, trainable_parameters(shape, n, t), largest_layer, t, world, largest_file)
+    mem_mb = int(header_command(name)[0].get("TRAIN_MEM_MB", 200000))  # profiles/slurm's default
+    assert host["peak_gb"] <= mem_mb / 1024, (name, mem_mb, host)
+
+
+def test_seed_000_plan_shows_the_host_memory_it_needs(tmp_path):
+    """Seed 000's plan as plan_training writes it: the seed's "500GB+" (TRAIN_MEM_MB=512000) stops it with
+    the TRAIN_MEM_MB it needs; the header's TRAIN_MEM_MB fits."""
+    name = "000-qwen3-32b-zero3-offload.yaml"
+    config = with_defaults(load(name))
+    folder = tmp_path / "qwen3-32b"  # the hub model's config.json, no weights
+    shape = model_shape(config["model"]["name_or_path"], config)
+    shape.dtype = "bfloat16"
+    shape.save_pretrained(folder)
+    header_mb = int(header_command(name)[0]["TRAIN_MEM_MB"])
+
+    def plan(mem_mb):
+        cmd = [
+            sys.executable, str(REPO / "workflow_scripts" / "preflight.py"), "--model", str(folder),
+            "--training", json.dumps(config["training"] | {"nodes": config["nodes"]}),
+            "--seq-len", str(config["data"]["max_seq_len"]), "--host-memory-mb", str(mem_mb),
+            "--output", str(tmp_path / "plan.json"), "--table", str(tmp_path / "plan.csv"),
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=300)
+        table = dict(line.split(",", 1) for line in (tmp_path / "plan.csv").read_text().splitlines())
+        return proc, json.loads((tmp_path / "plan.json").read_text()), table
+
+    proc, est, table = plan(512000)
+    host = est["host"]
+    # ZeRO-3 offloading everything on one node: 18 bytes per parameter x 1.5, plus 4 ranks' processes
+    assert host["in_training_gb"] == pytest.approx(18 * 1.5 * est["parameters"] / 2**30 + 4 * 1.5)
+    assert 820 < host["in_training_gb"] < 840 and host["at_load_gb"] < 100 and host["peak_gb"] == host["in_training_gb"]
+    assert float(table["host RAM per node in training"]) == pytest.approx(host["in_training_gb"], abs=0.01)
+    assert float(table["host RAM per node at load"]) == pytest.approx(host["at_load_gb"], abs=0.01)
+    assert table["host memory (TRAIN_MEM_MB)"] == "500 (mem_mb 512000)"
+    assert proc.returncode == 2 and host["fits"] is False and est["gpu_fits"] is True, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "needs about 830 GB of host memory per node (in training)" in last and "TRAIN_MEM_MB=" in last, last
+    assert "training.mode: joint on 4 nodes (212 GB per node" in last, last
+
+    proc, est, table = plan(header_mb)
+    assert proc.returncode == 0 and est["host"]["fits"] is True and est["fits"] is True, proc.stderr
+    assert table["host memory (TRAIN_MEM_MB)"] == f"{header_mb / 1024:.0f} (mem_mb {header_mb})"
+    assert est["host"]["peak_gb"] <= header_mb / 1024
+
+
 # --- Submission through profiles/slurm ----------------------------------------------------------------
 
 FAKE_SBATCH = """#!{python}
@@ -387,11 +446,12 @@ def test_example_submits_the_seeds_sbatch_resources(name, tmp_path):
 
 
 def check_seed_000_lines(submissions):
-    """The literal numbers of seed 000: 4 nodes x 4 GPUs, 500 GB host memory, 36 h."""
+    """The literal numbers of seed 000: 4 nodes x 4 GPUs, 36 h, and 859 GB of host memory (the seed's
+    "500GB+": what ZeRO-3 offload of 32B needs by plan_training's estimate, 830 GB)."""
     train = [opts for rule, opts in submissions if rule == "train_node"]
     assert len(train) == 4
     assert {(o["-p"], o["--nodes"], o["--gpus"], o["--cpus-per-task"], o["--mem"], o["-t"]) for o in train} == {
-        ("gpu", "1", "4", "32", "512000", "2160")
+        ("gpu", "1", "4", "32", "880000", "2160")
     }
     comments = sorted(o["--comment"] for o in train)
     assert comments == [f"rule_train_node_wildcards_node{i}" for i in range(4)]

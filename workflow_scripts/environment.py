@@ -2,7 +2,8 @@
 
 Then a quick benchmark under torchrun with the job's procs_per_node ranks (seed 001: "test
 communication before long runs"): matmul throughput of every rank's device (bf16 TFLOP/s on a GPU,
-fp32 GFLOP/s on the CPU) and all-reduce bus bandwidth across the ranks (NCCL on GPUs, gloo on CPU).
+fp16 on one without bf16, fp32 GFLOP/s on the CPU) and all-reduce bus bandwidth across the ranks
+(NCCL on GPUs, gloo on CPU).
 
     python environment.py --strategy ddp --procs-per-node 2 --output env/check.json
 """
@@ -39,8 +40,15 @@ def gpu_report() -> dict:
         info["gpu_count"] = torch.cuda.device_count()
         for i in range(info["gpu_count"]):
             props = torch.cuda.get_device_properties(i)
-            info["gpus"].append({"name": props.name, "memory_gb": round(props.total_memory / 2**30, 1)})
-        info["bf16_supported"] = torch.cuda.is_bf16_supported()
+            info["gpus"].append(
+                {
+                    "name": props.name,
+                    "memory_gb": round(props.total_memory / 2**30, 1),
+                    "capability": f"{props.major}.{props.minor}",
+                }
+            )
+        # native bf16 (compute capability 8.0+); by default torch also says yes where it only emulates it (T4, V100)
+        info["bf16_supported"] = torch.cuda.is_bf16_supported(including_emulation=False)
         info["cuda_version"] = torch.version.cuda
         nccl = torch.cuda.nccl.version()
         info["nccl_version"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
@@ -74,7 +82,8 @@ def problems(report: dict, strategy: str, peft: str, procs_per_node: int, precis
     if gpu["cuda_available"] and procs_per_node > gpu["gpu_count"]:
         out.append(f"training.procs_per_node is {procs_per_node} but this node has {gpu['gpu_count']} GPU(s)")
     if precision == "bf16" and gpu["cuda_available"] and not gpu["bf16_supported"]:
-        out.append("training.precision is bf16 but the GPU does not support bf16")
+        name = gpu["gpus"][0]["name"] if gpu.get("gpus") else "the GPU"
+        out.append(f"training.precision is bf16 but {name} has no bf16: use training.precision: fp16")
     return out
 
 
@@ -140,7 +149,9 @@ def bench_rank(output: Path) -> None:
     size = BENCH[device.type]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    dtype = torch.bfloat16 if cuda else torch.float32
+    # the GPU's 16-bit tensor-core rate: bf16, or fp16 where bf16 is only emulated
+    half = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+    dtype = half if cuda else torch.float32
     a = torch.randn(size["matmul_n"], size["matmul_n"], device=device, dtype=dtype)
     b = torch.randn_like(a)
     a @ b  # warm-up

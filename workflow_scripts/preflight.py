@@ -1,36 +1,94 @@
-"""plan_training: estimate per-GPU memory before any training job is queued, and stop if it cannot fit.
+"""plan_training: estimate GPU and host memory before any training job is queued, and stop if either cannot fit.
 
-The estimate follows the usual accounting (ZeRO paper; Korthikanti et al. 2022 for
-activations), per GPU, in bytes:
+GPU, per GPU, in bytes, by the usual accounting (ZeRO paper; Korthikanti et al. 2022 for
+activations):
 
-- weights: 2 per parameter in bf16 (4 in fp32), sharded by ZeRO-3 / FSDP, on the CPU with ``offload: all``;
-- fp32 master weights (bf16 only) and AdamW's two moments: 4 + 8 per *trainable* parameter,
+- weights: 2 per parameter in bf16 or fp16 (4 in fp32), sharded by ZeRO-3 / FSDP, on the CPU with
+  ``offload: all``;
+- fp32 master weights (bf16 and fp16 only) and AdamW's two moments: 4 + 8 per *trainable* parameter,
   sharded by ZeRO-1/2/3 / FSDP, on the CPU with any offload;
 - gradients: the compute dtype per trainable parameter, sharded by ZeRO-2/3 / FSDP;
-- activations per layer and token: about 34 × hidden bytes in bf16 (attention is SDPA/flash,
+- activations per layer and token: about 34 × hidden bytes in 16-bit (attention is SDPA/flash,
   so no sequence² term), only the layer inputs (2 × hidden) with gradient checkpointing plus one
   layer's worth; the logits: vocab × 4 bytes per token, twice (values and gradient);
 - a fixed 1.5 GB for the CUDA context, NCCL buffers and allocator slack.
+
+Host RAM, per node (its ``procs_per_node`` ranks; the world is nodes × procs_per_node in joint mode,
+procs_per_node per node otherwise; c is the compute dtype's bytes, 2 in bf16/fp16, 4 in fp32; the
+trainable parameters are all of them, or the LoRA adapters' with ``peft: lora``, whose frozen base
+is kept in the compute dtype and the adapters in fp32), for a GPU run, at two moments:
+
+- at load, as the trainer builds the model:
+  FSDP2 builds it on the meta device and fills each rank's shard from the memory-mapped safetensors:
+  the largest checkpoint file (its pages are shared by the node's ranks) plus every rank's shard
+  (fp32 trainable weights, frozen ones in c);
+  DeepSpeed ZeRO-3 builds it under ``deepspeed.zero.Init``, partitioned as it loads, while
+  transformers reads one safetensors file at a time: the largest file, plus the node's partitions
+  (c per parameter / nodes) when ``offload: all`` keeps them on the host;
+  DDP and ZeRO-1/2 hold one full replica per rank, which passes through host memory once per rank:
+  procs_per_node replicas (DeepSpeed: every weight in c, its fp32 master copy is made later; DDP:
+  the trainable weights in fp32, which autocast keeps as the master weights, the frozen ones in c).
+  The largest checkpoint file is measured where the model's folder is here (a local folder or a
+  hub model in the cache), else taken as the model's size in its dtype up to 5 GB (hub checkpoints
+  are sharded at 5 GB or less) or, for a from-scratch preset, up to 50 GB (save_pretrained's shard).
+- in training, what CPU offload keeps on the host, by DeepSpeed's own accounting
+  (``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs`` with ``zero_init=True``
+  and ``deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs``, deepspeed
+  0.19), applied to the trainable parameters only:
+  ZeRO-3 with ``offload: all`` (offload_param and offload_optimizer): c + 16 bytes per parameter
+  (DeepSpeed's 18 in bf16/fp16: the 16-bit parameter, then fp32 master weights, gradients and Adam's
+  two moments, 4 + 4 + 8), with ``offload: optimizer`` 16, times 1/nodes (DeepSpeed's gpus_factor)
+  times its additional_buffer_factor 1.5; without offload DeepSpeed counts 4 bytes of the largest
+  layer per rank, × 1.5. The frozen base of a LoRA run is partitioned onto the host too with
+  ``offload: all``: c per frozen parameter / nodes, × 1.5.
+  ZeRO-1/2 with ``offload: optimizer``: 16 bytes per parameter / nodes, × 1.5. DeepSpeed's ZeRO-2
+  estimator writes max(4 × total GPUs, 16) and no 1/nodes: the 4 bytes per GPU are the fp32 replica
+  each rank loads without zero.Init (counted here at load, in the dtype the trainer loads), and
+  ZeRO-2 partitions the offloaded states over every rank as ZeRO-3 does; for one node of at most 4
+  GPUs the two agree.
+  FSDP2's CPUOffloadPolicy (``offload: optimizer`` or ``all``) keeps each rank's shard of the
+  parameters, gradients and optimizer states on the host: 4 + 4 + 8 = 16 bytes per trainable
+  parameter / world per rank (frozen ones: c), i.e. 16 / nodes per node. DDP has no offload.
+- both moments: 1.5 GB per rank for the Python process (torch, transformers and deepspeed imported:
+  0.4 GB) and the host side of the CUDA context.
+
+The peak of the two is compared with the training job's host memory: the train_node / train_joint
+job's ``mem_mb`` resource (profiles/slurm sets it from TRAIN_MEM_MB; SLURM reads it in MiB, per
+node), passed as ``--host-memory-mb``; without it there is no limit to check. GB here are GiB.
+On a CPU run (the demo) the GPU column's weights and states are on the host as well.
 """
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from pipeline_io import UserError, cli, write_json
 from settings import option
 from transformers import AutoConfig
 
+GB = 2**30  # the plan's GB are GiB, as SLURM's and nvidia-smi's
 OVERHEAD_GB = 1.5
+HOST_OVERHEAD_GB = 1.5  # per rank: Python with torch and transformers (0.4 GB), the CUDA context's host side
+DS_BUFFER = 1.5  # DeepSpeed's additional_buffer_factor
+HUB_SHARD_BYTES = 5 * 10**9  # hub checkpoints: files of at most 5 GB (transformers 4's max_shard_size)
+SAVE_SHARD_BYTES = 50 * 10**9  # save_pretrained's max_shard_size (transformers 5): build_demo_model's files
 
 
-def count_parameters(config) -> int:
+def model_to_params(config) -> tuple[int, int]:
+    """The parameters of the model and of its largest module (its own parameters, not its children's),
+    as DeepSpeed's ``model_to_params`` counts them, on the meta device."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return sum(p.numel() for p in model.parameters()), largest
+
+
+def count_parameters(config) -> int:
+    return model_to_params(config)[0]
 
 
 def lora_parameters(config, r: int, targets: list[str]) -> int:
@@ -46,19 +104,28 @@ def lora_parameters(config, r: int, targets: list[str]) -> int:
     return layers * sum(r * (i + o) for name, (i, o) in shapes.items() if name in targets)
 
 
+def trainable_parameters(config, n_params: int, t: dict) -> int:
+    if t["peft"] == "lora":
+        return lora_parameters(config, t["lora"]["r"], t["lora"]["target_modules"])
+    return n_params
+
+
+def compute_bytes(t: dict) -> int:
+    """Bytes per weight in the compute dtype: 2 in bf16 and fp16, 4 in fp32."""
+    return 2 if t["precision"] in ("bf16", "fp16") else 4
+
+
 def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
     """Per-GPU memory in GB, by component, for the training config ``t``."""
-    bf16 = t["precision"] == "bf16"
+    half = compute_bytes(t) == 2
     strategy, stage, offload = t["strategy"], t.get("zero_stage", 0), t["offload"]
-    trainable = (
-        lora_parameters(config, t["lora"]["r"], t["lora"]["target_modules"]) if t["peft"] == "lora" else n_params
-    )
+    trainable = trainable_parameters(config, n_params, t)
     shard_params = strategy == "fsdp" or (strategy == "deepspeed" and stage == 3)
     shard_grads = shard_params or (strategy == "deepspeed" and stage >= 2)
     shard_optim = strategy == "fsdp" or strategy == "deepspeed"
-    w = 2 if bf16 else 4
+    w = compute_bytes(t)
     weights = n_params * w / (world if shard_params else 1) * (0 if offload == "all" else 1)
-    master = trainable * (4 if bf16 else 0)
+    master = trainable * (4 if half else 0)
     optim = (trainable * 8 + master) / (world if shard_optim else 1) * (0 if offload != "none" else 1)
     grads = trainable * w / (world if shard_grads else 1)
     tokens = t["micro_batch_size"] * seq_len
@@ -76,7 +143,7 @@ def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
         "activations": activations,
         "logits": logits,
     }
-    gb = {k: v / 2**30 for k, v in gb.items()}
+    gb = {k: v / GB for k, v in gb.items()}
     gb["overhead"] = OVERHEAD_GB
     return {
         "parameters": n_params,
@@ -89,8 +156,74 @@ def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
     }
 
 
+def offloaded_bytes(n_params: int, trainable: int, largest_layer: int, t: dict, world: int) -> float:
+    """Host bytes per node that CPU offload holds in training (see the module docstring)."""
+    procs, c = t["procs_per_node"], compute_bytes(t)
+    nodes = world // procs
+    frozen = n_params - trainable
+    strategy, stage, offload = t["strategy"], t.get("zero_stage", 0), t["offload"]
+    if strategy == "deepspeed" and stage == 3:
+        if offload == "none":
+            return largest_layer * 4 * procs * DS_BUFFER
+        params = offload == "all"  # offload_param: the parameters' partitions live on the host too
+        return (trainable * (16 + c * params) + frozen * c * params) / nodes * DS_BUFFER
+    if strategy == "deepspeed":
+        return trainable * 16 / nodes * DS_BUFFER if offload != "none" else 0.0
+    if strategy == "fsdp" and offload != "none":
+        return (trainable * 16 + frozen * c) / nodes
+    return 0.0
+
+
+def host_estimate(n_params: int, trainable: int, largest_layer: int, t: dict, world: int, largest_file: int) -> dict:
+    """Host RAM per node in GB at load and in training, for the training config ``t`` (module docstring)."""
+    procs, c = t["procs_per_node"], compute_bytes(t)
+    nodes = world // procs
+    frozen = n_params - trainable
+    strategy, stage, offload = t["strategy"], t.get("zero_stage", 0), t["offload"]
+    if strategy == "fsdp":
+        shard = (trainable * 4 + frozen * c) / world
+        load = largest_file + procs * shard
+    elif strategy == "deepspeed" and stage == 3:
+        load = largest_file + (n_params * c / nodes if offload == "all" else 0)
+    else:  # a full replica per rank
+        replica = frozen * c + trainable * (c if strategy == "deepspeed" else 4)
+        load = procs * replica
+    overhead = procs * HOST_OVERHEAD_GB
+    at_load = load / GB + overhead
+    in_training = offloaded_bytes(n_params, trainable, largest_layer, t, world) / GB + overhead
+    return {
+        "nodes": nodes,
+        "ranks_per_node": procs,
+        "largest_checkpoint_file_gb": largest_file / GB,
+        "at_load_gb": at_load,
+        "in_training_gb": in_training,
+        "peak_gb": max(at_load, in_training),
+    }
+
+
+def dtype_bytes(config) -> int:
+    dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    return 2 if dtype.removeprefix("torch.") in ("bfloat16", "float16") else 4
+
+
+def largest_checkpoint_file(model: str, config, n_params: int, preset: bool) -> tuple[int, str]:
+    """Bytes of the base model's largest weight file, and how they were found."""
+    if preset:  # build_demo_model saves fp32 in files of up to 50 GB
+        return min(n_params * 4, SAVE_SHARD_BYTES), "assumed: a from-scratch preset's fp32 files"
+    from fingerprint import local_model_folder
+
+    try:
+        folder = local_model_folder(model)
+    except UserError:
+        folder = None
+    files = [p for pattern in ("*.safetensors", "*.bin") for p in folder.glob(pattern)] if folder else []
+    if files:
+        return max(p.stat().st_size for p in files), f"measured in {folder}"
+    return min(n_params * dtype_bytes(config), HUB_SHARD_BYTES), "assumed: files of at most 5 GB"
+
+
 def advice(t: dict, est: dict) -> str:
-    """What to change, biggest saving first."""
+    """What to change for the GPUs, biggest saving first."""
     gb = est["per_gpu_gb"]
     tips = []
     if not t["gradient_checkpointing"] and gb["activations"] > 1:
@@ -109,6 +242,31 @@ def advice(t: dict, est: dict) -> str:
     return "; ".join(tips)
 
 
+def host_advice(t: dict, host: dict, peak) -> str:
+    """What to change for the host memory, each change with its estimate: ``peak(t, world)`` is the host
+    peak per node in GB of another training config."""
+    tips = [f"TRAIN_MEM_MB={math.ceil(host['peak_gb'] * 1024)} or more (nodes with that much memory)"]
+    procs, nodes = t["procs_per_node"], host["nodes"]
+    world = procs * nodes
+    if host["in_training_gb"] >= host["at_load_gb"]:  # offloaded states: split them over more nodes
+        more = max(2, t.get("nodes", 1)) if t.get("mode", "per_node") == "per_node" else 2 * nodes
+        where = "training.mode: joint" if t.get("mode", "per_node") == "per_node" else "training.mode joint"
+        tips.append(f"{where} on {more} nodes ({peak(t, more * procs):.0f} GB per node; one model over them)")
+        if t["offload"] == "all":
+            tips.append(f"training.offload: optimizer ({peak(t | {'offload': 'optimizer'}, world):.0f} GB)")
+    elif t["strategy"] == "ddp" or (t["strategy"] == "deepspeed" and t.get("zero_stage", 0) < 3):
+        alt = t | {"strategy": "deepspeed", "zero_stage": 3}
+        tips.append(f"training.strategy: deepspeed with zero_stage: 3 ({peak(alt, world):.0f} GB; it loads partitions, "
+                    "not a replica per rank)")  # fmt: skip
+    if t["peft"] == "none":
+        tips.append(f"training.peft: lora ({peak(t | {'peft': 'lora'}, world):.0f} GB)")
+    return "; ".join(tips)
+
+
+def host_limit(mem_mb: int | None) -> str:
+    return "no mem_mb set" if mem_mb is None else f"{mem_mb / 1024:.0f} (mem_mb {mem_mb})"
+
+
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -117,6 +275,9 @@ def main(argv=None) -> None:
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument(
         "--vocab-size", type=int, help="vocabulary of a from-scratch preset", **option("model.demo_vocab_size")
+    )
+    p.add_argument(
+        "--host-memory-mb", type=int, help="host memory of one training job per node (its mem_mb, SLURM's MiB)"
     )
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--table", required=True, type=Path)
@@ -130,24 +291,60 @@ def main(argv=None) -> None:
         config = preset_config(preset, a.vocab_size, a.seq_len)
     else:
         config = AutoConfig.from_pretrained(a.model)
-    n = count_parameters(config)
+    n, largest_layer = model_to_params(config)
     world = t.get("world_size", t["procs_per_node"])  # joint mode: every node's ranks
     est = estimate(config, n, t, world, a.seq_len)
     est["without_checkpointing_gb"] = estimate(config, n, t | {"gradient_checkpointing": False}, world, a.seq_len)[
         "total_gb"
     ]
     capacity = t["gpu_memory_gb"]
-    est |= {"gpu_memory_gb": capacity, "fits": est["total_gb"] <= capacity}
+    largest_file, file_source = largest_checkpoint_file(a.model, config, n, preset is not None)
+
+    def host_peak(alt: dict, alt_world: int) -> float:
+        trainable = trainable_parameters(config, n, alt)
+        return host_estimate(n, trainable, largest_layer, alt, alt_world, largest_file)["peak_gb"]
+
+    host = host_estimate(n, est["trainable_parameters"], largest_layer, t, world, largest_file)
+    limit_gb = None if a.host_memory_mb is None else a.host_memory_mb / 1024
+    host |= {
+        "largest_checkpoint_file": file_source,
+        "memory_mb": a.host_memory_mb,
+        "memory_gb": limit_gb,
+        "fits": None if limit_gb is None else host["peak_gb"] <= limit_gb,
+    }
+    gpu_fits = est["total_gb"] <= capacity
+    est |= {
+        "gpu_memory_gb": capacity,
+        "gpu_fits": gpu_fits,
+        "host": host,
+        "fits": gpu_fits and host["fits"] is not False,
+    }
     write_json(a.output, est)
-    rows = [("component", "GB per GPU")] + [(k, f"{v:.2f}") for k, v in est["per_gpu_gb"].items()]
-    rows += [("total", f"{est['total_gb']:.2f}"), ("GPU memory", f"{capacity:.0f}")]
+    rows = [("component", "GB")] + [(k, f"{v:.2f}") for k, v in est["per_gpu_gb"].items()]
+    rows += [("total per GPU", f"{est['total_gb']:.2f}"), ("GPU memory (training.gpu_memory_gb)", f"{capacity:.0f}")]
+    rows += [
+        ("host RAM per node at load", f"{host['at_load_gb']:.2f}"),
+        ("host RAM per node in training", f"{host['in_training_gb']:.2f}"),
+        ("host memory (TRAIN_MEM_MB)", host_limit(a.host_memory_mb)),
+    ]
     a.table.write_text("".join(f"{k},{v}\n" for k, v in rows))
-    if not est["fits"]:
+    if not gpu_fits:
         raise UserError(
             f"training needs about {est['total_gb']:.1f} GB per GPU but training.gpu_memory_gb is {capacity:.0f} "
             f"({n / 1e9:.2f}B parameters, {t['strategy']}, world size {world}); try: {advice(t, est)}"
         )
-    print(f"preflight: {est['total_gb']:.2f} GB per GPU of {capacity:.0f} GB")
+    moment = "in training" if host["in_training_gb"] >= host["at_load_gb"] else "at load"
+    if host["fits"] is False:
+        raise UserError(
+            f"training needs about {host['peak_gb']:.0f} GB of host memory per node ({moment}) but the training job "
+            f"has {limit_gb:.0f} GB (mem_mb {a.host_memory_mb}: TRAIN_MEM_MB in profiles/slurm; {n / 1e9:.2f}B "
+            f"parameters, {t['strategy']}, offload {t['offload']}, {host['ranks_per_node']} ranks per node); try: "
+            f"{host_advice(t, host, host_peak)}"
+        )
+    print(
+        f"preflight: {est['total_gb']:.2f} GB per GPU of {capacity:.0f} GB; host {host['peak_gb']:.1f} GB per node "
+        f"({moment}) of {host_limit(a.host_memory_mb)}"
+    )
 
 
 if __name__ == "__main__":
