@@ -282,3 +282,18 @@ def test_preflight_fails_with_advice(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert "needs about" in last and "training.gpu_memory_gb is 80" in last and "gradient_checkpointing" in last
     assert json.loads((tmp_path / "m.json").read_text())["fits"] is False
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_fp16_trains_with_dynamic_loss_scaling(tmp_path, demo_assets, strategy):
+    """precision fp16 (GPUs without bf16): a GradScaler; an overflowing first step (scale 2^16 on a
+    fresh model) is skipped and logged, not applied; training still learns."""
+    cfg = {"precision": "fp16", "strategy": strategy, "lr": 3e-3, "micro_batch_size": 2, "max_steps": 8,
+           "log_every": 1, "checkpoint_every": 4}  # fmt: skip
+    run_trainer(tmp_path, demo_assets, cfg)
+    rows = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert all("loss_scale" in r and "skipped_steps" in r for r in rows)
+    assert rows[-1]["skipped_steps"] < 8 and rows[-1]["loss"] < rows[0]["loss"]
+    assert all(b["skipped_steps"] >= a["skipped_steps"] for a, b in zip(rows, rows[1:], strict=False))
