@@ -47,3 +47,22 @@ def test_a_checkpoint_without_safetensors_is_one_line(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(UserError, match="no model.safetensors"):
         CheckpointFiles(tmp_path)
+
+
+def test_positioned_reads_give_the_saved_tensors(tmp_path):
+    """Rows, column cuts and flat ranges read from a safetensors file equal the tensors saved."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        "w": torch.randn(7, 5).to(torch.bfloat16),
+        "b": torch.arange(6, dtype=torch.float32),
+        "s": torch.tensor(3.0),
+    }
+    save_file(tensors, tmp_path / "model.safetensors")
+    files = CheckpointFiles(tmp_path)
+    assert files.names() == {"w", "b", "s"} and files.shape("w") == (7, 5)
+    assert torch.equal(files.read("w", (slice(2, 6), slice(0, 5))), tensors["w"][2:6])
+    assert torch.equal(files.read("w", (slice(0, 7), slice(1, 3))), tensors["w"][:, 1:3])
+    assert torch.equal(files.read_flat("w", 11, 9), tensors["w"].flatten()[11:20])
+    assert torch.equal(files.read("b", (slice(4, 6),)), tensors["b"][4:6]) and files.read("s", ()).item() == 3.0
+    files.close()

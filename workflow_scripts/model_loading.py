@@ -20,6 +20,8 @@ import hashlib
 import json
 import logging
 import math
+import os
+import struct
 from pathlib import Path
 
 import torch
@@ -28,6 +30,7 @@ from strategies import compute_dtype, deepspeed_config, offloaded, shard_fsdp
 
 log = logging.getLogger("train")
 
+READ_BYTES = 64 * 2**20  # checkpoint bytes read per copy
 _KEEP_ALIVE = []  # HfDeepSpeedConfig: transformers holds it by weak reference until deepspeed.initialize
 
 
@@ -61,36 +64,49 @@ def attention_implementation(device: torch.device) -> str:
 def load_model(base: str, cfg, device: torch.device):
     """The model, ready for ``strategies.build_strategy``: (model, attention implementation).
 
-    With FSDP the model comes back already sharded and filled."""
+    With FSDP the model comes back already sharded and filled, with ZeRO-3 already partitioned."""
+    from fingerprint import local_model_folder
     from transformers import AutoConfig, AutoModelForCausalLM
 
     attn = attention_implementation(device)
+    config = AutoConfig.from_pretrained(base)
+    files = CheckpointFiles(local_model_folder(base))
     how = sharded_load(cfg)
-    if how == "meta":
-        config = AutoConfig.from_pretrained(base)
+    if how == "zero3":
+        model = zero3_model(config, cfg, attn)
+        fill_partitions(model, files)
+    else:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=load_dtype(cfg), attn_implementation=attn)
-    else:
-        if how == "zero3":
-            import deepspeed
-            import torch.distributed as dist
-            from transformers.integrations import HfDeepSpeedConfig
-
-            deepspeed.init_distributed()  # zero.Init partitions over DeepSpeed's view of the process group
-
-            _KEEP_ALIVE.append(HfDeepSpeedConfig(deepspeed_config(cfg, dist.get_world_size())))
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=load_dtype(cfg), attn_implementation=attn)
     # No KV cache in training: with one, transformers ignores the position ids when building the
     # attention mask, and packed sequences would attend to each other.
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.peft == "lora":
-        model = add_lora(model, cfg, materialize=how != "meta")
-    if how == "meta":
-        shard_fsdp(model, cfg, device)
-        fill_from_checkpoint(model, base, cfg, device)
+        model = add_lora(model, cfg, materialize=how == "zero3")
+    if how != "zero3":
+        if how == "meta":
+            shard_fsdp(model, cfg, device)
+        materialize(model, files, cfg, device)
+    files.close()
+    log.info("loaded %s from %s (%s)", type(model).__name__, files.folder, how or "one replica per rank")
     return model, attn
+
+
+def zero3_model(config, cfg, attn: str):
+    """The model created under zero.Init (transformers opens it while an HfDeepSpeedConfig is alive):
+    each parameter is partitioned over the ranks as it is created, and not initialized."""
+    import deepspeed
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.integrations import HfDeepSpeedConfig
+
+    deepspeed.init_distributed()  # zero.Init partitions over DeepSpeed's view of the process group
+    _KEEP_ALIVE.append(HfDeepSpeedConfig(deepspeed_config(cfg, dist.get_world_size())))
+    with no_init_weights():  # the checkpoint fills every parameter
+        return AutoModelForCausalLM.from_config(config, dtype=load_dtype(cfg), attn_implementation=attn)
 
 
 # ---------------------------------------------------------------- LoRA
@@ -134,33 +150,68 @@ def lora_init(name: str, shape, seed: int) -> torch.Tensor:
 # ---------------------------------------------------------------- checkpoint files
 
 
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+                      "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+
+
 class CheckpointFiles:
-    """The base model's tensors by name, read lazily from memory-mapped safetensors files (one
-    file or an index); a slice reads only its own bytes."""
+    """The base model's tensors by name, read from safetensors files (one file or an index) with
+    positioned reads: a slice of rows, or a range of the flattened tensor, reads only its own bytes,
+    and nothing is memory-mapped (mapped file pages would count in every rank's resident set)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         elif (folder / "model.safetensors").is_file():
-            weight_map = None
+            files = ["model.safetensors"]
         else:
             raise UserError(
                 f"{folder}: no model.safetensors or model.safetensors.index.json (sharded loading reads"
                 " safetensors; convert the checkpoint with save_pretrained(safe_serialization=True))"
             )
-        from safetensors import safe_open
-
-        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
-        self.handles = {f: safe_open(str(folder / f), framework="pt") for f in files}
-        self.where = {k: f for f, h in self.handles.items() for k in h.keys()}  # noqa: SIM118 (a safe_open handle is not iterable)
+        self.tensors = {}  # name -> (file descriptor, dtype, shape, offset of its first byte)
+        for name in files:
+            fd = os.open(folder / name, os.O_RDONLY)
+            (size,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            header = json.loads(os.pread(fd, size, 8))
+            for key, meta in header.items():
+                if key != "__metadata__":
+                    dtype = SAFETENSORS_DTYPES[meta["dtype"]]
+                    self.tensors[key] = (fd, dtype, tuple(meta["shape"]), 8 + size + meta["data_offsets"][0])
 
     def names(self) -> set[str]:
-        return set(self.where)
+        return set(self.tensors)
+
+    def close(self) -> None:
+        for fd in {fd for fd, *_ in self.tensors.values()}:
+            os.close(fd)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name][2]
+
+    def read_flat(self, name: str, start: int, count: int) -> torch.Tensor:
+        """Elements [start, start + count) of the flattened tensor."""
+        fd, dtype, _, offset = self.tensors[name]
+        item = torch.empty((), dtype=dtype).element_size()
+        buf = torch.empty(count * item, dtype=torch.uint8)
+        view, at = memoryview(buf.numpy()), 0
+        while at < len(view):
+            got = os.preadv(fd, [view[at:]], offset + start * item + at)
+            if got == 0:
+                raise UserError(f"{self.folder}: {name} is cut short (a truncated safetensors file)")
+            at += got
+        return buf.view(dtype)
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-        return self.handles[self.where[name]].get_slice(name)[index]
+        """The slice ``index`` (one slice per dimension) of a tensor: its rows are read, the rest cut in memory."""
+        shape = self.shape(name)
+        if not shape:
+            return self.read_flat(name, 0, 1).view(())
+        rows, width = index[0], math.prod(shape[1:])
+        block = self.read_flat(name, rows.start * width, (rows.stop - rows.start) * width)
+        return block.view(rows.stop - rows.start, *shape[1:])[(slice(None), *index[1:])]
 
 
 def checkpoint_name(param_name: str, available: set[str], prefix: str) -> str | None:
@@ -187,27 +238,18 @@ def local_index(param) -> tuple[torch.Tensor, tuple[slice, ...]]:
     return local, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
-def fill_from_checkpoint(model, base: str, cfg, device: torch.device) -> None:
-    """Materialize a meta-built, sharded model on ``device``: every rank reads its own slices."""
-    from fingerprint import local_model_folder
-
-    model.to_empty(device=device if not offloaded(cfg, device) else torch.device("cpu"))
-    files = CheckpointFiles(local_model_folder(base))
-    available = files.names()
+def materialize(model, files: CheckpointFiles, cfg, device: torch.device) -> None:
+    """Give a meta-built model (sharded by FSDP, or whole) real storage on ``device`` and fill it:
+    each rank reads only its own slice of every tensor, then recomputes non-persistent buffers."""
+    model.to_empty(device=torch.device("cpu") if cfg.strategy == "fsdp" and offloaded(cfg, device) else device)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    prefix = getattr(inner, "base_model_prefix", "model")
-    missing = []
     with torch.no_grad():
         for name, param in model.named_parameters():
             local, index = local_index(param)
             if is_adapter(name):
                 local.copy_(lora_init(name, param.shape, cfg.seed)[index])
-                continue
-            key = checkpoint_name(name, available, prefix)
-            if key is None:
-                missing.append(name)
-                continue
-            local.copy_(files.read(key, index))
+            else:
+                copy_rows(local, files, source_key(files, name, param.shape, inner), index)
         # non-persistent buffers (rotary inv_freq) are not in checkpoints: transformers' own init
         for module_name, module in inner.named_modules():
             if any(True for _ in module.buffers(recurse=False)):
@@ -215,9 +257,45 @@ def fill_from_checkpoint(model, base: str, cfg, device: torch.device) -> None:
                 for buffer_name, buffer in module.named_buffers(recurse=False):
                     if not torch.isfinite(buffer).all():
                         raise RuntimeError(f"buffer {module_name}.{buffer_name} was not re-initialized")
-    if missing:
+
+
+def copy_rows(local: torch.Tensor, files: CheckpointFiles, key: str, index: tuple[slice, ...]) -> None:
+    """local = the checkpoint tensor's ``index`` slice, read READ_BYTES at a time (a 150k-token embedding
+    is 300 MB in bf16, which would otherwise be one more transient copy)."""
+    if not index:
+        local.copy_(files.read(key, index))
+        return
+    rows = index[0]
+    row_bytes = max(1, local[:1].numel() * local.element_size())
+    step = max(1, READ_BYTES // row_bytes)
+    for at in range(rows.start, rows.stop, step):
+        end = min(at + step, rows.stop)
+        local[at - rows.start : end - rows.start].copy_(files.read(key, (slice(at, end), *index[1:])))
+
+
+def fill_partitions(model, files: CheckpointFiles) -> None:
+    """ZeRO-3: each rank copies its own partition (a range of the flattened tensor) from the files."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            key = source_key(files, name, param.ds_shape, model)
+            part = param.ds_tensor
+            start = part.ds_numel * dist.get_rank(group=param.ds_process_group)
+            count = max(0, min(part.ds_numel, param.ds_numel - start))
+            for at in range(start, start + count, READ_BYTES // part.element_size()):
+                end = min(at + READ_BYTES // part.element_size(), start + count)
+                part.data[at - start : end - start].copy_(files.read_flat(key, at, end - at))
+
+
+def source_key(files: CheckpointFiles, name: str, shape, inner) -> str:
+    """The checkpoint tensor a parameter loads from; a one-line error when there is none or it differs."""
+    key = checkpoint_name(name, files.names(), getattr(inner, "base_model_prefix", "model"))
+    if key is None:
         raise UserError(
-            f"{files.folder}: {len(missing)} parameter(s) of the model are not in its checkpoint, e.g."
-            f" {missing[:3]} (an unusual key layout; strategy ddp or deepspeed loads it through transformers)"
+            f"{files.folder}: parameter {name} is not in the checkpoint (an unusual key layout;"
+            " a checkpoint saved by transformers' save_pretrained loads)"
         )
-    log.info("loaded %s shard by shard from %s", type(inner).__name__, files.folder)
+    if tuple(files.shape(key)) != tuple(shape):
+        raise UserError(f"{files.folder}: {key} has shape {list(files.shape(key))}, the model expects {list(shape)}")
+    return key
