@@ -3,6 +3,7 @@ and micro-batches equal, bit for bit, to those of the list-based loader they rep
 
 import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -70,13 +71,38 @@ def test_a_store_holds_the_shards_rows_and_is_built_once(tmp_path, shards, build
     assert store.folder == tmp_path / "store" / file_sha256(shard) and builds == [store.folder]
     reference = shard_rows(shard)
     assert store.rows == len(reference) and store.tokens == sum(len(ids) for ids, _ in reference)
-    assert store.input_ids.dtype == store.labels.dtype == np.int32 and isinstance(store.input_ids, np.memmap)
+    assert store.input_ids.dtype == store.labels.dtype == np.int32 and not store.input_ids.flags.owndata
     for i, (ids, labels) in enumerate(reference):
         got_ids, got_labels = store.row(i)
         assert got_ids.tolist() == ids and got_labels.tolist() == labels
     again = open_store(shard, tmp_path / "store")
     assert builds == [store.folder]  # reused, not rebuilt
     assert np.array_equal(again.offsets, store.offsets)
+
+
+def mapped_kb(path) -> int:
+    """How much of ``path`` this process has in its memory through mappings (Rss in /proc/self/smaps)."""
+    kb, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:  # a mapping's header line
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            kb += int(line.split()[1])
+    return kb
+
+
+def test_rows_read_leave_the_ranks_memory(tmp_path):
+    """Each micro-batch's pages are dropped from the rank's mappings once copied: its RSS stays flat."""
+    shard = tmp_path / "big.parquet"
+    write_tokenized(shard, [4000] * 300, seed=1, row_group_size=100)  # 4.6 MB of input_ids
+    store = open_store(shard, tmp_path / "store")
+    ids_file = store.folder / TOKEN_FILES["input_ids"]
+    assert mapped_kb(ids_file) == 0  # opening reads none of it
+    total = sum(int(store.row(i)[0].sum()) for i in range(store.rows))
+    assert mapped_kb(ids_file) >= 0.9 * ids_file.stat().st_size / 1024
+    store.release()
+    assert mapped_kb(ids_file) == 0
+    assert sum(int(store.row(i)[0].sum()) for i in range(store.rows)) == total  # read again from the page cache
 
 
 def corrupt_offsets(folder):

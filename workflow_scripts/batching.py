@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from pipeline_io import UserError, file_sha256
@@ -44,6 +45,11 @@ class Examples:
     @property
     def tokens(self) -> int:
         return sum(s.tokens for s in self.stores)
+
+    def release(self) -> None:
+        """Drop the rows read so far from this process's memory (token_store.TokenStore.release)."""
+        for s in self.stores:
+            s.release()
 
 
 def load_examples(paths: list[Path], store_root: Path, shas: list[str] | None = None) -> Examples:
@@ -94,7 +100,7 @@ def load_bins(plans: list[Path], shards: list[Path]) -> Bins:
     examples, offsets, count = [], [np.zeros(1, np.int64)], 0
     for plan, shard in zip(plans, shards, strict=True):
         rows = pq.ParquetFile(shard).metadata.num_rows
-        column = pq.read_table(plan, columns=["examples"]).column("examples").combine_chunks()
+        column = pq.ParquetFile(plan).read(columns=["examples"], use_threads=False).column("examples").combine_chunks()
         own = column.flatten().to_numpy().astype(np.int64)
         if not covers_once(own, rows):
             raise UserError(f"{plan}: packing plan does not cover the {rows} examples of {shard.name} exactly once")
@@ -102,7 +108,9 @@ def load_bins(plans: list[Path], shards: list[Path]) -> Bins:
         examples.append(own + count)
         offsets.append(ends[1:] - ends[0] + offsets[-1][-1])
         count += rows
-    return Bins(np.concatenate(examples), np.concatenate(offsets))
+    bins = Bins(np.concatenate(examples), np.concatenate(offsets))
+    pa.default_memory_pool().release_unused()  # Arrow's allocator keeps what reading the plans took
+    return bins
 
 
 @dataclasses.dataclass
@@ -212,6 +220,7 @@ class Batches:
             rows = [[seq for row in rows for seq in row]] if self.one_row else rows
             items = [seq for row in rows for seq in row]
             batch = collate_packed(rows, self.pad_id)
+        self.examples.release()  # copied into the batch
         return batch, [len(ids) for ids, _ in items]
 
 

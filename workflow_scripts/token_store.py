@@ -13,14 +13,16 @@ The folder is written under a temporary name and renamed into place, under a fil
 process builds it, the others wait for the lock and reuse it. Every open checks it (format, row
 count equal to the shard's, offsets from 0 never decreasing, last offset equal to the arrays'
 length): a store that fails is rebuilt, and a fresh one that fails is an error naming it. Ranks
-map the files read-only, so a host's page cache holds one copy and a rank's memory only the
-pages of the rows it reads.
+map the files read-only, so a host's page cache holds one copy, and each micro-batch's pages are
+dropped from the rank's mappings once copied into the batch (``release``): a rank's RSS stays flat
+through the epoch, and SLURM, which sums its processes' RSS, does not count the store once per rank.
 """
 
 import contextlib
 import dataclasses
 import json
 import logging
+import mmap
 import os
 import shutil
 import time
@@ -60,6 +62,7 @@ class TokenStore:
     input_ids: np.ndarray  # int32
     labels: np.ndarray  # int32
     offsets: np.ndarray  # int64, rows + 1
+    maps: tuple[mmap.mmap, ...] = dataclasses.field(default=(), repr=False)
 
     @property
     def rows(self) -> int:
@@ -74,6 +77,12 @@ class TokenStore:
         start, end = self.offsets[i], self.offsets[i + 1]
         return self.input_ids[start:end], self.labels[start:end]
 
+    def release(self) -> None:
+        """Drop the pages read so far from this process's mappings; they stay in the page cache, and a
+        later read maps them again."""
+        for m in self.maps:
+            m.madvise(mmap.MADV_DONTNEED)
+
 
 def list_column(batch: pa.RecordBatch, name: str, shard: Path) -> tuple[np.ndarray, np.ndarray]:
     """A list column of a record batch: every row's values back to back as int32, and the row lengths."""
@@ -87,8 +96,15 @@ def list_column(batch: pa.RecordBatch, name: str, shard: Path) -> tuple[np.ndarr
     return values, pc.list_value_length(column).to_numpy().astype(np.int64)
 
 
+def record_batches(file: pq.ParquetFile, batch_rows: int):
+    """The token columns, a few rows at a time. One reader per row group: a reader over the whole file
+    keeps what it has decoded until it ends (Arrow's pool grew by the shard's size)."""
+    for group in range(file.num_row_groups):
+        yield from file.iter_batches(batch_size=batch_rows, row_groups=[group], columns=list(COLUMNS))
+
+
 def write_store(shard: Path, folder: Path, sha256: str, batch_rows: int = 1024) -> None:
-    """Convert ``shard`` into a store at ``folder``: streamed by record batch (a few thousand rows in
+    """Convert ``shard`` into a store at ``folder``: streamed by record batch (about a row group in
     memory at a time), written under a temporary name and renamed into place."""
     file = pq.ParquetFile(shard)
     missing = [c for c in COLUMNS if c not in file.schema_arrow.names]
@@ -103,7 +119,7 @@ def write_store(shard: Path, folder: Path, sha256: str, batch_rows: int = 1024) 
             out = {name: stack.enter_context(open(tmp / f, "wb")) for name, f in TOKEN_FILES.items()}
             offsets = stack.enter_context(open(tmp / OFFSETS_FILE, "wb"))
             np.zeros(1, np.int64).tofile(offsets)
-            for batch in file.iter_batches(batch_size=batch_rows, columns=list(COLUMNS)):
+            for batch in record_batches(file, batch_rows):
                 (ids, lengths), (labels, label_lengths) = (list_column(batch, c, shard) for c in COLUMNS)
                 if not np.array_equal(lengths, label_lengths):
                     r = int(np.flatnonzero(lengths != label_lengths)[0])
@@ -121,13 +137,17 @@ def write_store(shard: Path, folder: Path, sha256: str, batch_rows: int = 1024) 
         os.rename(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        pa.default_memory_pool().release_unused()  # Arrow's allocator keeps what the batches took
 
 
-def mapped(path: Path, dtype) -> np.ndarray:
-    """A file of ``dtype`` values, memory-mapped read-only (an empty file cannot be mapped)."""
-    if path.stat().st_size == 0:
-        return np.zeros(0, dtype)
-    return np.memmap(path, dtype=dtype, mode="r")
+def mapped(path: Path, dtype) -> tuple[np.ndarray, tuple[mmap.mmap, ...]]:
+    """A file of ``dtype`` values memory-mapped read-only, and its mapping (none for an empty file,
+    which cannot be mapped)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return np.zeros(0, dtype), ()
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return np.frombuffer(m, dtype), (m,)
 
 
 def check_store(folder: Path, sha256: str, rows: int) -> TokenStore:
@@ -143,15 +163,17 @@ def check_store(folder: Path, sha256: str, rows: int) -> TokenStore:
         raise StoreError(f"{folder}: token store holds {meta.get('rows')} rows, the shard {rows}")
     if sizes[OFFSETS_FILE] != 8 * (rows + 1):
         raise StoreError(f"{folder}: {OFFSETS_FILE} holds {sizes[OFFSETS_FILE]} bytes, not {8 * (rows + 1)}")
-    offsets = mapped(folder / OFFSETS_FILE, np.int64)
+    offsets, maps = mapped(folder / OFFSETS_FILE, np.int64)
     if offsets[0] != 0 or np.any(offsets[1:] < offsets[:-1]):
         raise StoreError(f"{folder}: {OFFSETS_FILE} does not rise from 0")
     tokens = int(offsets[-1])
     for name, f in TOKEN_FILES.items():
         if sizes[f] != 4 * tokens:
             raise StoreError(f"{folder}: {f} holds {sizes[f] // 4} {name}, the offsets end at {tokens}")
-    ids, labels = (mapped(folder / f, np.int32) for f in TOKEN_FILES.values())
-    return TokenStore(folder, ids, labels, offsets)
+    (ids, ids_map), (labels, labels_map) = (mapped(folder / f, np.int32) for f in TOKEN_FILES.values())
+    store = TokenStore(folder, ids, labels, offsets, maps + ids_map + labels_map)
+    store.release()  # the offsets just checked
+    return store
 
 
 def open_store(shard: Path, root: Path, sha256: str | None = None) -> TokenStore:
