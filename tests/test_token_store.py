@@ -125,6 +125,10 @@ def drop_meta(folder):
     (folder / "store.json").unlink()
 
 
+def garble_meta(folder):
+    (folder / "store.json").write_text("[1, 2]")
+
+
 @pytest.mark.parametrize(
     "damage,message",
     [
@@ -132,6 +136,7 @@ def drop_meta(folder):
         (corrupt_offsets, "offsets.int64 does not rise from 0"),
         (miscount_rows, "token store holds 38 rows, the shard 37"),
         (drop_meta, "incomplete token store"),
+        (garble_meta, "incomplete token store .store.json is not a JSON object"),
     ],
 )
 def test_a_damaged_store_is_named_and_rebuilt_never_used(tmp_path, shards, builds, caplog, damage, message):

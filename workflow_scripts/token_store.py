@@ -154,6 +154,8 @@ def check_store(folder: Path, sha256: str, rows: int) -> TokenStore:
     """The store at ``folder``, mapped, if it is whole and holds ``rows`` rows; else a StoreError naming it."""
     try:
         meta = json.loads((folder / META_FILE).read_text())
+        if not isinstance(meta, dict):
+            raise ValueError(f"{META_FILE} is not a JSON object")
         sizes = {f: (folder / f).stat().st_size for f in (*TOKEN_FILES.values(), OFFSETS_FILE)}
     except (OSError, ValueError) as e:
         raise StoreError(f"{folder}: incomplete token store ({e})") from None
