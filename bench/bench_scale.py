@@ -1,21 +1,31 @@
-"""Scale proxies on CPU: what one rank holds in memory when the trainer loads a real-shaped model.
+"""Scale benchmarks: what a training rank's memory does as the data grows.
 
-    .venv/bin/python bench/bench_scale.py --part load     # (a) each strategy, full and LoRA, 2 ranks; (d) before
-    .venv/bin/python bench/bench_scale.py --part world    # (b) FSDP at 1, 2 and 4 ranks
+    .venv/bin/python bench/bench_scale.py --part data                       # the table in docs/benchmarks.md
+    .venv/bin/python bench/bench_scale.py --part data --tokens 200000000     # a bigger shard (1.6 GB of int32)
 
-A Qwen3-0.6B-shaped checkpoint (28 layers, hidden 1024, vocab 151936, untied head: 751.6M parameters)
-is built once with random weights and saved in bf16 (1.5 GB; 3.0 GB in fp32) under --workdir. Each
-row is one `torchrun --nproc_per_node N` run of the trainer's own `model_loading.load_model` +
-`strategies.build_strategy` (gloo, one thread per rank, training.precision bf16): every rank reports
-its resident set after imports, its peak (VmHWM) after load, and after load + wrap; the table shows
-the largest rank's peaks above imports, and their ratio to the model's fp32 bytes (4 x parameters).
+Part data (issue 13, bench parts c and d): a synthetic tokenized shard with the tokenization stage's
+schema (rows of 200-2000 tokens, random ids, the prompt's labels masked) and its packing plan (bins of
+2048 tokens), then, each in its own process (one thread) so the numbers do not mix:
+  store     the shard converted into its memory-mapped token store (time, peak RSS, size)
+  mmap      batching.TrainingData as rank 0 of 8 over the store: RSS after the imports, after
+            construction, after 100 micro-batches (packed: 4 bins; padded: 8 examples); the
+            growth against the shard's int32 size (8 bytes a token: input_ids + labels)
+  legacy    the list-based loader the trainer used before (legacy_load_examples, a copy) on a
+            smaller shard: RSS per token, the "before" of the before/after
+RSS is VmRSS from /proc/self/status, split into anonymous memory (the rank's own) and file pages
+(the store's pages the rank has touched: page cache shared by every rank of the host, reclaimable).
 
-"before" rows load as the trainer did until this change: `from_pretrained(dtype=float32)` on every
-rank, then the same build_strategy (FSDP then shards a whole model; DeepSpeed partitions it in
-initialize).
+    .venv/bin/python bench/bench_scale.py --part load --workdir /tmp/bench_scale   # (a) + (d): model loading
+    .venv/bin/python bench/bench_scale.py --part world --workdir /tmp/bench_scale  # (b): FSDP at 1, 2, 4 ranks
 
-Targets (issue 13): FSDP and ZeRO-3 at 2 ranks <= 0.6x the fp32 bytes, lower at 4 ranks than at 2;
-DDP <= 1.1x; FSDP/ZeRO-3 + LoRA with a bf16 base <= 0.3x.
+Parts load and world (issue 13, bench parts a, b and d): a Qwen3-0.6B-shaped checkpoint (28 layers,
+hidden 1024, vocab 151936, untied head: 751.6M parameters) built once with random weights and saved in
+bf16 (1.4 GiB; 2.8 GiB in fp32) under --workdir. Each row is one `torchrun --nproc_per_node N` run of the
+trainer's own model_loading.load_model + strategies.build_strategy (gloo, one thread per rank,
+training.precision bf16, gradient checkpointing): every rank reports its resident set after imports,
+its peak (VmHWM) after load, and after load + wrap; the table shows the largest rank's peaks above
+imports and their ratio to the model's fp32 bytes (4 x parameters). "before" rows load as the trainer
+did until issue 13: from_pretrained(dtype=float32) on every rank, then the same build_strategy.
 """
 
 import argparse
@@ -24,10 +34,220 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "workflow_scripts"))
+
+MB = 2**20
 BIN = Path(sys.executable).parent
+
+
+def rss() -> dict:
+    """This process's resident memory (MB): total, anonymous, file-backed, and its peak."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {k: int(fields[k].split()[0]) / 1024 for k in ("VmRSS", "RssAnon", "RssFile", "VmHWM")}
+
+
+# ---------------------------------------------------------------- part data
+
+
+def legacy_load_examples(paths: list[Path]) -> list[tuple[list[int], list[int]]]:
+    """The trainer's loader before the token store (batching.load_examples at 3081cb6), verbatim."""
+    import pyarrow.parquet as pq
+
+    examples = []
+    for path in paths:
+        table = pq.read_table(path, columns=["input_ids", "labels"])
+        examples += zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist(), strict=True)
+    return examples
+
+
+def synthetic_shard(path: Path, tokens: int, seed: int = 0, chunk_rows: int = 2000) -> list[int]:
+    """A tokenized shard of about ``tokens`` tokens in rows of 200-2000, written chunk by chunk; its lengths."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tokenization import IGNORE, SCHEMA
+
+    rng = np.random.default_rng(seed)
+    lengths, total = [], 0
+    with pq.ParquetWriter(path, SCHEMA) as writer:
+        while total < tokens:
+            n = rng.integers(200, 2001, chunk_rows)
+            n = n[: np.searchsorted(np.cumsum(n), tokens - total, side="left") + 1]
+            offsets = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+            ids = rng.integers(0, 32000, offsets[-1], dtype=np.int32)
+            prompt = (n * rng.uniform(0.1, 0.5, len(n))).astype(np.int32)
+            labels = ids.copy()
+            for start, p in zip(offsets[:-1], prompt, strict=True):
+                labels[start : start + p] = IGNORE
+            columns = {
+                "input_ids": pa.ListArray.from_arrays(offsets, ids),
+                "labels": pa.ListArray.from_arrays(offsets, labels),
+                "length": pa.array(n, pa.int32()),
+                "prompt_length": pa.array(prompt, pa.int32()),
+                "response": pa.array(["r"] * len(n)),
+                "content_hash": pa.array(["h"] * len(n)),
+                "category": pa.array([""] * len(n)),
+            }
+            writer.write_table(pa.table(columns, schema=SCHEMA))
+            lengths += n.tolist()
+            total += int(n.sum())
+    return lengths
+
+
+def child_store(p: dict) -> dict:
+    from token_store import open_store
+
+    start, base = time.perf_counter(), rss()
+    store = open_store(Path(p["shard"]), Path(p["root"]))
+    size = sum(f.stat().st_size for f in store.folder.iterdir())
+    return {"seconds": time.perf_counter() - start, "base": base, "peak": rss()["VmHWM"], "store_mb": size / MB}
+
+
+def import_data_path() -> None:
+    """What both loaders import, loaded before the first measurement: torch, numpy, pyarrow (its
+    dataset module too, which pq.read_table loads: 40 MB that are not data)."""
+    import batching  # noqa: F401
+    import pyarrow.dataset  # noqa: F401
+    import settings  # noqa: F401
+
+
+def child_mmap(p: dict) -> dict:
+    from batching import TrainingData
+    from settings import training_config
+
+    import_data_path()
+    imported = rss()
+    packing = p["packing"]
+    cfg = training_config({"packing": packing, "micro_batch_size": 4 if packing else 8, "grad_accum": 1, "seed": 0,
+                           "max_steps": p["micro_batches"]})  # fmt: skip
+    plans = [Path(p["plan"])] if packing else None
+    data = TrainingData(cfg, [Path(p["shard"])], plans, world=8, rank=0, store_root=Path(p["root"]))
+    built = rss()
+    data.bind(pad_id=0, one_row=False)
+    seen = 0
+    for step in range(p["micro_batches"]):
+        for _, lengths in data.micro_batches(step):
+            seen += sum(lengths)
+    return {"imported": imported, "built": built, "after": rss(), "tokens": data.describe()["tokens"], "seen": seen}
+
+
+def child_legacy(p: dict) -> dict:
+    import_data_path()
+    imported = rss()
+    examples = legacy_load_examples([Path(p["shard"])])
+    built = rss()
+    return {"imported": imported, "built": built, "after": built, "tokens": sum(len(ids) for ids, _ in examples)}
+
+
+CHILDREN = {"store": child_store, "mmap": child_mmap, "legacy": child_legacy}
+
+
+def in_child(name: str, **params) -> dict:
+    """Run CHILDREN[name](params) in a fresh one-thread process; its result."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO / "workflow_scripts"))
+    cmd = [sys.executable, __file__, "--child", name, json.dumps(params, default=str)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def memory_row(variant: str, r: dict, micro_batches: int | None) -> dict:
+    construction = r["built"]["VmRSS"] - r["imported"]["VmRSS"]
+    growth = {k: r["after"][k] - r["built"][k] for k in ("VmRSS", "RssAnon", "RssFile")}
+    int32_mb = 8 * r["tokens"] / MB
+    return {
+        "variant": variant,
+        "tokens": r["tokens"],
+        "int32 MB": int32_mb,
+        "RSS imports MB": r["imported"]["VmRSS"],
+        "construction +MB": construction,
+        "bytes/token": construction * MB / r["tokens"],
+        f"{micro_batches or '-'} micro-batches +MB (anon/file)": (
+            f"{growth['VmRSS']:.1f} ({growth['RssAnon']:.1f}/{growth['RssFile']:.1f})" if micro_batches else "-"
+        ),
+        "growth / int32": growth["VmRSS"] / int32_mb if micro_batches else None,
+    }
+
+
+def data_part(args) -> list[dict]:
+    """Part c: per-rank RSS of the memory-mapped data path; part d: bytes a token against the list-based loader."""
+    work = args.workdir
+    shards = {}
+    for name, tokens in (("big", args.tokens), ("small", args.legacy_tokens)):
+        shard, plan = work / f"{name}_{tokens}.parquet", work / f"{name}_{tokens}.packing.parquet"
+        if not plan.exists():
+            from tokenization import write_packing
+
+            lengths = synthetic_shard(shard, tokens, seed=len(name))
+            write_packing(lengths, 2048, plan)
+        shards[name] = (shard, plan)
+    root = work / "token-store"
+    rows = []
+    for name, (shard, _) in shards.items():
+        r = in_child("store", shard=shard, root=work / f"fresh-store-{time.time_ns()}")
+        rows.append({"variant": f"store build ({name} shard)", "seconds": r["seconds"], "store MB": r["store_mb"],
+                     "peak RSS MB": r["peak"], "RSS imports MB": r["base"]["VmRSS"]})  # fmt: skip
+        in_child("store", shard=shard, root=root)  # the store the trainer variants open (built here, not timed)
+    n = args.micro_batches
+    for name, (shard, plan) in shards.items():
+        for packing in (True, False):
+            r = in_child("mmap", shard=shard, plan=plan, root=root, packing=packing, micro_batches=n)
+            what = "packed, 4 bins of 2048" if packing else "padded, 8 examples"
+            rows.append(memory_row(f"memory-mapped ({name} shard, {what})", r, n))
+    r = in_child("legacy", shard=shards["small"][0])
+    rows.append(memory_row("list-based legacy_load_examples (small shard)", r, None))
+    return rows
+
+
+# ---------------------------------------------------------------- table
+
+
+def print_table(rows: list[dict]) -> None:
+    """One Markdown table per set of columns (rows with the same keys, in order)."""
+    groups: list[list[dict]] = []
+    for row in rows:
+        if groups and list(groups[-1][0]) == list(row):
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    for group in groups:
+        cols = list(group[0])
+        cells = [[cell(row[c]) for c in cols] for row in group]
+        widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+        print("\n| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)) + " |")
+        print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+        for r in cells:
+            print("| " + " | ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) + " |")
+
+
+def cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.1f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def data_summary(rows: list[dict]) -> None:
+    legacy = next(r for r in rows if r["variant"].startswith("list-based"))
+    small = next(r for r in rows if r["variant"].startswith("memory-mapped (small shard, packed"))
+    big = [r for r in rows if r["variant"].startswith("memory-mapped (big")]
+    ratio = legacy["bytes/token"] / max(small["bytes/token"], 1e-9)
+    print(f"\nbytes/token of construction, list-based / memory-mapped (same shard): "
+          f"{legacy['bytes/token']:.1f} / {small['bytes/token']:.3f} = {ratio:,.0f}x")  # fmt: skip
+    for r in big:
+        ok = "meets" if r["growth / int32"] <= 0.1 else "MISSES"
+        print(f"{r['variant']}: RSS growth over the micro-batches = {r['growth / int32']:.4f}x the shard's int32 size "
+              f"({ok} the target of 0.1x)")  # fmt: skip
+
+
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
                  tie_word_embeddings=False, rope_theta=1000000.0)  # fmt: skip
@@ -110,7 +330,7 @@ def label(training: dict) -> str:
     return name + (" + LoRA" if training.get("peft") == "lora" else "")
 
 
-def load_rows() -> list[tuple[dict, int, bool]]:
+def load_cases() -> list[tuple[dict, int, bool]]:
     """(a): every strategy, full and LoRA, 2 ranks; (d): the loading before this change, full fine-tuning."""
     strategies = [{"strategy": "ddp"}, {"strategy": "fsdp"}, {"strategy": "deepspeed", "zero_stage": 3},
                   {"strategy": "deepspeed", "zero_stage": 2}]  # fmt: skip
@@ -120,38 +340,70 @@ def load_rows() -> list[tuple[dict, int, bool]]:
     return rows
 
 
-def world_rows() -> list[tuple[dict, int, bool]]:
+def world_cases() -> list[tuple[dict, int, bool]]:
     """(b): the FSDP row at 1, 2 and 4 ranks."""
     return [({"strategy": "fsdp"}, ranks, False) for ranks in (1, 2, 4)]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=["load", "world"], required=True)
-    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "bench_scale")
-    a = p.parse_args()
-    a.workdir.mkdir(parents=True, exist_ok=True)
-    base, n = build_checkpoint(a.workdir / "qwen3-0.6b-shape-bf16")
+def model_part(cases, args) -> list[dict]:
+    """Each case in its own torchrun; rows with the peaks above imports and their ratio to the fp32 bytes."""
+    workdir = args.workdir
+    base, n = build_checkpoint(workdir / "qwen3-0.6b-shape-bf16")
     fp32 = 4 * n
     print(f"checkpoint: {n / 1e6:.1f}M parameters, fp32 {fp32 / 2**30:.2f} GiB, bf16 file "
-          f"{(base / 'model.safetensors').stat().st_size / 2**30:.2f} GiB")  # fmt: skip
-    rows = load_rows() if a.part == "load" else world_rows()
-    print(f"{'run':28} {'ranks':>5} {'imports GiB':>12} {'load GiB':>9} {'x fp32':>7} {'load+wrap GiB':>14} {'x fp32':>7}")
-    results = []
-    for training, ranks, legacy in rows:
-        m = measure(base, training, ranks, legacy, a.workdir)
-        name = label(training) + (" (before)" if legacy else "")
-        ratio = m["above"] / fp32
-        results.append({"run": name, "ranks": ranks, **m, "ratio": ratio})
-        print(f"{name:28} {ranks:>5} {m['imports'] / 2**30:>12.2f} {m['load'] / 2**30:>9.2f} {m['load'] / fp32:>7.2f} "
-              f"{m['above'] / 2**30:>14.2f} {ratio:>7.2f}", flush=True)  # fmt: skip
-    by = {(r["run"], r["ranks"]): r["ratio"] for r in results}
+          f"{(base / 'model.safetensors').stat().st_size / 2**30:.2f} GiB", flush=True)  # fmt: skip
+    rows = []
+    for training, ranks, legacy in cases:
+        m = measure(base, training, ranks, legacy, workdir)
+        rows.append({
+            "run": label(training) + (" (before)" if legacy else ""), "ranks": ranks,
+            "imports GiB": m["imports"] / 2**30, "load GiB": m["load"] / 2**30, "load x fp32": m["load"] / fp32,
+            "load+wrap GiB": m["above"] / 2**30, "load+wrap x fp32": m["above"] / fp32,
+        })  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
+
+
+def load_part(args) -> list[dict]:
+    return model_part(load_cases(), args)
+
+
+def world_part(args) -> list[dict]:
+    return model_part(world_cases(), args)
+
+
+def model_summary(rows: list[dict]) -> None:
+    by = {(r["run"], r["ranks"]): r for r in rows}
     for name in ("ddp", "fsdp", "deepspeed-zero3"):
         if (f"{name} (before)", 2) in by:
-            print(f"{name}: after / before = {by[(name, 2)] / by[(f'{name} (before)', 2)]:.2f}")
-    if a.part == "world":
-        print(f"fsdp per-rank peak, 4 ranks / 2 ranks = {by[('fsdp', 4)] / by[('fsdp', 2)]:.2f}")
-    (a.workdir / f"{a.part}.json").write_text(json.dumps(results, indent=1))
+            after, before = by[(name, 2)], by[(f"{name} (before)", 2)]
+            print(f"{name}: load+wrap after / before = {after['load+wrap x fp32'] / before['load+wrap x fp32']:.2f}")
+    if ("fsdp", 4) in by:
+        print(f"fsdp per-rank load+wrap peak, 4 ranks / 2 ranks = "
+              f"{by[('fsdp', 4)]['load+wrap GiB'] / by[('fsdp', 2)]['load+wrap GiB']:.2f}")  # fmt: skip
+
+
+PARTS = {"data": (data_part, data_summary), "load": (load_part, model_summary), "world": (world_part, model_summary)}
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":  # a measurement in its own process (in_child)
+        print(json.dumps(CHILDREN[sys.argv[2]](json.loads(sys.argv[3]))))
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", required=True, choices=sorted(PARTS))
+    p.add_argument("--tokens", type=int, default=50_000_000, help="data: the memory-mapped shard's tokens")
+    p.add_argument("--legacy-tokens", type=int, default=5_000_000, help="data: the shard both loaders read")
+    p.add_argument("--micro-batches", type=int, default=100)
+    p.add_argument("--workdir", type=Path, default=None, help="kept: shards are reused by a later run")
+    a = p.parse_args()
+    a.workdir = a.workdir or Path(tempfile.mkdtemp(prefix=f"bench_scale_{a.part}_"))
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    run, summary = PARTS[a.part]
+    rows = run(a)
+    print_table(rows)
+    summary(rows)
+    print(f"work dir: {a.workdir}")
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def test_joint_data_plan_covers_every_nodes_shard_once_per_epoch(tmp_path):
     shards = [tmp_path / "node0.parquet", tmp_path / "node1.parquet"]
     write_shard(shards[0], [3] * 40, 0)
     write_shard(shards[1], [5] * 56, 1000)
-    examples = load_examples(shards)
+    examples = load_examples(shards, tmp_path / "token-store")
     assert len(examples) == 96 and examples[40][0][0] == 1000  # node0's examples, then node1's
     # two nodes x two processes: one plan over the concatenation, each rank its own slice
     plan = DataPlan(len(examples), world_size=4, micro_batch_size=4, grad_accum=2, epochs=1, max_steps=None)
@@ -161,7 +161,9 @@ def test_joint_training_outside_slurm_runs_node_groups_here(tmp_path, demo_asset
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "2 node groups on this machine" in proc.stderr
     plan = json.loads((log_dir / "plan.json").read_text())
-    one_shard = len(load_examples([demo_assets["node0"]]))
+    import pyarrow.parquet as pq
+
+    one_shard = pq.ParquetFile(demo_assets["node0"]).metadata.num_rows
     assert (plan["world_size"], plan["nodes"], plan["examples"]) == (2, 2, 2 * one_shard)
     losses = [json.loads(line)["loss"] for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and losses[-1] < losses[0]

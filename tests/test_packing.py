@@ -23,7 +23,7 @@ def sequence_losses_alone(model, seqs) -> list[torch.Tensor]:
     """Each sequence on its own, batch of one, no padding: the reference."""
     out = []
     for ids, lab in seqs:
-        batch = {"input_ids": torch.tensor([ids]), "labels": torch.tensor([lab])}
+        batch = {"input_ids": torch.tensor([ids.tolist()]), "labels": torch.tensor([lab.tolist()])}
         out.append(per_token_losses(model, batch)[0])
     return out
 
@@ -39,10 +39,10 @@ def test_collate_packed_restarts_positions_and_masks_boundaries():
 
 
 @pytest.fixture(scope="module")
-def packed_data(demo_assets):
+def packed_data(demo_assets, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    examples = load_examples([demo_assets["node0"]])
+    examples = load_examples([demo_assets["node0"]], tmp_path_factory.mktemp("token-store"))
     bins = load_bins([demo_assets["packing"]], [demo_assets["node0"]])
     models = {
         attn: AutoModelForCausalLM.from_pretrained(demo_assets["base"], dtype=torch.float32, attn_implementation=attn)
@@ -132,10 +132,12 @@ def test_a_plan_that_does_not_cover_the_shard_is_refused(tmp_path, demo_assets):
 
 
 def test_plans_of_several_shards_index_the_concatenation(demo_assets):
-    one = load_bins([demo_assets["packing"]], [demo_assets["node0"]])
-    two = load_bins([demo_assets["packing"]] * 2, [demo_assets["node0"]] * 2)
-    n = len(load_examples([demo_assets["node0"]]))
-    assert two == one + [[i + n for i in b] for b in one]
+    import pyarrow.parquet as pq
+
+    one = [b.tolist() for b in load_bins([demo_assets["packing"]], [demo_assets["node0"]])]
+    two = [b.tolist() for b in load_bins([demo_assets["packing"]] * 2, [demo_assets["node0"]] * 2)]
+    n = pq.ParquetFile(demo_assets["node0"]).metadata.num_rows
+    assert len(one) > 1 and two == one + [[i + n for i in b] for b in one]
 
 
 def test_model_flops_count_matmuls_and_attention(packed_data):

@@ -31,6 +31,7 @@ from pipeline_io import cli, write_json
 from preemption import StopSignal
 from settings import TrainConfig
 from strategies import build_strategy
+from token_store import store_root_for
 
 log = logging.getLogger("train")
 
@@ -129,7 +130,7 @@ def main(argv=None) -> None:
     device = init_distributed(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.seed)
-    data = TrainingData(cfg, a.data, a.packing, world, rank)
+    data = TrainingData(cfg, a.data, a.packing, world, rank, store_root_for(a.checkpoint_root))
 
     model, attn = load_model(a.base_model, cfg, device)
     sizes = parameter_counts(model)  # before sharding hides them
