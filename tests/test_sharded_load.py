@@ -42,9 +42,10 @@ def check(base, training: dict, tmp_path) -> dict:
     return json.loads(out.read_text())
 
 
-# FSDP reads the checkpoint files itself: one run on a bf16 file (fp32 master shards from it), one on
+# The trainer reads the checkpoint files itself: one run on a bf16 file (fp32 master shards from it), two on
 # tied embeddings saved as several files with an index
 CASES = [
+    ("ddp", "none", "tied"),  # one replica per rank: the same meta build, tied weights re-tied
     ("fsdp", "none", "tied"),
     ("fsdp", "lora", "bf16"),
     ("deepspeed", "none", "fp32"),

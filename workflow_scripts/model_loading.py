@@ -243,6 +243,8 @@ def materialize(model, files: CheckpointFiles, cfg, device: torch.device) -> Non
     each rank reads only its own slice of every tensor, then recomputes non-persistent buffers."""
     model.to_empty(device=torch.device("cpu") if cfg.strategy == "fsdp" and offloaded(cfg, device) else device)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if cfg.strategy != "fsdp":
+        inner.tie_weights()  # to_empty gave each tensor new storage: tied embeddings are two again
     with torch.no_grad():
         for name, param in model.named_parameters():
             local, index = local_index(param)
