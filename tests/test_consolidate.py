@@ -202,9 +202,8 @@ def test_fp32_base_writes_what_it_always_wrote(tmp_path):
 
     assert all(torch.equal(load_file(file)[k], v) for k, v in weights.items())
     report, _, _ = run(state, tmp_path / "bf16", dtype="bf16")
-    assert report["dtype"] == "bfloat16" and json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == (
-        "bfloat16"
-    )
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert report["dtype"] == config["dtype"] == "bfloat16"
 
 
 def test_lora_on_a_bf16_base_merges_in_fp32_and_keeps_the_adapter_fp32(tmp_path, bf16_base):
@@ -242,5 +241,6 @@ def test_cli_takes_consolidate_dtype(tmp_path, bf16_checkpoint):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "consolidation.json").read_text())
-    assert report["dtype"] == "float32" and set(report["peak_rss_mb"]) == {"training_side_model", "write", "reload_check"}
+    assert report["dtype"] == "float32"
+    assert set(report["peak_rss_mb"]) == {"training_side_model", "write", "reload_check"}
     assert "in float32" in proc.stdout
