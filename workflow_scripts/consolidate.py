@@ -449,7 +449,8 @@ def rebuild(state: dict, dtype: torch.dtype = torch.float32):
 def merge_lora(model, dtype: torch.dtype):
     """The merged model, its weights in ``dtype``: each LoRA layer's base weight is merged in fp32 (the
     base weight upcast, plus B @ A x scale) and rounded once, one layer at a time; then the other
-    parameters (buffers such as the rotary tables stay as they are, as from_pretrained keeps them)."""
+    parameters are cast to ``dtype`` (buffers such as the rotary tables stay as they are, as
+    from_pretrained keeps them). In fp32 this is peft's merge_and_unload, nothing else."""
     import warnings
 
     from peft.tuners.lora import LoraLayer
@@ -475,12 +476,13 @@ def cast_parameters(model, dtype: torch.dtype) -> None:
             p.data = p.data.to(dtype)
 
 
-def empty_model(config):
-    """The architecture without weights: parameters on the meta device, buffers (rotary tables) real."""
+def empty_model(config, dtype: torch.dtype = torch.float32):
+    """The architecture without weights: parameters on the meta device, buffers (rotary tables) real and
+    made as ``from_pretrained(dtype=dtype)`` makes them (the reloaded folder's)."""
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def hf_tensors(config) -> tuple[dict[str, torch.Size], set[str]]:
@@ -677,7 +679,7 @@ def consolidate(
             # the checkpoint's tensors become the parameters of a weightless model of the base's architecture
             source = open_source(state, folder, shapes)
             check_names(source, shapes, allowed, str(folder))
-            model = empty_model(config)
+            model = empty_model(config, target)
             assign(model, stream(source, shapes), target)
         expected = logits_on(model, ids)
     with peaks.phase("write"):
