@@ -29,8 +29,8 @@ for its own forward only), so the reference is the training-side model with its 
 rounded to the written dtype, and the reloaded folder should give bit-identical logits:
 the tolerance (1e-5) stays the fp32 one. Comparing with the unrounded fp32 model instead
 would need a tolerance as large as bf16 rounding moves the logits (7e-3 on the demo
-model's logits, which are of order 1), large enough to hide a wrong tensor. In fp32 nothing is upcast and the path is the one
-fp32 consolidation always took.
+model's logits, which are of order 1), large enough to hide a wrong tensor. In fp32
+nothing is upcast and the path is the one fp32 consolidation always took.
 
 The folder carries the template training used (data.chat_template, data.format_template, or the
 base tokenizer's own) as the tokenizer's chat template, and a generation config that stops at the
@@ -42,6 +42,7 @@ render and stop as training did.
 import argparse
 import contextlib
 import ctypes
+import functools
 import gc
 import json
 import math
@@ -302,7 +303,7 @@ class DeepSpeedSource:
         try:
             # no_grad: the saved partitions require grad, and an autograd graph from a gathered
             # tensor back to them would keep every memory-mapped partition file resident
-            with torch.no_grad(), contextlib.redirect_stdout(sys.stderr):  # the parsers print progress
+            with torch.no_grad(), contextlib.redirect_stdout(sys.stderr), mapped_loads():  # they print progress
                 models = z.parse_model_states(z.get_model_state_files(where))
                 stage, _, flat_groups, paddings = z.parse_optim_states(z.get_optim_files(where), where)
                 if stage <= 2:
@@ -316,7 +317,7 @@ class DeepSpeedSource:
         except Exception as e:  # the parsers raise bare exceptions on missing or short files
             raise UserError(f"{folder}: unreadable DeepSpeed checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
         self.names = set(self.tensors)
-        trim()  # the model-states file DeepSpeed loads whole to find the buffers and shapes
+        trim()
 
     @torch.no_grad()
     def read(self, names) -> dict:
@@ -327,6 +328,19 @@ class DeepSpeedSource:
 
     def release(self, tensors: dict) -> None:
         page_out(chunk for n in tensors for chunk in partition_slices(self.tensors[n]))
+
+
+@contextlib.contextmanager
+def mapped_loads():
+    """``torch.load`` memory-maps what it reads. DeepSpeed's ``parse_model_states`` loads each
+    model-states file whole to find the buffers and shapes; for ZeRO 1/2 that file holds every weight
+    again, in fp32: read whole it was a transient copy of the fp32 weights, twice the bf16 model."""
+    load = torch.load
+    torch.load = functools.partial(load, mmap=True)
+    try:
+        yield
+    finally:
+        torch.load = load
 
 
 class Zero2Param:
