@@ -1,11 +1,13 @@
-"""Consolidation benchmark: peak RSS of consolidate.py against the model's fp32 size, per strategy.
+"""Consolidation benchmark: peak RSS of consolidate.py against the size of the weights it writes, per strategy.
 
     .venv/bin/python bench/bench_consolidate.py                       # the table in docs/benchmarks.md
     .venv/bin/python bench/bench_consolidate.py --presets demo --strategies deepspeed-zero2
+    .venv/bin/python bench/bench_consolidate.py --presets 350m --dtypes bf16   # a bf16 base
 
-For each preset (the demo model and a larger from-scratch one) a base model is built
-(demo tokenizer, random init), then for each strategy a 2-rank torchrun (gloo, CPU,
-fp32) builds the model through train.py's own load_model/build_strategy/Checkpointer,
+For each preset (the demo model and a larger from-scratch one) and base dtype (``--dtypes``: fp32,
+as the presets are built, and bf16, the base saved in bf16 as hub models are; consolidate.py writes
+the base's dtype) a base model is built (demo tokenizer, random init), then for each strategy a
+2-rank torchrun (gloo, CPU, fp32) builds the model through train.py's own load_model/build_strategy/Checkpointer,
 trains ``--steps`` optimizer steps on random tokens (``--large-steps`` for the larger
 preset: DDP's Adam state for 350M parameters on two ranks would need ~11 GB of this
 shared 24 GB machine, so it is saved right after initialization) and writes a
@@ -14,12 +16,13 @@ from getrusage (bench_data.rss_of):
   ours       consolidate.py: training-side model from the checkpoint (zero-copy where the reader
              allows), logits, streamed sharded write, reload and logits check
   baseline   the usual full-state-dict path: the strategy's reader loads every tensor
-             (DeepSpeed: get_fp32_state_dict_from_zero_checkpoint), the base model loads,
-             load_state_dict, save_pretrained. No checks.
+             (DeepSpeed: get_fp32_state_dict_from_zero_checkpoint), the base model loads in the
+             base's dtype, load_state_dict, save_pretrained. No checks.
   ds-script  DeepSpeed's own convert_zero_checkpoint_to_fp32_state_dict (lazy, sharded
-             safetensors), weights only (deepspeed rows only)
+             safetensors), weights only (deepspeed rows of fp32 bases only: it writes fp32)
   imports    a process that only imports torch, transformers, deepspeed and peft: the floor
-Prints a table: strategy, parameters, fp32 size, peak RSS, (peak - imports) / fp32 size, seconds.
+Prints a table: strategy, parameters, size of the written weights, peak RSS, (peak - imports) / that
+size, seconds.
 """
 
 import argparse
@@ -79,9 +82,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 state, out, shard = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]), sys.argv[3]
+dtype = getattr(torch, sys.argv[4])
 folder = Path(state["checkpoint"])
 t0 = time.perf_counter()
-model = AutoModelForCausalLM.from_pretrained(state["base_model"], dtype=torch.float32)
+model = AutoModelForCausalLM.from_pretrained(state["base_model"], dtype=dtype)
 if state["strategy"] == "ddp":
     weights = torch.load(folder / "state.pt", map_location="cpu", weights_only=True)["model"]
 elif state["strategy"] == "fsdp":
@@ -110,12 +114,17 @@ convert_zero_checkpoint_to_fp32_state_dict(str(folder.parent), sys.argv[2], max_
 IMPORTS = "import torch, transformers, deepspeed, peft, safetensors; from transformers import AutoModelForCausalLM"
 
 
-def build_base(preset: str, out: Path) -> int:
-    """The demo tokenizer and a randomly initialized model of ``preset``; returns its parameter count."""
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def build_base(preset: str, out: Path, dtype: str = "fp32") -> int:
+    """The demo tokenizer and a randomly initialized model of ``preset``, saved in ``dtype``; returns its
+    parameter count."""
+    import torch
     from demo_model import build_model, texts_from, train_tokenizer
 
     tokenizer = train_tokenizer(texts_from(str(REPO / "resources" / "demo" / "instructions.csv")), 1024)
-    model = build_model(tokenizer, 128, seed=0, size=preset)
+    model = build_model(tokenizer, 128, seed=0, size=preset).to(getattr(torch, DTYPES[dtype]))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -147,6 +156,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=["demo", "350m"])
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="base model dtypes")
     p.add_argument("--steps", type=int, default=2, help="training steps before the checkpoint (demo)")
     p.add_argument("--large-steps", type=int, default=0, help="training steps for presets other than demo")
     p.add_argument("--workdir", type=Path, default=None)
@@ -163,13 +173,13 @@ def main() -> None:
 
     _, floor, _ = rss_of([py, "-c", IMPORTS], env)
     rows, failed, phases = [], [], []
-    for preset in a.presets:
-        base = work / preset / "base"
-        params = build_base(preset, base)
-        fp32_mb = params * 4 / 2**20
+    for preset, dtype in [(p, d) for p in a.presets for d in a.dtypes]:
+        base = work / preset / f"base-{dtype}"
+        params = build_base(preset, base, dtype)
+        mb = params * (4 if dtype == "fp32" else 2) / 2**20  # what consolidate.py writes: the base's dtype
         steps = a.steps if preset == "demo" else a.large_steps
         for label in a.strategies:
-            root = work / preset / label
+            root = work / preset / f"{label}-{dtype}"
             cmd = [
                 str(Path(py).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
                 str(work / "make_checkpoint.py"), str(SCRIPTS), training_config(label), str(base),
@@ -181,20 +191,25 @@ def main() -> None:
                     "--max-shard-size", SHARD]  # fmt: skip
             secs, rss, _ = rss_of(ours, env)
             report = json.loads((root / "ours" / "consolidation.json").read_text())
-            phases.append((preset, label, fp32_mb, report["peak_rss_mb"]))
+            assert report["dtype"] == DTYPES[dtype], report["dtype"]
+            written = sum(f.stat().st_size for f in (root / "ours").glob("*.safetensors")) / 2**20
+            phases.append((preset, dtype, label, mb, report["peak_rss_mb"]))
             rss = max(rss, *report["peak_rss_mb"].values())  # its phase resets lower getrusage's peak
-            rows.append((preset, label, "ours (consolidate.py, with checks)", params, fp32_mb, rss, secs,
-                         len(report["weight_files"]), report["max_logit_diff"]))  # fmt: skip
-            secs, rss, _ = rss_of([py, str(work / "baseline.py"), str(state), str(root / "base_out"), SHARD], env)
-            rows.append((preset, label, "baseline: full state dict + save_pretrained", params, fp32_mb, rss, secs,
-                         len(list((root / "base_out").glob("*.safetensors"))), None))  # fmt: skip
-            if label.startswith("deepspeed"):
+            rows.append((preset, dtype, label, "ours (consolidate.py, with checks)", params, mb, rss, secs,
+                         len(report["weight_files"]), written, report["max_logit_diff"]))  # fmt: skip
+            baseline = [py, str(work / "baseline.py"), str(state), str(root / "base_out"), SHARD, DTYPES[dtype]]
+            secs, rss, _ = rss_of(baseline, env)
+            files = list((root / "base_out").glob("*.safetensors"))
+            rows.append((preset, dtype, label, "baseline: full state dict + save_pretrained", params, mb, rss, secs,
+                         len(files), sum(f.stat().st_size for f in files) / 2**20, None))  # fmt: skip
+            if label.startswith("deepspeed") and dtype == "fp32":
                 folder = json.loads(state.read_text())["checkpoint"]
                 what = "DeepSpeed convert_zero_checkpoint_to_fp32_state_dict"
                 try:
                     secs, rss, _ = rss_of([py, str(work / "ds_script.py"), folder, str(root / "ds_out"), SHARD], env)
-                    rows.append((preset, label, what, params, fp32_mb, rss, secs,
-                                 len(list((root / "ds_out").glob("*.safetensors"))), None))  # fmt: skip
+                    files = list((root / "ds_out").glob("*.safetensors"))
+                    rows.append((preset, dtype, label, what, params, mb, rss, secs, len(files),
+                                 sum(f.stat().st_size for f in files) / 2**20, None))  # fmt: skip
                 except SystemExit as e:  # tied weights: safetensors refuses tensors that share memory
                     lines = [x.strip() for x in str(e).splitlines() if x.strip()]
                     reason = next((x for x in lines if "share memory" in x), lines[-1])
@@ -202,24 +217,25 @@ def main() -> None:
             if not a.keep:
                 shutil.rmtree(root)  # the larger preset's checkpoints take gigabytes
 
-    print(f"\n2 ranks (gloo, CPU, fp32); shards of at most {SHARD}; imports alone: {floor:.0f} MB peak RSS\n")
-    head = ["preset", "strategy", "consolidation", "params", "fp32 MB", "peak RSS MB", "(peak - imports) / fp32",
-            "seconds", "files", "max logit diff"]  # fmt: skip
+    print(f"\n2 ranks (gloo, CPU, fp32 training); shards of at most {SHARD}; imports alone: {floor:.0f} MB peak RSS\n")
+    head = ["preset", "base dtype", "strategy", "consolidation", "params", "weights MB", "peak RSS MB",
+            "(peak - imports) / weights", "seconds", "files", "files MB", "max logit diff"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
-    for preset, label, what, params, mb, rss, secs, files, diff in rows:
+    for preset, dtype, label, what, params, mb, rss, secs, files, written, diff in rows:
         diff = f"{diff:.1e}" if diff is not None else "-"
-        print(f"| {preset} | {label} | {what} | {params / 1e6:.1f}M | {mb:,.0f} | {rss:,.0f} | "
-              f"{(rss - floor) / mb:.2f} | {secs:.1f} | {files} | {diff} |")  # fmt: skip
+        print(f"| {preset} | {dtype} | {label} | {what} | {params / 1e6:.1f}M | {mb:,.0f} | {rss:,.0f} | "
+              f"{(rss - floor) / mb:.2f} | {secs:.1f} | {files} | {written:,.1f} | {diff} |")  # fmt: skip
     print("\npeak RSS ours / baseline:")
     for i in range(0, len(rows)):
-        if rows[i][2].startswith("ours"):
+        if rows[i][3].startswith("ours"):
             ours, base = rows[i], rows[i + 1]
-            print(f"  {ours[0]} {ours[1]}: {ours[5] / base[5]:.2f}x  (above the imports: "
-                  f"{(ours[5] - floor) / (base[5] - floor):.2f}x)")  # fmt: skip
-    print("\nours, peak RSS MB of each phase (in brackets: (peak - imports) / fp32):")
-    for preset, label, mb, peaks in phases:
-        print(f"  {preset} {label}: " + ", ".join(f"{k} {v:,} ({(v - floor) / mb:.2f})" for k, v in peaks.items()))
+            print(f"  {ours[0]} {ours[1]} {ours[2]}: {ours[6] / base[6]:.2f}x  (above the imports: "
+                  f"{(ours[6] - floor) / (base[6] - floor):.2f}x)")  # fmt: skip
+    print("\nours, peak RSS MB of each phase (in brackets: (peak - imports) / weights):")
+    for preset, dtype, label, mb, peaks in phases:
+        print(f"  {preset} {dtype} {label}: "
+              + ", ".join(f"{k} {v:,} ({(v - floor) / mb:.2f})" for k, v in peaks.items()))  # fmt: skip
     for line in failed:
         print(line)
     print(f"work dir: {work}")

@@ -10,5 +10,7 @@ rule consolidate_node:
     params:
         script=script_path("consolidate.py"),
         template=TEMPLATE_ARGS,
+        dtype=config["consolidate"]["dtype"],
     shell:
-        "python {params.script} --state {input.state} --output {output.model} {params.template} > {log} 2>&1"
+        "python {params.script} --state {input.state} --output {output.model} --dtype {params.dtype}"
+        " {params.template} > {log} 2>&1"

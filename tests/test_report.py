@@ -45,7 +45,8 @@ def test_consolidation_table_reads_each_models_self_check(tmp_path):
     for node, files in (("node0", 1), ("node1", 2)):
         folder = tmp_path / node
         folder.mkdir()
-        report = {"strategy": "fsdp", "peft": "none", "step": 12, "max_logit_diff": 0.0, "generation_ok": True,
+        report = {"dtype": "bfloat16"} if node == "node0" else {}
+        report |= {"strategy": "fsdp", "peft": "none", "step": 12, "max_logit_diff": 0.0, "generation_ok": True,
                   "weight_files": [f"w{i}.safetensors" for i in range(files)],
                   "peak_rss_mb": {"reload_check": 510, "training_side_model": 500, "write": 480}}  # fmt: skip
         (folder / "consolidation.json").write_text(json.dumps(report))
@@ -53,7 +54,8 @@ def test_consolidation_table_reads_each_models_self_check(tmp_path):
             (folder / f"w{i}.safetensors").write_bytes(b"x" * 2**20)
     (tmp_path / "node1" / "model.safetensors.index.json").write_text('{"metadata": {"total_size": 3145728}}')
     table = consolidation_table([tmp_path / "node0", tmp_path / "node1"]).set_index("model")
-    assert table["fp32_mb"].tolist() == [1.0, 3.0]  # the index's total when there is one
+    assert table["weights_mb"].tolist() == [1.0, 3.0]  # the index's total when there is one
+    assert table["dtype"].tolist() == ["bfloat16", "float32"]  # a report without one: fp32, as all were
     assert table.loc["node1", "weight_files"] == 2 and table.loc["node0", "peak_rss_mb_reload_check"] == 510
     assert [c for c in table if c.startswith("peak")] == [
         "peak_rss_mb_training_side_model", "peak_rss_mb_write", "peak_rss_mb_reload_check"

@@ -38,3 +38,27 @@ def test_soups_of_node_models(tmp_path, demo_assets):
     greedy = json.loads((tmp_path / "greedy" / "soup.json").read_text())
     assert greedy["members"][0] == "node1"  # the lowest held-out loss goes in first
     assert [t.get("tried") for t in greedy["trail"][1:]] == ["node0", "node2"]
+
+
+def test_soups_of_bf16_models_average_in_fp32_and_are_saved_in_bf16(tmp_path, demo_assets):
+    """Node models consolidated in bf16 (a bf16 base): the soup is the fp32 mean, rounded once to bf16."""
+    tokenizer = AutoTokenizer.from_pretrained(demo_assets["base"])
+    paths, results = [], []
+    for i, loss in enumerate([2.0, 1.0]):
+        path = tmp_path / f"node{i}"
+        build_model(tokenizer, 128, seed=i).to(torch.bfloat16).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths.append(path)
+        results.append(tmp_path / f"node{i}.json")
+        results[-1].write_text(json.dumps({"model": f"node{i}", "eval_loss": loss}))
+    soup_main(
+        ["--models", *map(str, paths), "--results", *map(str, results), "--eval", str(demo_assets["eval"]),
+         "--uniform", str(tmp_path / "uniform"), "--greedy", str(tmp_path / "greedy")]
+    )  # fmt: skip
+    nodes = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).state_dict() for p in paths]
+    for soup in ("uniform", "greedy"):
+        assert json.loads((tmp_path / soup / "config.json").read_text())["dtype"] == "bfloat16"
+    uniform = AutoModelForCausalLM.from_pretrained(tmp_path / "uniform").state_dict()
+    assert {v.dtype for v in uniform.values()} == {torch.bfloat16}
+    for key, value in uniform.items():
+        assert torch.equal(value, ((nodes[0][key] + nodes[1][key]) / 2).to(torch.bfloat16)), key

@@ -2,20 +2,35 @@
 
 DDP ``state.pt`` (memory-mapped), FSDP2 torch.distributed.checkpoint folders and
 DeepSpeed ZeRO 1-3 checkpoints (DeepSpeed's ``zero_to_fp32`` in lazy mode) are each
-read through their own APIs. The training-side model is rebuilt without weights (on
-the meta device) and its parameters *are* the checkpoint's tensors, read a few
-megabytes at a time; its logits on fixed inputs are the reference. The weights are
-then streamed from that model to fp32 safetensors one tensor at a time
+read through their own APIs. The weights are written in ``--dtype``: ``base`` (the
+default) is the base model's own dtype (``stored_dtype``: bf16 for most hub models, fp32
+for the demo and from-scratch presets), or fp32/bf16/fp16. The training-side model is
+rebuilt without weights (on the meta device) and its parameters are the checkpoint's
+(fp32) tensors rounded once to that dtype, read a few megabytes at a time (in fp32 they
+*are* the checkpoint's tensors, no copy); its logits on fixed inputs are the reference.
+The weights are then streamed from that model to safetensors one tensor at a time
 (``model-0000i-of-0000n.safetensors`` and an index when there is more than one),
 handing the pages of memory-mapped files back to the kernel as it goes, so the peak
-stays near one copy of the fp32 weights, not the three or four that loading a whole
-state dict into a model and saving it takes. With LoRA the adapter is saved in peft
-format (``adapter/``) and the merged model beside it.
+stays near one copy of the weights in the written dtype, not the three or four that
+loading a whole state dict into a model and saving it takes. With LoRA the base is
+loaded, the adapter merged into it layer by layer in fp32 and each merged weight rounded
+to the written dtype; the adapter itself is saved in peft format (``adapter/``), fp32 as
+trained, beside the merged model.
 
 The stage checks its own result, one model in memory at a time: the saved folder,
-reloaded with ``from_pretrained``, gives the training-side model's logits; every LoRA
-B matrix is present and non-zero; a short generation runs. A truncated or corrupt
-checkpoint fails with one line naming it. Peak RSS per phase goes to consolidation.json.
+reloaded with ``from_pretrained`` in the written dtype, gives the training-side model's
+logits; every LoRA B matrix is present and non-zero; a short generation runs. A truncated
+or corrupt checkpoint fails with one line naming it. Peak RSS per phase goes to
+consolidation.json.
+
+The check compares at the precision written. Both models hold their weights in the
+written dtype and run in fp32 on the CPU (``fp32_compute`` upcasts each module's weights
+for its own forward only), so the reference is the training-side model with its weights
+rounded to the written dtype, and the reloaded folder should give bit-identical logits:
+the tolerance (1e-5) stays the fp32 one. Comparing with the unrounded fp32 model instead
+would need a tolerance as large as bf16 rounding moves the logits (7e-3 on the demo
+model's logits, which are of order 1), large enough to hide a wrong tensor. In fp32
+nothing is upcast and the path is the one fp32 consolidation always took.
 
 The folder carries the template training used (data.chat_template, data.format_template, or the
 base tokenizer's own) as the tokenizer's chat template, and a generation config that stops at the
@@ -27,6 +42,7 @@ render and stop as training did.
 import argparse
 import contextlib
 import ctypes
+import functools
 import gc
 import json
 import math
@@ -41,6 +57,8 @@ from pipeline_io import UserError, atomic_path, cli, json_object, write_json
 from settings import option
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now; never loses data
 READ_BYTES = 64 * 2**20  # tensors read from a checkpoint per batch (a larger tensor is read alone)
 
@@ -72,6 +90,80 @@ def shard_files(n: int) -> list[str]:
     if n == 1:
         return ["model.safetensors"]
     return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+# ---------------------------------------------------------------- dtypes
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def header_dtypes(folder: Path) -> dict[str, int]:
+    """Bytes per safetensors dtype code ("BF16", "F32", ...) over every safetensors file in ``folder``."""
+    total: dict[str, int] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                start, end = entry["data_offsets"]
+                total[entry["dtype"]] = total.get(entry["dtype"], 0) + end - start
+    return total
+
+
+def stored_dtype(name_or_path: str) -> torch.dtype:
+    """The dtype a model's weights are stored in: its config.json's ``dtype`` (``torch_dtype`` in files
+    written before transformers 4.56), else the floating dtype holding most bytes in its safetensors;
+    fp32 when neither tells, or when it is none of fp32, bf16, fp16 (fp64, quantized formats)."""
+    from fingerprint import local_model_folder
+
+    folder = local_model_folder(name_or_path)
+    config = json.loads((folder / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype")
+    by_name = {dtype_name(d): d for d in SAFETENSORS_DTYPES}
+    if isinstance(name, str) and name != "auto":
+        return by_name.get(name, torch.float32)
+    by_code = {code: d for d, code in SAFETENSORS_DTYPES.items()}
+    floating = {code: n for code, n in header_dtypes(folder).items() if code in by_code}
+    return by_code[max(floating, key=floating.get)] if floating else torch.float32
+
+
+@contextlib.contextmanager
+def fp32_compute(model):
+    """Run ``model`` in fp32 whatever dtype it holds its weights in: each module's own parameters and
+    buffers that are bf16 or fp16 are replaced by fp32 copies for the time of its forward, and put back
+    after. The logits are those of the model cast to fp32 (bit for bit), while at most one module's
+    weights are held twice. A model held in fp32 gets no hooks at all."""
+    stacks: dict[int, list] = {}
+
+    def low(t) -> bool:
+        return t is not None and t.is_floating_point() and t.dtype != torch.float32
+
+    def upcast(module, args):
+        held = []
+        for store in (module._parameters, module._buffers):
+            for name, t in list(store.items()):
+                if low(t):
+                    held.append((store, name, t))
+                    up = t.detach().float()
+                    store[name] = torch.nn.Parameter(up, requires_grad=False) if store is module._parameters else up
+        stacks.setdefault(id(module), []).append(held)
+
+    def restore(module, args, output):
+        for store, name, t in stacks[id(module)].pop():
+            store[name] = t
+
+    handles = []
+    for module in model.modules():
+        if any(low(t) for t in [*module._parameters.values(), *module._buffers.values()]):
+            handles += [module.register_forward_pre_hook(upcast), module.register_forward_hook(restore)]
+    try:
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
 
 
 # ---------------------------------------------------------------- memory
@@ -211,7 +303,7 @@ class DeepSpeedSource:
         try:
             # no_grad: the saved partitions require grad, and an autograd graph from a gathered
             # tensor back to them would keep every memory-mapped partition file resident
-            with torch.no_grad(), contextlib.redirect_stdout(sys.stderr):  # the parsers print progress
+            with torch.no_grad(), contextlib.redirect_stdout(sys.stderr), mapped_loads():  # they print progress
                 models = z.parse_model_states(z.get_model_state_files(where))
                 stage, _, flat_groups, paddings = z.parse_optim_states(z.get_optim_files(where), where)
                 if stage <= 2:
@@ -225,7 +317,7 @@ class DeepSpeedSource:
         except Exception as e:  # the parsers raise bare exceptions on missing or short files
             raise UserError(f"{folder}: unreadable DeepSpeed checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
         self.names = set(self.tensors)
-        trim()  # the model-states file DeepSpeed loads whole to find the buffers and shapes
+        trim()
 
     @torch.no_grad()
     def read(self, names) -> dict:
@@ -236,6 +328,19 @@ class DeepSpeedSource:
 
     def release(self, tensors: dict) -> None:
         page_out(chunk for n in tensors for chunk in partition_slices(self.tensors[n]))
+
+
+@contextlib.contextmanager
+def mapped_loads():
+    """``torch.load`` memory-maps what it reads. DeepSpeed's ``parse_model_states`` loads each
+    model-states file whole to find the buffers and shapes; for ZeRO 1/2 that file holds every weight
+    again, in fp32: read whole it was a transient copy of the fp32 weights, twice the bf16 model."""
+    load = torch.load
+    torch.load = functools.partial(load, mmap=True)
+    try:
+        yield
+    finally:
+        torch.load = load
 
 
 class Zero2Param:
@@ -334,11 +439,13 @@ def stream(source, shapes: dict[str, torch.Size], batch_bytes: int = READ_BYTES)
 # ---------------------------------------------------------------- models
 
 
-def rebuild(state: dict):
-    """The LoRA model as training built it: the base weights, wrapped by peft."""
+def rebuild(state: dict, dtype: torch.dtype = torch.float32):
+    """The LoRA model as training built it: the base weights, wrapped by peft (the adapter in fp32).
+
+    The base is held in ``dtype``: training's fp32 copy of a bf16 base holds the same values."""
     from peft import LoraConfig, get_peft_model
 
-    model = AutoModelForCausalLM.from_pretrained(state["base_model"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(state["base_model"], dtype=dtype)
     cfg = state["config"]
     return get_peft_model(
         model,
@@ -352,12 +459,44 @@ def rebuild(state: dict):
     )
 
 
-def empty_model(config):
-    """The architecture without weights: parameters on the meta device, buffers (rotary tables) real."""
+@torch.no_grad()
+def merge_lora(model, dtype: torch.dtype):
+    """The merged model, its weights in ``dtype``: each LoRA layer's base weight is merged in fp32 (the
+    base weight upcast, plus B @ A x scale) and rounded once, one layer at a time; then the other
+    parameters are cast to ``dtype`` (buffers such as the rotary tables stay as they are, as
+    from_pretrained keeps them). In fp32 this is peft's merge_and_unload, nothing else."""
+    import warnings
+
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            weight = module.get_base_layer().weight
+            weight.data = weight.data.float()
+            module.merge()
+            weight.data = weight.data.to(dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="All adapters are already merged")
+        merged = model.merge_and_unload()  # every layer merged above: unwraps them
+    cast_parameters(merged, dtype)
+    return merged
+
+
+@torch.no_grad()
+def cast_parameters(model, dtype: torch.dtype) -> None:
+    """Floating parameters to ``dtype`` one at a time, in place (a no-op for those already in it)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+def empty_model(config, dtype: torch.dtype = torch.float32):
+    """The architecture without weights: parameters on the meta device, buffers (rotary tables) real and
+    made as ``from_pretrained(dtype=dtype)`` makes them (the reloaded folder's)."""
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def hf_tensors(config) -> tuple[dict[str, torch.Size], set[str]]:
@@ -384,12 +523,13 @@ def check_names(source, needed, allowed, where: str) -> None:
 
 
 @torch.no_grad()
-def assign(model, tensors) -> None:
-    """Make the checkpoint's tensors the model's parameters (no copy), then re-tie shared weights."""
+def assign(model, tensors, dtype: torch.dtype = torch.float32) -> None:
+    """Make the checkpoint's tensors, in ``dtype``, the model's parameters (in fp32 the tensors themselves,
+    no copy; else each rounded once), then re-tie shared weights."""
     for name, t in tensors:
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
-        t = t.to(torch.float32)
+        t = t.to(dtype)
         if attr in module._parameters:
             module._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
         else:
@@ -408,13 +548,17 @@ def copy_in(model, tensors) -> None:
         target[name].copy_(t)
 
 
-def write_safetensors(path: Path, shapes: dict[str, torch.Size], tensors) -> None:
-    """One fp32 safetensors file written tensor by tensor: the header (names, shapes, offsets) is known
-    up front from ``shapes``, so no more than one tensor is ever held for writing."""
-    header, offset = {}, 0
+def nbytes(shape, dtype: torch.dtype) -> int:
+    return dtype.itemsize * math.prod(shape)
+
+
+def write_safetensors(path: Path, shapes: dict[str, torch.Size], tensors, dtype: torch.dtype = torch.float32) -> None:
+    """One safetensors file of ``dtype`` tensors written tensor by tensor: the header (names, shapes,
+    offsets) is known up front from ``shapes``, so no more than one tensor is ever held for writing."""
+    header, offset, code = {}, 0, SAFETENSORS_DTYPES[dtype]
     for name, shape in shapes.items():
-        size = 4 * math.prod(shape)
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        size = nbytes(shape, dtype)
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     header["__metadata__"] = {"format": "pt"}
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -422,22 +566,24 @@ def write_safetensors(path: Path, shapes: dict[str, torch.Size], tensors) -> Non
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for _, t in tensors:
-            t = t.detach().to(torch.float32).contiguous()
-            f.write(memoryview(t.numpy()).cast("B"))
+            t = t.detach().to(dtype).contiguous()
+            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # numpy has no bf16: the bytes
         if f.tell() != 8 + len(raw) + offset:
             raise UserError(f"{path}: wrote {f.tell()} bytes, expected {8 + len(raw) + offset}")
 
 
-def write_sharded(source, shapes: dict[str, torch.Size], output: Path, max_bytes: int) -> list[str]:
-    """fp32 safetensors streamed from ``source``; an index when there are several files. Returns the files."""
-    shards = plan_shards({n: 4 * math.prod(s) for n, s in shapes.items()}, max_bytes)
+def write_sharded(
+    source, shapes: dict[str, torch.Size], output: Path, max_bytes: int, dtype: torch.dtype = torch.float32
+) -> list[str]:
+    """``dtype`` safetensors streamed from ``source``; an index when there are several files. Returns the files."""
+    shards = plan_shards({n: nbytes(s, dtype) for n, s in shapes.items()}, max_bytes)
     files = shard_files(len(shards))
     for file, names in zip(files, shards, strict=True):
         part = {n: shapes[n] for n in names}
-        write_safetensors(output / file, part, stream(source, part))
+        write_safetensors(output / file, part, stream(source, part), dtype)
     if len(files) > 1:
         index = {
-            "metadata": {"total_size": sum(4 * math.prod(s) for s in shapes.values())},
+            "metadata": {"total_size": sum(nbytes(s, dtype) for s in shapes.values())},
             "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names},
         }
         write_json(output / "model.safetensors.index.json", index)
@@ -457,16 +603,18 @@ def check_lora(model) -> int:
 
 @torch.no_grad()
 def logits_on(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits computed in fp32, whatever dtype the model holds its weights in (fp32_compute)."""
     model.eval()
-    return model(input_ids=ids).logits.float()
+    with fp32_compute(model):
+        return model(input_ids=ids).logits.float()
 
 
-def save_metadata(base: str, output: Path, template: dict | None = None) -> None:
-    """config (fp32), generation config and tokenizer of the base model, beside the weights, with the
-    training's template (``template``: chat_template, format_template, template_kwargs; see
-    tokenization_metadata)."""
+def save_metadata(base: str, output: Path, template: dict | None = None, dtype: torch.dtype = torch.float32) -> None:
+    """config (its dtype the weights'), generation config and tokenizer of the base model, beside the
+    weights, with the training's template (``template``: chat_template, format_template, template_kwargs;
+    see tokenization_metadata)."""
     config = AutoConfig.from_pretrained(base)
-    config.dtype = "float32"
+    config.dtype = dtype_name(dtype)
     config.save_pretrained(output)
     try:
         generation = GenerationConfig.from_pretrained(base)
@@ -506,15 +654,24 @@ def tokenization_metadata(
 
 
 def consolidate(
-    state: dict, output: Path, max_shard_size: str = "2GB", peaks: PeakRSS | None = None, template: dict | None = None
+    state: dict,
+    output: Path,
+    max_shard_size: str = "2GB",
+    peaks: PeakRSS | None = None,
+    template: dict | None = None,
+    dtype: str = "base",
 ):
-    """Write the HF folder; return (report, fixed input ids, the training-side model's logits on them)."""
+    """Write the HF folder in ``dtype`` (consolidate.dtype); return (report, fixed input ids, the
+    training-side model's logits on them, its weights rounded to the written dtype)."""
     peaks = peaks or PeakRSS()
     folder = Path(state["checkpoint"])
     if not (folder / "COMPLETE").is_file():
         raise UserError(f"{folder}: checkpoint is missing or incomplete (no COMPLETE marker)")
     max_bytes = parse_size(max_shard_size)
     report = {"checkpoint": str(folder), "strategy": state["strategy"], "peft": state["peft"], "step": state["step"]}
+    base_dtype = stored_dtype(state["base_model"])
+    target = base_dtype if dtype == "base" else DTYPES[dtype]
+    report["dtype"] = dtype_name(target)
     output.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.from_pretrained(state["base_model"])
     shapes, allowed = hf_tensors(config)
@@ -523,35 +680,43 @@ def consolidate(
     with peaks.phase("training_side_model"):
         if state["peft"] == "lora":
             # the checkpoint holds the adapter only; the merged model is the base plus B @ A
-            model = rebuild(state)
+            # the base in its own dtype holds what training's fp32 copy of it held; else in fp32
+            model = rebuild(state, base_dtype if base_dtype == target else torch.float32)
             trainable = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
             source = open_source(state, folder, trainable)
             check_names(source, trainable, model.state_dict(), str(folder))
             copy_in(model, stream(source, trainable))
             report["lora_b_tensors"] = check_lora(model)
             model.save_pretrained(output / "adapter")
-            model = model.merge_and_unload()
+            model = merge_lora(model, target)
         else:
             # the checkpoint's tensors become the parameters of a weightless model of the base's architecture
             source = open_source(state, folder, shapes)
             check_names(source, shapes, allowed, str(folder))
-            model = empty_model(config)
-            assign(model, stream(source, shapes))
+            model = empty_model(config, target)
+            assign(model, stream(source, shapes), target)
         expected = logits_on(model, ids)
     with peaks.phase("write"):
-        report["weight_files"] = write_sharded(ModelSource(model), shapes, output, max_bytes)
-        save_metadata(state["base_model"], output, template)
+        report["weight_files"] = write_sharded(ModelSource(model), shapes, output, max_bytes, target)
+        save_metadata(state["base_model"], output, template, target)
     return report, ids, expected
 
 
 def verify(output: Path, ids: torch.Tensor, expected: torch.Tensor, tolerance: float) -> dict:
-    """Reload what was written: same logits as the training-side model, and a short generation runs."""
-    reloaded = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32)
+    """Reload what was written, in the dtype its config names (every safetensors header must say the
+    same): the same logits as the training-side model (both computed in fp32 from the written precision,
+    see the module's docstring), and a short generation runs."""
+    dtype = AutoConfig.from_pretrained(output).dtype or torch.float32
+    codes = sorted(header_dtypes(output))
+    if codes != [SAFETENSORS_DTYPES[dtype]]:
+        raise UserError(f"{output}: safetensors hold {', '.join(codes)}; config.json says {dtype_name(dtype)}")
+    reloaded = AutoModelForCausalLM.from_pretrained(output, dtype=dtype)
     diff = (logits_on(reloaded, ids) - expected).abs().max().item()
-    if diff > tolerance:
+    if not diff <= tolerance:  # a NaN fails too
         raise UserError(f"{output}: reloaded model's logits differ by {diff:.2e} (> {tolerance})")
     pad = reloaded.generation_config.pad_token_id
-    sample = reloaded.generate(ids[:1, :4], max_new_tokens=4, do_sample=False, pad_token_id=pad)
+    with torch.no_grad(), fp32_compute(reloaded):
+        sample = reloaded.generate(ids[:1, :4], max_new_tokens=4, do_sample=False, pad_token_id=pad)
     return {"max_logit_diff": diff, "generation_ok": sample.shape[1] > 4}
 
 
@@ -562,6 +727,7 @@ def main(argv=None) -> None:
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--tolerance", type=float, default=1e-5)
     p.add_argument("--max-shard-size", default="2GB", help="safetensors shard size, e.g. 2GB or 500MB")
+    p.add_argument("--dtype", help="consolidate.dtype: the written weights' dtype", **option("consolidate.dtype"))
     p.add_argument("--chat-template", default=None, help="data.chat_template: the Jinja file training used")
     p.add_argument("--format-template", help="data.format_template", **option("data.format_template"))
     p.add_argument("--template-kwargs", type=json_object, **option("data.template_kwargs"))
@@ -571,12 +737,15 @@ def main(argv=None) -> None:
     peaks = PeakRSS()
     template = {"chat_template": a.chat_template, "format_template": a.format_template}
     template |= {"template_kwargs": a.template_kwargs}
-    report, ids, expected = consolidate(state, a.output, a.max_shard_size, peaks, template)
+    report, ids, expected = consolidate(state, a.output, a.max_shard_size, peaks, template, a.dtype)
     with peaks.phase("reload_check"):  # one model in memory at a time: the training side is gone
         report |= verify(a.output, ids, expected, a.tolerance)
     report["peak_rss_mb"] = peaks.phases
     write_json(a.output / "consolidation.json", report)
-    print(f"{a.output}: consolidated from {report['checkpoint']} (max logit diff {report['max_logit_diff']:.1e})")
+    print(
+        f"{a.output}: consolidated from {report['checkpoint']} in {report['dtype']}"
+        f" (max logit diff {report['max_logit_diff']:.1e})"
+    )
 
 
 if __name__ == "__main__":

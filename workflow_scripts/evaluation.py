@@ -134,6 +134,7 @@ def main(argv=None) -> None:
         frame = frame.iloc[: a.max_samples]
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    # fp32 whatever the folder holds: a bf16 model (consolidate.dtype) is upcast exactly, computed in fp32
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).to(device).eval()
 
     loss, tokens = eval_loss(model, frame, padding_id(tokenizer), a.batch_size)

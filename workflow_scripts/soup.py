@@ -4,7 +4,9 @@
 - greedy: nodes sorted by held-out loss, best first; each is added only if the soup's
   held-out loss improves. The held-out set is the shared eval set, so the greedy soup's
   eval numbers are optimistic by the selection; the uniform soup's are not.
-Both are saved as Hugging Face folders and evaluated like any other model.
+Both are saved as Hugging Face folders and evaluated like any other model. The weights are
+averaged in fp32 and saved in the node models' dtype (consolidate.dtype); the greedy soup's
+held-out losses are those of the weights as they will be saved, computed in fp32.
 """
 
 import argparse
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from consolidate import stored_dtype
 from evaluation import eval_loss, padding_id
 from pipeline_io import UserError, cli, write_json
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -32,17 +35,27 @@ def average(states: list[dict]) -> dict:
     return {k: torch.stack([s[k].float() for s in states]).mean(0) for k in keys}
 
 
-def save(state: dict, template: Path, tokenizer, out: Path, members: list[str]) -> None:
-    model = AutoModelForCausalLM.from_pretrained(template, dtype=torch.float32)
+def models_dtype(models: list[Path]) -> torch.dtype:
+    """The dtype the node models are stored in (fp32 if they disagree)."""
+    dtypes = {stored_dtype(str(m)) for m in models}
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+def as_saved(state: dict, template: Path, dtype: torch.dtype):
+    """The model ``template`` with the fp32 weights ``state`` rounded to ``dtype``, as save writes them."""
+    model = AutoModelForCausalLM.from_pretrained(template, dtype=dtype)
     model.load_state_dict(state)
-    model.save_pretrained(out)
+    return model
+
+
+def save(state: dict, template: Path, tokenizer, out: Path, members: list[str], dtype=torch.float32) -> None:
+    as_saved(state, template, dtype).save_pretrained(out)
     tokenizer.save_pretrained(out)
     write_json(out / "soup.json", {"members": members})
 
 
-def held_out_loss(state: dict, template: Path, frame: pd.DataFrame, pad_id: int) -> float:
-    model = AutoModelForCausalLM.from_pretrained(template, dtype=torch.float32)
-    model.load_state_dict(state)
+def held_out_loss(state: dict, template: Path, frame: pd.DataFrame, pad_id: int, dtype=torch.float32) -> float:
+    model = as_saved(state, template, dtype).float()  # computed in fp32
     return eval_loss(model.eval(), frame, pad_id, batch_size=32)[0]
 
 
@@ -59,20 +72,21 @@ def main(argv=None) -> None:
     losses = {json.loads(r.read_text())["model"]: json.loads(r.read_text())["eval_loss"] for r in a.results}
     states = {m.name: load_state(m) for m in a.models}
     tokenizer = AutoTokenizer.from_pretrained(a.models[0])
-    template = a.models[0]
+    template, dtype = a.models[0], models_dtype(a.models)
 
-    save(average(list(states.values())), template, tokenizer, a.uniform, names)
+    save(average(list(states.values())), template, tokenizer, a.uniform, names, dtype)
 
     frame = pd.read_parquet(a.eval)
     order = sorted(names, key=lambda n: losses[n])
     members, best = [order[0]], losses[order[0]]
     trail = [{"added": order[0], "loss": best}]
     for name in order[1:]:
-        loss = held_out_loss(average([states[m] for m in [*members, name]]), template, frame, padding_id(tokenizer))
+        soup = average([states[m] for m in [*members, name]])
+        loss = held_out_loss(soup, template, frame, padding_id(tokenizer), dtype)
         trail.append({"tried": name, "loss": loss, "kept": loss < best})
         if loss < best:
             members, best = [*members, name], loss
-    save(average([states[m] for m in members]), template, tokenizer, a.greedy, members)
+    save(average([states[m] for m in members]), template, tokenizer, a.greedy, members, dtype)
     write_json(a.greedy / "soup.json", {"members": members, "trail": trail})
     print(f"uniform soup of {names}; greedy soup of {members} (held-out loss {best:.4f})")
 

@@ -178,7 +178,8 @@ def consolidation_table(folders: list[Path]) -> pd.DataFrame:
             "peft": report["peft"],
             "step": report["step"],
             "weight_files": len(report["weight_files"]),
-            "fp32_mb": size / 2**20,
+            "dtype": report.get("dtype", "float32"),  # written before consolidate.dtype: fp32
+            "weights_mb": size / 2**20,
             "max_logit_diff": report["max_logit_diff"],
             "generation_ok": report["generation_ok"],
         }
