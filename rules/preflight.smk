@@ -16,7 +16,8 @@ rule plan_training:
         training=memory_json(),
         seq_len=config["data"]["max_seq_len"],
         vocab=config["model"]["demo_vocab_size"],
-        # the training job's host memory: changing it reruns this plan, not training (whose input is ancient)
+        # the training job's host memory (a new TRAIN_MEM_MB re-plans, and training after it: ancient(PLAN)
+        # would spare the retraining, but Snakemake 9.27 then drops a not-yet-trained train_node from the DAG)
         host_memory=cli_args(host_memory_mb=train_mem_mb()),
     shell:
         "python {params.script} --model {params.model} --training {params.training:q}"

@@ -1,7 +1,7 @@
 rule train_node:
     input:
         env=ENV_CHECK,
-        plan=ancient(PLAN),  # a gate: a plan rerun for a new TRAIN_MEM_MB does not retrain
+        plan=PLAN,
         tokens=TOKENIZED.format(shard="{node}"),
         packing=PACKING.format(shard="{node}"),
         base=BASE_MODEL_INPUT,
@@ -45,7 +45,7 @@ rule train_node:
 rule train_joint:
     input:
         env=ENV_CHECK,
-        plan=ancient(PLAN),  # a gate: a plan rerun for a new TRAIN_MEM_MB does not retrain
+        plan=PLAN,
         tokens=expand(TOKENIZED, shard=NODES),
         packing=expand(PACKING, shard=NODES),
         base=BASE_MODEL_INPUT,
