@@ -42,13 +42,13 @@ def check(base, training: dict, tmp_path) -> dict:
     return json.loads(out.read_text())
 
 
-# The trainer reads the checkpoint files itself: one run on a bf16 file (fp32 master shards from it), two on
-# tied embeddings saved as several files with an index
+# The trainer reads the checkpoint files itself: one run on a bf16 file (fp32 master shards from it), three
+# on tied embeddings saved as several files with an index
 CASES = [
     ("ddp", "none", "tied"),  # one replica per rank: the same meta build, tied weights re-tied
     ("fsdp", "none", "tied"),
     ("fsdp", "lora", "bf16"),
-    ("deepspeed", "none", "fp32"),
+    ("deepspeed", "none", "tied"),
     ("deepspeed", "lora", "fp32"),
 ]
 

@@ -119,9 +119,11 @@ def zero3_model(config, cfg, attn: str):
     try:
         zero_init = deepspeed.zero.Init(config_dict_or_path=ds_config)
         with no_init_weights(), prevent_arange_dtype_change(), no_init_broadcast(), zero_init:
-            return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+            model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
     finally:
         torch.set_default_dtype(default)
+    model.tie_weights()  # as from_config does after construction: tied embeddings are one parameter
+    return model
 
 
 @contextlib.contextmanager
