@@ -55,9 +55,9 @@ from pathlib import Path
 import torch
 from pipeline_io import UserError, atomic_path, cli, json_object, write_json
 from settings import option
+from strategies import DTYPES
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now; never loses data
 READ_BYTES = 64 * 2**20  # tensors read from a checkpoint per batch (a larger tensor is read alone)
