@@ -11,8 +11,8 @@ RUN ?= demo
 # the demo's second stage: LoRA with stage 1's results/demo/models/node0 as its base
 LORA_CONFIG := config/demo_lora.yaml
 LORA_RUN := demo-lora
-# the workflow's shell commands (python, torchrun) must come from the venv
-export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+# Snakemake from the venv, not activated: the rules find the venv's python and torchrun beside it
+SNAKEMAKE := $(VENV)/bin/snakemake
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
@@ -32,10 +32,10 @@ $(STAMP):
 
 # Stage 2 is a second invocation: its base model must exist when the workflow is parsed, and stage 1 makes it.
 run: install
-	snakemake --cores all
-	snakemake --report results/$(RUN)/report.html
-	snakemake --cores all --configfile $(LORA_CONFIG)
-	snakemake --report results/$(LORA_RUN)/report.html --configfile $(LORA_CONFIG)
+	$(SNAKEMAKE) --cores all
+	$(SNAKEMAKE) --report results/$(RUN)/report.html
+	$(SNAKEMAKE) --cores all --configfile $(LORA_CONFIG)
+	$(SNAKEMAKE) --report results/$(LORA_RUN)/report.html --configfile $(LORA_CONFIG)
 	@echo; cat results/$(RUN)/eval/leaderboard.txt
 	@echo "report: results/$(RUN)/report.html"
 	@echo; echo "LoRA stage ($(LORA_CONFIG)): base = stage 1's node0, node0 = base + LoRA on a task stage 1 never saw"
@@ -43,8 +43,8 @@ run: install
 	@echo "report: results/$(LORA_RUN)/report.html"
 
 report: install
-	snakemake --report results/$(RUN)/report.html
-	test ! -d results/$(LORA_RUN) || snakemake --report results/$(LORA_RUN)/report.html --configfile $(LORA_CONFIG)
+	$(SNAKEMAKE) --report results/$(RUN)/report.html
+	test ! -d results/$(LORA_RUN) || $(SNAKEMAKE) --report results/$(LORA_RUN)/report.html --configfile $(LORA_CONFIG)
 
 test: install
 	$(PY) -m pytest
@@ -54,13 +54,13 @@ test-fast: install
 	$(PY) -m pytest -m "not e2e and not slurm and not torchrun"
 
 lint: install
-	snakemake --lint
-	snakefmt --check .
-	ruff check .
+	$(SNAKEMAKE) --lint
+	$(VENV)/bin/snakefmt --check .
+	$(VENV)/bin/ruff check .
 
 format: install
-	snakefmt .
-	ruff format .
+	$(VENV)/bin/snakefmt .
+	$(VENV)/bin/ruff format .
 
 lock: install
 	{ echo "# Exact versions tested (pip freeze); torch==2.13.0 is installed first by the Makefile."; \

@@ -1,11 +1,18 @@
 """Config validation, results paths, the base model, scripts' arguments and input functions for every rule file."""
 
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
 
 SCRIPTS = Path(workflow.basedir) / "workflow_scripts"
+# The rules call `python` and `torchrun` by name: those beside the interpreter running Snakemake come first
+# when it holds the training stack, so `.venv/bin/snakemake` works without activating .venv (and a job's
+# conda env of --sdm conda still comes before it). Snakemake's jobs (SLURM too) inherit this PATH.
+INTERPRETER_BIN = str(Path(sys.executable).parent)
+if (Path(INTERPRETER_BIN) / "torchrun").exists() and os.environ.get("PATH", "").split(os.pathsep)[0] != INTERPRETER_BIN:
+    os.environ["PATH"] = os.pathsep.join([INTERPRETER_BIN, os.environ.get("PATH", "")])
 sys.path.insert(0, str(SCRIPTS))
 
 from presets import preset_name  # noqa: E402

@@ -17,9 +17,11 @@ DEMO_CSV = REPO / "resources" / "demo" / "instructions.csv"
 
 
 def tool_env() -> dict:
-    """The environment the workflow's shell commands need: the venv first on PATH, no hub access."""
+    """The environment of the tests' commands: the venv NOT on PATH (Snakemake is started as .venv/bin/snakemake
+    and must find the venv's python and torchrun itself, as a user's unactivated `.venv/bin/snakemake` does), no hub
+    access. The tests name the venv's executables by their full paths (BIN)."""
     env = dict(os.environ)
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p and Path(p) != BIN)
     env |= {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     return env
 
