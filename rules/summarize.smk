@@ -9,6 +9,18 @@ rule summarize:
             caption="../report/summary.rst",
             category="Evaluation",
         ),
+        tasks=report(
+            TASKS,
+            caption="../report/tasks_table.rst",
+            category="Evaluation",
+            subcategory="2. Per task",
+        ),
+        tasks_plot=report(
+            TASKS_PLOT,
+            caption="../report/tasks.rst",
+            category="Evaluation",
+            subcategory="2. Per task",
+        ),
         curves=report(
             LOSS_CURVES,
             caption="../report/loss_curves.rst",
@@ -54,7 +66,8 @@ rule summarize:
         script=script_path("summarize.py"),
     shell:
         "python {params.script} --results {input.results} --metrics {input.metrics}"
-        " --summary {output.summary} --curves {output.curves} --throughput {output.throughput}"
+        " --summary {output.summary} --tasks {output.tasks} --tasks-plot {output.tasks_plot}"
+        " --curves {output.curves} --throughput {output.throughput}"
         " --categories {output.categories}"
         " --samples {output.samples} --leaderboard {output.leaderboard}"
         " --leaderboard-text {output.leaderboard_text}"
