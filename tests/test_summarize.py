@@ -166,3 +166,13 @@ def test_cli_writes_tasks_csv_and_plot(tmp_path, tasks):
     else:
         assert not [c for c in summary if "." in c] and set(table["task"]) == {"heldout"}
         assert "demo_mc" not in board
+
+
+def test_lm_eval_keys_with_filters():
+    from summarize import task_scores
+
+    raw = {"alias": "demo_mc", "acc,none": 0.41, "acc_stderr,none": 0.03, "exact_match,strict-match": 0.2,
+           "exact_match_stderr,strict-match": "N/A"}  # fmt: skip
+    scores = task_scores({"tasks": {"demo_mc": raw}})["demo_mc"]
+    assert list(scores) == ["acc", "exact_match/strict-match"] and scores["acc"] == (0.41, 0.03)
+    assert math.isnan(scores["exact_match/strict-match"][1])

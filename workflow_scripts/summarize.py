@@ -32,16 +32,26 @@ def number(value) -> float:
         return math.nan
 
 
+def metric_key(key: str) -> tuple[str, bool]:
+    """A task's result key as (metric, is its stderr): "acc" and lm-eval's own "acc,none" are ("acc", False),
+    "acc_stderr" and "acc_stderr,none" ("acc", True); a filter other than none stays in the name, as
+    "exact_match/strict-match"."""
+    name, _, filtered = key.partition(",")
+    stderr = name.endswith("_stderr")
+    name = name.removesuffix("_stderr")
+    return (name if filtered in ("", "none") else f"{name}/{filtered}"), stderr
+
+
 def task_scores(result: dict) -> dict[str, dict[str, tuple[float, float]]]:
     """A result's extra lm-eval tasks as {task: {metric: (value, stderr)}}; metrics in the order written,
     entries that are not numbers (an lm-eval "alias") left out. {} when the result has no "tasks"."""
     tasks = {}
     for task, metrics in (result.get("tasks") or {}).items():
-        tasks[task] = {
-            m: (number(v), number(metrics.get(f"{m}_stderr")))
-            for m, v in metrics.items()
-            if not m.endswith("_stderr") and not math.isnan(number(v))
-        }
+        values, errors = {}, {}
+        for key, value in metrics.items():
+            metric, stderr = metric_key(key)
+            (errors if stderr else values)[metric] = number(value)
+        tasks[task] = {m: (v, errors.get(m, math.nan)) for m, v in values.items() if not math.isnan(v)}
     return tasks
 
 
@@ -108,11 +118,8 @@ def task_lines(tasks: pd.DataFrame, best_model: str) -> list[str]:
         if not len(rows):
             continue
         top = rows["value"].idxmin() if lower_is_better(metric) else rows["value"].idxmax()
-        label = f"  {task} {metric}"
-        if best_model in rows.index:
-            line = f"{label}  {rows.loc[best_model, 'value']:.3f}"
-        else:
-            line = f"{label}  n/a"
+        label = f"  {task} {metric}".ljust(15)  # the value under the eval loss's and exact match's
+        line = f"{label}{rows.loc[best_model, 'value']:.3f}" if best_model in rows.index else f"{label}n/a"
         if "base" in rows.index and best_model in rows.index:
             b = rows.loc["base", "value"]
             line += f" vs base {b:.3f}: {rows.loc[best_model, 'value'] - b:+.3f}"
