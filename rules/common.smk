@@ -1,26 +1,22 @@
 """Config validation, results paths, the base model, scripts' arguments and input functions for every rule file."""
 
 import json
-import os
 import shlex
 import sys
 from pathlib import Path
 
 SCRIPTS = Path(workflow.basedir) / "workflow_scripts"
-# The rules call `python` and `torchrun` by name: those beside the interpreter running Snakemake come first
-# when it holds the training stack, so `.venv/bin/snakemake` works without activating .venv (and a job's
-# conda env of --sdm conda still comes before it). Snakemake's jobs (SLURM too) inherit this PATH.
-INTERPRETER_BIN = str(Path(sys.executable).parent)
-if (Path(INTERPRETER_BIN) / "torchrun").exists() and os.environ.get("PATH", "").split(os.pathsep)[0] != INTERPRETER_BIN:
-    os.environ["PATH"] = os.pathsep.join([INTERPRETER_BIN, os.environ.get("PATH", "")])
 sys.path.insert(0, str(SCRIPTS))
 
 from presets import preset_name  # noqa: E402
-from pipeline_io import UserError  # noqa: E402
+from pipeline_io import UserError, interpreter_first_on_path  # noqa: E402
 from data_formats import check_columns, delimiter_arg, resolve_paths  # noqa: E402
 from fingerprint import check_model, local_model_folder  # noqa: E402
 from chat_format import has_chat_template, no_template_message, parse_format  # noqa: E402
 from settings import validated  # noqa: E402
+
+# The rules call `python` and `torchrun` by name: .venv/bin/snakemake works without activating .venv.
+interpreter_first_on_path()
 
 
 def fail(message):

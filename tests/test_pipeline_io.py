@@ -63,3 +63,20 @@ def test_duration(seconds, text):
     from pipeline_io import duration
 
     assert duration(seconds) == text
+
+
+def test_the_interpreters_folder_goes_first_on_path_when_it_holds_torchrun(tmp_path):
+    from pipeline_io import interpreter_first_on_path
+
+    venv, other = tmp_path / "venv" / "bin", tmp_path / "other"
+    venv.mkdir(parents=True)
+    (venv / "torchrun").touch()
+    env = {"PATH": f"{other}:/usr/bin"}
+    interpreter_first_on_path(env, str(venv / "python"))
+    assert env["PATH"] == f"{venv}:{other}:/usr/bin"
+    interpreter_first_on_path(env, str(venv / "python"))  # once only
+    assert env["PATH"].count(str(venv)) == 1
+    # an interpreter without the training stack (a system Snakemake) leaves an activated env first
+    env = {"PATH": f"{other}:/usr/bin"}
+    interpreter_first_on_path(env, str(other / "python3"))
+    assert env["PATH"] == f"{other}:/usr/bin"

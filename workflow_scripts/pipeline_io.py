@@ -127,3 +127,14 @@ class Progress:
         now = self.clock()
         self.total = self.total if self.exact else None  # an estimate is no longer of interest
         self.emit(self.line(now, final=True).replace(": ", ": done, ", 1))
+
+
+def interpreter_first_on_path(environ=os.environ, executable: str = sys.executable) -> None:
+    """Put the folder of the running interpreter first on PATH when it holds the training stack (torchrun),
+    so the rules' `python` and `torchrun` are those of the environment Snakemake runs from: `.venv/bin/snakemake`
+    works without activating .venv. A job's conda env (--sdm conda) is still put before it by Snakemake, and
+    Snakemake's jobs (local or SLURM) inherit the PATH. Nothing changes when it is first already."""
+    folder = str(Path(executable).parent)
+    path = environ.get("PATH", "")
+    if (Path(folder) / "torchrun").exists() and path.split(os.pathsep)[0] != folder:
+        environ["PATH"] = os.pathsep.join([folder, path]) if path else folder
