@@ -5,7 +5,7 @@ rule evaluate_model:
     output:
         result=EVAL_RESULT,
     log:
-        f"{LOGS}/evaluate_model/{{model}}.log",
+        f"{VLOGS}/evaluate_model/{{model}}.log",
     conda:
         "../envs/eval.yaml"
     params:

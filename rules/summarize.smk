@@ -1,8 +1,8 @@
 rule summarize:
     input:
-        results=expand(EVAL_RESULT, model=MODELS),
-        metrics=expand(TRAIN_METRICS, node=TRAINED),
-        models=expand(MODEL_DIR, model=TRAINED),
+        results=expand(EVAL_RESULT, model=MODELS, allow_missing=True),
+        metrics=expand(TRAIN_METRICS, node=TRAINED, allow_missing=True),
+        models=expand(MODEL_DIR, model=TRAINED, allow_missing=True),
     output:
         summary=report(
             SUMMARY,
@@ -32,7 +32,7 @@ rule summarize:
             category="Training",
         ),
         leaderboard_text=report(
-            f"{R}/eval/leaderboard.txt",
+            LEADERBOARD_TEXT,
             caption="../report/leaderboard_text.rst",
             category="Evaluation",
             subcategory="1. Best model",
@@ -59,7 +59,7 @@ rule summarize:
             category="Training",
         ),
     log:
-        f"{LOGS}/summarize.log",
+        f"{VLOGS}/summarize.log",
     conda:
         "../envs/eval.yaml"
     params:
