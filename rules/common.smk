@@ -62,7 +62,6 @@ DEMO = PRESET is not None  # the base model is built by build_demo_model
 METRICS = Path(workflow.basedir) / "metrics"
 
 
-
 class Pattern(str):
     """A path pattern whose .format() fills the wildcards it is given and keeps the others as they are
     (a grid variant's paths hold {variant}, which the job's wildcards fill)."""
@@ -231,9 +230,10 @@ TEMPLATE_ARGS = verbatim(
 # or examples, before a training job is queued (joint mode: asked of each shard, more than it needs).
 # A grid's shared tokenization asks for what the largest variant needs.
 TRAININGS = [variant_training(config["training"], values) for values in VARIANTS.values()] or [config["training"]]
+PER_RANK = [(t["packing"], t["micro_batch_size"] * t["procs_per_node"]) for t in TRAININGS]
 NODE_TOKENIZE_ARGS = cli_args(
-    min_bins=max((t["micro_batch_size"] * t["procs_per_node"] for t in TRAININGS if t["packing"]), default=None),
-    min_examples=max((t["micro_batch_size"] * t["procs_per_node"] for t in TRAININGS if not t["packing"]), default=None),
+    min_bins=max((n for packing, n in PER_RANK if packing), default=None),
+    min_examples=max((n for packing, n in PER_RANK if not packing), default=None),
 )
 DEMO_MODEL_ARGS = cli_args(
     data=DATA["path"],  # as written: a folder or glob stays one argument

@@ -94,13 +94,23 @@ def test_grid_rows_compare_with_base_and_mark_the_best():
     assert table.loc["lr-2e-05", "eval_loss_ratio"] == pytest.approx(0.375)
     assert table.loc["lr-1e-05", "exact_match_delta"] == pytest.approx(0.5)
     assert table.loc["lr-1e-05", "arc.acc_delta"] == pytest.approx(0.05)
-    assert table.loc["lr-2e-05", "best_for"] == "eval_loss;exact_match"  # a tie marks both
-    assert table.loc["lr-1e-05", "best_for"] == "exact_match;arc.acc"
+    assert table.loc["lr-2e-05", "best_for"] == "eval_loss"  # exact_match: a tie of every variant marks none
+    assert table.loc["lr-1e-05", "best_for"] == "arc.acc"
     assert table.loc["base", "best_for"] == "" and pd.isna(table.loc["base", "lr"])
+    assert list(table.columns[:6]) == ["model", "lr", "eval_loss", "exact_match", "arc.acc", "eval_loss_delta"]
+    results[("lr-1e-05", "node0")]["exact_match"] = 0.75
+    table = grid_table(grid_rows(variants, results, base), variants).set_index("variant")
+    assert table.loc["lr-1e-05", "best_for"] == "exact_match;arc.acc"
 
 
 def test_metrics_of_flattens_tasks_and_skips_non_numbers():
-    result = {"model": "node0", "eval_loss": 1.0, "samples": [], "flag": True, "tasks": {"hellaswag": {"acc_norm": 0.4}}}
+    result = {
+        "model": "node0",
+        "eval_loss": 1.0,
+        "samples": [],
+        "flag": True,
+        "tasks": {"hellaswag": {"acc_norm": 0.4}},
+    }
     assert metrics_of(result) == {"eval_loss": 1.0, "hellaswag.acc_norm": 0.4}
 
 
@@ -138,19 +148,28 @@ def test_a_2x2_grid_runs_to_one_comparison(tmp_path):
     config = tiny_config("g", procs_per_node=1, max_steps=4, log_every=2, checkpoint_every=4)
     config |= {"nodes": 1, "eval": {"batch_size": 32, "max_new_tokens": 4, "max_samples": 16}}
     config["grid"] = {"training.lr": [1e-3, 3e-3], "training.micro_batch_size": [1, 2]}
+    names = ["lr-0.001_micro_batch_size-1", "lr-0.001_micro_batch_size-2",
+             "lr-0.003_micro_batch_size-1", "lr-0.003_micro_batch_size-2"]  # fmt: skip
+    # the comparison, and one variant's summary and provenance (rule all's dry run is tested above)
+    targets = [
+        "results/g/eval/grid.csv",
+        f"results/g/{names[0]}/eval/summary.csv",
+        f"results/g/{names[0]}/provenance.json",
+    ]
     start = time.monotonic()
-    proc = snakemake(tmp_path, config)
+    proc = snakemake(tmp_path, config, *targets)
     took = time.monotonic() - start
     jobs = planned_jobs(proc)  # a real run prints the same job table before it starts
     assert jobs["split_dataset"] == jobs["tokenize_shard"] == jobs["tokenize_eval"] == jobs["evaluate_base"] == 1
     assert jobs["train_node"] == jobs["consolidate_node"] == jobs["evaluate_model"] == jobs["plan_training"] == 4
     assert proc.stderr.count("rule split_dataset:") == 1 and proc.stderr.count("rule tokenize_shard:") == 1
+    assert proc.stderr.count("rule evaluate_base:") == 1 and proc.stderr.count("rule train_node:") == 4
     root = tmp_path / "results" / "g"
-    names = ["lr-0.001_micro_batch_size-1", "lr-0.001_micro_batch_size-2",
-             "lr-0.003_micro_batch_size-1", "lr-0.003_micro_batch_size-2"]  # fmt: skip
     table = pd.read_csv(root / "eval" / "grid.csv")
     assert table["variant"].tolist() == ["base", *names] and table["model"].tolist() == ["base", *["node0"] * 4]
-    assert table["micro_batch_size"].tolist()[1:] == [1, 2, 1, 2] and table["lr"].tolist()[1:] == [1e-3] * 2 + [3e-3] * 2
+    assert (
+        table["micro_batch_size"].tolist()[1:] == [1, 2, 1, 2] and table["lr"].tolist()[1:] == [1e-3] * 2 + [3e-3] * 2
+    )
     assert (table["eval_loss"][1:] < table["eval_loss"][0]).all()  # every variant learned
     assert table["best_for"].str.contains("eval_loss").sum() >= 1
     assert (root / "eval" / "grid.png").stat().st_size > 10_000
@@ -159,10 +178,11 @@ def test_a_2x2_grid_runs_to_one_comparison(tmp_path):
         state = json.loads((root / name / "train" / "node0" / "train_state.json").read_text())
         assert f"results/g/{name}/checkpoints/node0/" in state["checkpoint"]
         checkpoints.add(state["checkpoint"])
-        summary = pd.read_csv(root / name / "eval" / "summary.csv")
-        assert summary["model"].tolist() == ["base", "node0"]
-        assert json.loads((root / name / "provenance.json").read_text())["config"]["training"]["lr"] in (1e-3, 3e-3)
     assert len(checkpoints) == 4  # no variant resumed or shares another's
+    summary = pd.read_csv(root / names[0] / "eval" / "summary.csv")  # with the shared base's row
+    assert summary["model"].tolist() == ["base", "node0"] and summary["eval_loss"][0] == table["eval_loss"][0]
+    provenance = json.loads((root / names[0] / "provenance.json").read_text())["config"]
+    assert (provenance["training"]["lr"], provenance["training"]["micro_batch_size"]) == (1e-3, 1)
     plans = {n: json.loads((root / n / "plan" / "memory.json").read_text()) for n in names}
     assert plans[names[0]] != plans[names[1]]  # micro_batch_size changes the memory plan
     # rerunning one variant's training is like rerunning one node: one train_node job, nothing shared

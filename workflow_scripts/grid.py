@@ -17,6 +17,7 @@ from pipeline_io import UserError, atomic_path, cli
 
 PREFIX = "training."
 LOWER_IS_BETTER = ("loss", "perplexity")  # a metric whose name holds one of these: lower is better
+FIRST = ("eval_loss", "perplexity", "exact_match")  # the table's first metric columns; the rest as they come
 NOT_METRICS = {"examples", "label_tokens"}  # numeric keys of a result that describe the eval set, not the model
 
 
@@ -52,7 +53,7 @@ def expand_grid(grid: dict) -> dict[str, dict]:
         values = dict(zip(grid, combo, strict=True))
         name = variant_name(values)
         if name in variants:  # values that differ only in characters a file name cannot hold
-            raise UserError(f"grid: two variants would both be named {name}; make their values differ in letters or digits")
+            raise UserError(f"grid: two variants would both be named {name}; make their values differ in letters")
         variants[name] = values
     return variants
 
@@ -92,14 +93,17 @@ def grid_rows(variants: dict[str, dict], results: dict[tuple[str, str], dict], b
     """The rows of eval/grid.csv: base first, then each (variant, model) in grid order, with the variant's
     grid values as columns (key without `training.`), every metric, `<metric>_delta` (minus base) and
     `<metric>_ratio` (over base), and `best_for`: the metrics for which the row is the best of the
-    trained variants (lowest for losses and perplexities, highest otherwise; ties all marked)."""
+    trained variants (lowest for losses and perplexities, highest otherwise; ties all marked, and none where
+    every variant scores the same)."""
     keys = [k.removeprefix(PREFIX) for k in next(iter(variants.values()), {})]
     base_metrics = metrics_of(base)
     rows = [{"variant": "base", "model": "base", **dict.fromkeys(keys), **base_metrics}]
     for (variant, model), result in results.items():
-        values = {k.removeprefix(PREFIX): value_text(v) if isinstance(v, list) else v for k, v in variants[variant].items()}
+        grid_values = variants[variant].items()
+        values = {k.removeprefix(PREFIX): value_text(v) if isinstance(v, list) else v for k, v in grid_values}
         rows.append({"variant": variant, "model": model, **values, **metrics_of(result)})
-    metrics = list(dict.fromkeys(m for row in rows for m in row if m not in {"variant", "model", *keys}))
+    found = [m for row in rows for m in row if m not in {"variant", "model", *keys}]
+    metrics = list(dict.fromkeys([*(m for m in FIRST if m in found), *found]))
     for row in rows:
         for m in metrics:
             value, ref = row.get(m), base_metrics.get(m)
@@ -108,7 +112,7 @@ def grid_rows(variants: dict[str, dict], results: dict[tuple[str, str], dict], b
     best = {}
     for m in metrics:
         scored = [row[m] for row in rows[1:] if row.get(m) is not None and not math.isnan(row[m])]
-        if scored:
+        if scored and min(scored) != max(scored):  # where every variant scores the same, none is best
             best[m] = min(scored) if lower_is_better(m) else max(scored)
     for row in rows:
         marks = [m for m, b in best.items() if row["variant"] != "base" and row.get(m) == b]
@@ -137,8 +141,9 @@ def plot_grid(table, path: Path, metrics=("eval_loss", "exact_match")) -> None:
     metrics = [m for m in metrics if m in table]
     trained = table[table["variant"] != "base"]
     labels = [f"{v}\n{m}" for v, m in zip(trained["variant"], trained["model"], strict=True)]
-    fig, axes = plt.subplots(1, max(len(metrics), 1), figsize=(max(6, 1.2 * len(labels)) * max(len(metrics), 1) / 1.5, 4.5))
-    axes = [axes] if len(metrics) <= 1 else list(axes)
+    panels = max(len(metrics), 1)
+    fig, axes = plt.subplots(1, panels, figsize=(panels * max(4.0, 0.8 * len(labels)), 4.5), squeeze=False)
+    axes = list(axes[0])
     for ax, metric in zip(axes, metrics, strict=False):
         ax.bar(range(len(labels)), trained[metric], color="tab:blue")
         base = table.loc[table["variant"] == "base", metric]

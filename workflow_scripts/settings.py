@@ -75,9 +75,10 @@ def check_grid(grid: dict) -> None:
         if prop is None or len(parts) < 2:
             raise UserError(f"grid: {key} is not a training key")
         if "properties" in prop:
-            raise UserError(f"grid: {key} is a section; name one of its keys (e.g. {key}.{next(iter(prop['properties']))})")
+            first = next(iter(prop["properties"]))
+            raise UserError(f"grid: {key} is a section; name one of its keys (e.g. {key}.{first})")
         if key in NOT_GRIDDED:
-            raise UserError(f"grid: {key} cannot vary in a grid (it shapes the stages the variants share); set it in training")
+            raise UserError(f"grid: {key} cannot vary in a grid (it shapes the stages the variants share)")
         for value in values:
             error = next(iter(Draft202012Validator(prop).iter_errors(value)), None)
             if error is not None:
