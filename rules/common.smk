@@ -68,7 +68,7 @@ class Pattern(str):
 
     class Keep(dict):
         def __missing__(self, key):
-            return "{" + key + "}"
+            return f"{{{key}}}"
 
     def format(self, *args, **kwargs):
         return Pattern(string.Formatter().vformat(self, args, self.Keep(kwargs)))

@@ -26,6 +26,8 @@ rule copy_base_eval:
         result=EVAL_RESULT,
     log:
         f"{VLOGS}/copy_base_eval/{{model}}.log",
+    conda:
+        "../envs/eval.yaml"
     wildcard_constraints:
         model="base",
     shell:
