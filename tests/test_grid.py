@@ -180,7 +180,8 @@ def test_a_2x2_grid_runs_to_one_comparison(tmp_path):
         checkpoints.add(state["checkpoint"])
     assert len(checkpoints) == 4  # no variant resumed or shares another's
     summary = pd.read_csv(root / names[0] / "eval" / "summary.csv")  # with the shared base's row
-    assert summary["model"].tolist() == ["base", "node0"] and summary["eval_loss"][0] == pytest.approx(table["eval_loss"][0], rel=1e-4)
+    assert summary["model"].tolist() == ["base", "node0"]
+    assert summary["eval_loss"][0] == pytest.approx(table["eval_loss"][0], rel=1e-4)
     provenance = json.loads((root / names[0] / "provenance.json").read_text())["config"]
     assert (provenance["training"]["lr"], provenance["training"]["micro_batch_size"]) == (1e-3, 1)
     plans = {n: json.loads((root / n / "plan" / "memory.json").read_text()) for n in names}
