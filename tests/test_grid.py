@@ -98,6 +98,8 @@ def test_grid_rows_compare_with_base_and_mark_the_best():
     assert table.loc["lr-1e-05", "best_for"] == "arc.acc"
     assert table.loc["base", "best_for"] == "" and pd.isna(table.loc["base", "lr"])
     assert list(table.columns[:6]) == ["model", "lr", "eval_loss", "exact_match", "arc.acc", "eval_loss_delta"]
+    shuffled = {key: dict(reversed(result.items())) for key, result in results.items()}  # JSON keys come sorted
+    assert grid_table(grid_rows(variants, shuffled, base), variants).columns.tolist() == ["variant", *table.columns]
     results[("lr-1e-05", "node0")]["exact_match"] = 0.75
     table = grid_table(grid_rows(variants, results, base), variants).set_index("variant")
     assert table.loc["lr-1e-05", "best_for"] == "exact_match;arc.acc"

@@ -117,7 +117,9 @@ def grid_rows(variants: dict[str, dict], results: dict[tuple[str, str], dict], b
     for row in rows:
         marks = [m for m, b in best.items() if row["variant"] != "base" and row.get(m) == b]
         row["best_for"] = ";".join(marks)
-    return rows
+    changes = [f"{m}_{change}" for m in metrics for change in ("delta", "ratio")]
+    order = ["variant", "model", *keys, *metrics, *changes, "best_for"]
+    return [{column: row.get(column) for column in order} for row in rows]
 
 
 def grid_table(rows: list[dict], variants: dict[str, dict]):
