@@ -109,9 +109,10 @@ def test_metrics_of_flattens_tasks_and_skips_non_numbers():
     result = {
         "model": "node0",
         "eval_loss": 1.0,
+        "exact_match_stderr": 0.1,
         "samples": [],
         "flag": True,
-        "tasks": {"hellaswag": {"acc_norm": 0.4}},
+        "tasks": {"hellaswag": {"alias": "hellaswag", "acc_norm,none": 0.4, "acc_norm_stderr,none": "N/A"}},
     }
     assert metrics_of(result) == {"eval_loss": 1.0, "hellaswag.acc_norm": 0.4}
 

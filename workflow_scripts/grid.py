@@ -71,17 +71,18 @@ def variant_training(training: dict, values: dict) -> dict:
 
 
 def metrics_of(result: dict) -> dict:
-    """A result JSON's numeric metrics: its top-level numbers (eval_loss, perplexity, exact_match, ...) and,
-    when it has one, its `tasks` dict {task: {metric: value}} as `<task>.<metric>`."""
+    """A result JSON's numeric metrics: its top-level numbers (eval_loss, perplexity, exact_match, ...; not
+    their stderr) and, when it has one, its `tasks` as `<task>.<metric>`, read as summarize reads them
+    (lm-eval's "acc,none" is acc; "exact_match,strict-match" is exact_match/strict-match)."""
+    from summarize import task_scores  # pandas and matplotlib: not imported when the Snakefile imports this
+
     out = {
         k: float(v)
         for k, v in result.items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and k not in NOT_METRICS
+        if isinstance(v, int | float) and not isinstance(v, bool) and k not in NOT_METRICS and "_stderr" not in k
     }
-    for task, scores in (result.get("tasks") or {}).items():
-        for metric, value in (scores or {}).items():
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                out[f"{task}.{metric}"] = float(value)
+    for task, scores in task_scores(result).items():
+        out |= {f"{task}.{metric}": value for metric, (value, _) in scores.items()}
     return out
 
 
