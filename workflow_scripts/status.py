@@ -283,9 +283,9 @@ def find_job(folder: Path, node: str, variant: str, root: Path, known: list[str]
     """This training folder's job: a squeue job of its rule in this work dir, else the newest job id the
     folder names (metrics, plan) that the scheduler still knows, else a local process."""
     for job in jobs.values():
-        if job.source == "squeue" and job_comment_matches(job.comment, node, variant):
-            if not job.workdir or Path(job.workdir).resolve() == root.resolve():
-                return job
+        here = not job.workdir or Path(job.workdir).resolve() == root.resolve()
+        if job.source == "squeue" and here and job_comment_matches(job.comment, node, variant):
+            return job
     for job_id in reversed(known):
         if job_id in jobs:
             return jobs[job_id]
@@ -445,10 +445,11 @@ def summary_lines(nodes: list[NodeStatus], results: Path) -> list[str]:
     lines = []
     for s in nodes:
         name = f"{s.variant}/{s.node}" if s.variant else s.node
+        evaluated = f", eval loss {s.eval_loss:.3f}" if s.eval_loss is not None else ""
         lines.append(
             f"{name}: done at step {number(s.step, 'd')}, final loss {number(s.loss, '.4f')}, "
-            f"trained {duration(s.train_seconds)}" + (f", eval loss {s.eval_loss:.3f}" if s.eval_loss is not None else "")
-        )  # fmt: skip
+            f"trained {duration(s.train_seconds)}{evaluated}"
+        )
     return lines + leaderboard_head(results)
 
 
