@@ -86,9 +86,11 @@ def test_eta_is_the_median_recent_step_time_times_the_steps_left():
 
 def test_stall_rule_counts_step_intervals_between_records():
     records = [record(s, step_time=1.0) for s in (4, 8, 12)]  # a record every 4 steps of 1 s
-    assert not is_stalled(records, last_update=NOW - 19, now=NOW, factor=5)  # 5 x 4 s = 20 s
-    assert is_stalled(records, last_update=NOW - 21, now=NOW, factor=5)
-    assert not is_stalled(records, last_update=NOW - 21, now=NOW, factor=6)
+    assert not is_stalled(records, last_update=NOW - 19, now=NOW, factor=5, min_seconds=0)  # 5 x 4 s = 20 s
+    assert is_stalled(records, last_update=NOW - 21, now=NOW, factor=5, min_seconds=0)
+    assert not is_stalled(records, last_update=NOW - 21, now=NOW, factor=6, min_seconds=0)
+    assert not is_stalled(records, last_update=NOW - 21, now=NOW, factor=5)  # and a minute at least
+    assert is_stalled(records, last_update=NOW - 61, now=NOW, factor=5)
     assert not is_stalled([], last_update=None, now=NOW)
 
 
@@ -107,6 +109,10 @@ def test_running_job_without_a_step_is_starting_and_a_silent_one_stalled(tmp_pat
     [node0, node1] = run_status(tmp_path, "r", now=NOW)
     assert (node0.state, node0.job, node1.state) == ("stalled", "pid 42", "stopped")
     assert node0.notes == ["no new step for 1m40s"]
+    # unless a checkpoint is being written (its folder has no marker yet)
+    (tmp_path / "results/r/checkpoints/node0/key1/step-8").mkdir()
+    assert (run_status(tmp_path, "r", now=NOW)[0].notes) == ["saving checkpoint 8"]
+    (tmp_path / "results/r/checkpoints/node0/key1/step-8").rmdir()
     # started after it (a retry loading its checkpoint): starting
     processes(monkeypatch, 43, tmp_path, folder, NOW - 50)
     assert run_status(tmp_path, "r", now=NOW)[0].state == "starting"

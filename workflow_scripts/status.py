@@ -23,6 +23,7 @@ from pipeline_io import UserError, cli
 
 RECENT = 10  # step intervals the ETA and the stall rule take the median of
 STALL_FACTOR = 5.0  # no new step for this many expected intervals: stalled
+STALL_MIN_S = 60.0  # and for at least this long: fast steps logged every step would flag any hiccup
 SLURM_ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}
 
 
@@ -82,13 +83,14 @@ def eta_seconds(records: list[dict], total: int | None, recent: int = RECENT) ->
 
 
 def is_stalled(records: list[dict], last_update: float | None, now: float, factor: float = STALL_FACTOR,
-               recent: int = RECENT) -> bool:  # fmt: skip
+               recent: int = RECENT, min_seconds: float = STALL_MIN_S) -> bool:  # fmt: skip
     """No new record for ``factor`` x the expected time between two records (the median step time x
-    the log interval). Without a step time yet there is nothing to compare with: not stalled."""
+    the log interval), and for at least ``min_seconds``. Without a step time yet there is nothing to
+    compare with: not stalled."""
     per_step = step_seconds(records, recent)
     if per_step is None or last_update is None:
         return False
-    return now - last_update > factor * per_step * log_interval(records, recent)
+    return now - last_update > max(min_seconds, factor * per_step * log_interval(records, recent))
 
 
 def last_checkpoint(root: Path) -> dict | None:
@@ -105,6 +107,13 @@ def last_checkpoint(root: Path) -> dict | None:
         if best is None or (step, when) > (best["step"], best["time"]):
             best = {"step": step, "time": when, "path": str(marker.parent)}
     return best
+
+
+def checkpoint_in_progress(root: Path) -> int | None:
+    """The step of a checkpoint being written (a step folder without its marker yet), if any."""
+    partial = [p for p in [*root.glob("step-*"), *root.glob("*/step-*")]
+               if re.fullmatch(r"step-\d+", p.name) and not (p / "COMPLETE").exists()]  # fmt: skip
+    return max((int(p.name.split("-")[1]) for p in partial), default=None)
 
 
 def train_folders(results: Path) -> list[Path]:
@@ -333,8 +342,13 @@ def node_status(folder: Path, results: Path, root: Path, jobs: dict[str, Job], p
         if not mine or (plan.get("start_step") is not None and s.step is not None and s.step <= plan["start_step"]):
             s.state = "starting"
         elif is_stalled(records, s.last_update, now, factor, recent):
-            s.state = "stalled"
-            s.notes.append(f"no new step for {duration(now - s.last_update)}")
+            saving = checkpoint_in_progress(ckpt_root)
+            if saving is not None and saving >= (s.step or 0):
+                s.state = "running"
+                s.notes.append(f"saving checkpoint {saving}")
+            else:
+                s.state = "stalled"
+                s.notes.append(f"no new step for {duration(now - s.last_update)}")
         else:
             s.state = "running"
     elif state_file is not None:
@@ -529,7 +543,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--watch", nargs="?", type=float, const=10.0, metavar="SECONDS", help="refresh every SECONDS (10)")
     p.add_argument("--plain", action="store_true", help="plain text, no table (the default when not a terminal)")
     p.add_argument("--stall-factor", type=float, default=STALL_FACTOR,
-                   help="flag a job with no new step for this many median step intervals (5)")  # fmt: skip
+                   help="stalled: no new step for this many median step intervals (5), a minute at least")  # fmt: skip
     return p.parse_args(argv)
 
 
