@@ -171,7 +171,11 @@ def test_job_comments_name_the_rule_and_the_wildcards():
 def test_slurm_job_from_squeue_or_from_the_id_the_metrics_name(tmp_path, monkeypatch):
     make_run(tmp_path, mtime=NOW - 1)
     monkeypatch.setattr("status.local_processes", lambda: [])
-    jobs = {"77": Job("77", "RUNNING", "squeue", NOW - 60, "rule_train_node_wildcards_node1", str(tmp_path))}
+    jobs = {
+        "76": Job("76", "FAILED", "squeue", NOW - 90, "rule_train_node_wildcards_node1", str(tmp_path)),
+        "77": Job("77", "RUNNING", "squeue", NOW - 60, "rule_train_node_wildcards_node1", str(tmp_path)),
+        "78": Job("78", "RUNNING", "squeue", NOW - 60, "rule_train_node_wildcards_node0", "/another/workdir"),
+    }
     monkeypatch.setattr("status.slurm_jobs", lambda known: jobs)
     node0, node1 = run_status(tmp_path, "r", now=NOW)
     assert (node0.job, node1.job, node1.state) == ("", "77 RUNNING", "running")
@@ -198,6 +202,7 @@ def test_local_job_matches_the_log_dir_relative_to_the_process_cwd(tmp_path):
 def test_training_folders_at_any_depth_with_their_variant(tmp_path):
     make_run(tmp_path, nodes=("node0",))
     make_run(tmp_path, nodes=("node0", "node1"), variant="lr-1e-5")
+    (tmp_path / "results/r/checkpoints/node0/key1/step-4/train/x").mkdir(parents=True)  # not walked
     results = tmp_path / "results" / "r"
     assert [str(p.relative_to(results)) for p in train_folders(results)] == [
         "train/node0", "lr-1e-5/train/node0", "lr-1e-5/train/node1"]  # fmt: skip

@@ -116,11 +116,24 @@ def checkpoint_in_progress(root: Path) -> int | None:
     return max((int(p.name.split("-")[1]) for p in partial), default=None)
 
 
-def train_folders(results: Path) -> list[Path]:
+# folders that hold no training folder, and may hold many files: not walked
+NOT_WALKED = {"checkpoints", "data", "models", "eval", "base_model", "env", "plan", ".cache"}
+
+
+def train_folders(results: Path, depth: int = 4) -> list[Path]:
     """Every training folder of a run: results/<run>/train/<node>/, or results/<run>/<variant>/train/<node>/
-    with a grid; found at any depth so that the layout can change."""
-    found = {p for p in results.glob("**/train/*") if p.is_dir() and "checkpoints" not in p.relative_to(results).parts}
-    return sorted(found, key=lambda p: (len(p.relative_to(results).parts), str(p)))
+    with a grid; found at any depth (up to ``depth`` folders above train/) so that the layout can change."""
+    found, level = [], [results]
+    for _ in range(depth):
+        below = []
+        for folder in level:
+            for child in sorted(p for p in folder.iterdir() if p.is_dir() and p.name not in NOT_WALKED):
+                if child.name == "train":
+                    found += sorted(p for p in child.iterdir() if p.is_dir())
+                else:
+                    below.append(child)
+        level = below
+    return found
 
 
 def variant_of(folder: Path, results: Path) -> str:
@@ -289,12 +302,16 @@ def train_seconds(records: list[dict]) -> float | None:
 
 
 def find_job(folder: Path, node: str, variant: str, root: Path, known: list[str], jobs: dict[str, Job], processes):
-    """This training folder's job: a squeue job of its rule in this work dir, else the newest job id the
-    folder names (metrics, plan) that the scheduler still knows, else a local process."""
-    for job in jobs.values():
-        here = not job.workdir or Path(job.workdir).resolve() == root.resolve()
-        if job.source == "squeue" and here and job_comment_matches(job.comment, node, variant):
-            return job
+    """This training folder's job: a squeue job of its rule in this work dir (a queued or running one
+    first, then the newest), else the newest job id the folder names (metrics, plan) that the scheduler
+    still knows, else a local process."""
+    mine = [
+        job for job in jobs.values()
+        if job.source == "squeue" and (not job.workdir or Path(job.workdir).resolve() == root.resolve())
+        and job_comment_matches(job.comment, node, variant)
+    ]  # fmt: skip
+    if mine:
+        return max(mine, key=lambda j: (j.state in SLURM_ACTIVE, int(j.id) if j.id.isdigit() else 0))
     for job_id in reversed(known):
         if job_id in jobs:
             return jobs[job_id]
