@@ -221,6 +221,15 @@ def test_plain_rendering_of_a_running_and_a_finished_run(tmp_path):
                                 "checkpoint", "resumed", "model"]  # fmt: skip
     assert lines[2].split()[:9] == ["node0", "-", "stopped", "8/40", "0.35", "4.9200", "1000", "-", "16s"]
     assert "4, 3s ago" in lines[2]
+    # resumed: after a signal, plan.json names it and the job before; after a crash, the start step
+    plan = prefix / "train/node0/plan.json"
+    plan.write_text(json.dumps(json.loads(plan.read_text()) | {"start_step": 4}))
+    plan = prefix / "train/node1/plan.json"
+    resumed = {"step": 4, "signal": "SIGURG", "time": NOW - 9, "slurm_job_id": "70"}
+    plan.write_text(json.dumps(json.loads(plan.read_text()) | {"start_step": 4, "resumed_after": resumed}))
+    text = render_plain("r", run_status(tmp_path, "r", now=NOW, scheduler=False), prefix, NOW)
+    after_checkpoint = [line.split("ago")[1].split() for line in text.splitlines()[2:4]]
+    assert after_checkpoint == [["4", "-"], ["4", "SIGURG", "job", "70", "-"]]
     # finished: train_state.json, a consolidated and evaluated model, the leaderboard
     for node in ("node0", "node1"):
         (prefix / "train" / node / "train_state.json").write_text("{}")

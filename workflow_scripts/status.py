@@ -340,7 +340,10 @@ def node_status(folder: Path, results: Path, root: Path, jobs: dict[str, Job], p
         variant=variant, node=node, state="waiting", step=last.get("step"), total=total, epoch=last.get("epoch"),
         loss=last.get("loss"), tokens_per_s=last.get("tokens_per_s"), mfu=last.get("mfu"),
         eta_s=eta_seconds(records, total, recent), checkpoint=last_checkpoint(ckpt_root),
-        resumed_after=plan.get("resumed_after"), last_update=last_update, train_seconds=train_seconds(records),
+        # plan.json's record of the job before (signal, step, job id) when it checkpointed on a signal;
+        # the start step alone when it did not (a crash: the newest periodic checkpoint)
+        resumed_after=plan.get("resumed_after") or ({"step": plan["start_step"]} if plan.get("start_step") else None),
+        last_update=last_update, train_seconds=train_seconds(records),
         model=(prefix / "models" / node / "config.json").exists(), eval_loss=eval_record.get("eval_loss"),
     )  # fmt: skip
     known = [str(x) for x in (*(r.get("slurm_job_id") for r in records), plan.get("slurm_job_id")) if x]
