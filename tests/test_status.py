@@ -237,6 +237,7 @@ def test_plain_rendering_of_a_running_and_a_finished_run(tmp_path):
         (prefix / "models" / node / "config.json").write_text("{}")
         (prefix / "eval").mkdir(exist_ok=True)
         (prefix / "eval" / f"{node}.json").write_text(json.dumps({"eval_loss": 1.25}))
+    (prefix / "eval" / "summary.csv").write_text("model,eval_loss\n")
     (prefix / "eval" / "leaderboard.txt").write_text("Best model: node0 (lowest eval loss)\n  eval loss 1.25\n\nrest\n")
     text = render_plain("r", run_status(tmp_path, "r", now=NOW, scheduler=False), prefix, NOW)
     assert text.splitlines()[0].startswith("run r: finished")

@@ -495,10 +495,16 @@ def stage_line(picture: dict) -> str:
     )
 
 
+def headline(nodes: list[NodeStatus], results: Path) -> str:
+    if not nodes or any(s.state != "done" for s in nodes):
+        return f"{len(nodes)} training job(s)"
+    return "finished" if (results / "eval" / "summary.csv").exists() else "training finished"
+
+
 def render_plain(run: str, nodes: list[NodeStatus], results: Path, now: float) -> str:
     """The status as plain text: a header, an aligned table, the stages, and a finished run's summary."""
     finished = bool(nodes) and all(s.state == "done" for s in nodes)
-    lines = [f"run {run}: " + ("finished" if finished else f"{len(nodes)} training job(s)") + f" ({results})"]
+    lines = [f"run {run}: {headline(nodes, results)} ({results})"]
     if nodes:
         table = [COLUMNS, *(row(s, now) for s in nodes)]
         widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
@@ -520,7 +526,7 @@ def render_rich(console, run: str, nodes: list[NodeStatus], results: Path, now: 
 
     finished = bool(nodes) and all(s.state == "done" for s in nodes)
     table = Table(
-        title=f"run {run}" + (" (finished)" if finished else ""),
+        title=f"run {run}: {headline(nodes, results)}",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
@@ -599,6 +605,8 @@ def main(argv=None) -> None:
             time.sleep(a.watch)
     except KeyboardInterrupt:
         pass
+    except BrokenPipeError:  # `status.py | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":
