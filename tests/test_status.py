@@ -210,6 +210,16 @@ def test_training_folders_at_any_depth_with_their_variant(tmp_path):
     assert [(n.variant, n.node, n.checkpoint["step"]) for n in nodes] == [
         ("", "node0", 4), ("lr-1e-5", "node0", 4), ("lr-1e-5", "node1", 4)]  # fmt: skip
     assert "lr-1e-5/node1" in render_plain("r", nodes, results, NOW)
+    # finished: each variant's best model from its leaderboard
+    for folder in train_folders(results):
+        (folder / "train_state.json").write_text("{}")
+    (results / "eval").mkdir()
+    (results / "eval" / "grid.csv").write_text("variant,model\n")
+    (results / "lr-1e-5" / "eval").mkdir()
+    (results / "lr-1e-5" / "eval" / "leaderboard.txt").write_text("Best model: node1 (lowest eval loss)\n  more\n")
+    text = render_plain("r", run_status(tmp_path, "r", now=NOW, scheduler=False), results, NOW)
+    assert text.startswith("run r: finished")
+    assert text.rstrip().endswith("lr-1e-5: Best model: node1 (lowest eval loss)")
 
 
 def test_plain_rendering_of_a_running_and_a_finished_run(tmp_path):

@@ -484,7 +484,10 @@ def summary_lines(nodes: list[NodeStatus], results: Path) -> list[str]:
             f"{name}: done at step {number(s.step, 'd')}, final loss {number(s.loss, '.4f')}, "
             f"trained {duration(s.train_seconds)}{evaluated}"
         )
-    return lines + leaderboard_head(results)
+    lines += leaderboard_head(results)
+    for variant in dict.fromkeys(s.variant for s in nodes if s.variant):  # a grid: each variant's best model
+        lines += [f"{variant}: {line}" for line in leaderboard_head(results / variant)[:1]]
+    return lines
 
 
 def stage_line(picture: dict) -> str:
@@ -498,7 +501,8 @@ def stage_line(picture: dict) -> str:
 def headline(nodes: list[NodeStatus], results: Path) -> str:
     if not nodes or any(s.state != "done" for s in nodes):
         return f"{len(nodes)} training job(s)"
-    return "finished" if (results / "eval" / "summary.csv").exists() else "training finished"
+    compared = any((results / "eval" / name).exists() for name in ("summary.csv", "grid.csv"))  # grid.csv: a grid's
+    return "finished" if compared else "training finished"
 
 
 def render_plain(run: str, nodes: list[NodeStatus], results: Path, now: float) -> str:
