@@ -410,6 +410,7 @@ def stages(results: Path) -> dict:
         "tokenized": sorted(p.stem for p in (results / "data" / "tokenized").glob("*.json")),
         "evaluated": sorted(p.stem for p in (results / "eval").glob("*.json")),
         "summary": (results / "eval" / "summary.csv").exists(),
+        "grid": (results / "eval" / "grid.csv").exists(),  # a grid's comparison (summaries are per variant)
         "report": (results / "report.html").exists(),
     }
 
@@ -493,8 +494,9 @@ def summary_lines(nodes: list[NodeStatus], results: Path) -> list[str]:
 def stage_line(picture: dict) -> str:
     return (
         f"stages: split {'yes' if picture['split'] else 'no'}; tokenized {', '.join(picture['tokenized']) or '-'};"
-        f" evaluated {', '.join(picture['evaluated']) or '-'}; summary {'yes' if picture['summary'] else 'no'};"
-        f" report {'yes' if picture['report'] else 'no'}"
+        f" evaluated {', '.join(picture['evaluated']) or '-'};"
+        + (" grid.csv yes;" if picture["grid"] else f" summary {'yes' if picture['summary'] else 'no'};")
+        + f" report {'yes' if picture['report'] else 'no'}"
     )
 
 
