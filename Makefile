@@ -4,6 +4,7 @@
 #   make test  install into .venv, run the test suite (all of it, as CI does)
 # and while working:
 #   make test-fast  the tests that start no torchrun, no real Snakemake run and no SLURM (< 3 min)
+#   make status     where each training job of a run is (RUN=<run>, default the config's run:; ARGS=--watch)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha256sum requirements.lock | cut -c1-12)
@@ -16,7 +17,7 @@ SNAKEMAKE := $(VENV)/bin/snakemake
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install run report test test-fast lint format lock clean
+.PHONY: install run report status test test-fast lint format lock clean
 
 install: $(STAMP)
 
@@ -45,6 +46,11 @@ run: install
 report: install
 	$(SNAKEMAKE) --report results/$(RUN)/report.html
 	test ! -d results/$(LORA_RUN) || $(SNAKEMAKE) --report results/$(LORA_RUN)/report.html --configfile $(LORA_CONFIG)
+
+# RUN only when given (make status RUN=x); otherwise status.py reads run: from CONFIG (config/config.yaml)
+status: install
+	@$(PY) workflow_scripts/status.py $(if $(filter-out file,$(origin RUN)),--run $(RUN)) \
+	  --config $(or $(CONFIG),config/config.yaml) $(ARGS)
 
 test: install
 	$(PY) -m pytest

@@ -66,6 +66,22 @@ def job_logs(workdir: Path) -> str:
     return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in paths)
 
 
+def status(workdir: Path, run: str, env: dict | None = None) -> str:
+    """What `make status RUN=<run>` prints for ``workdir`` (plain text, as when not on a terminal)."""
+    cmd = [
+        str(BIN / "python"),
+        str(REPO / "workflow_scripts" / "status.py"),
+        "--run",
+        run,
+        "-d",
+        str(workdir),
+        "--plain",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env or tool_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
 def snakemake(
     workdir: Path, config: dict, *args: str, check: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:

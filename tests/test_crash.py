@@ -2,12 +2,13 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
 
 import pytest
-from conftest import job_logs, snakemake_cmd, tiny_config, tool_env, training_ranks
+from conftest import job_logs, snakemake_cmd, status, tiny_config, tool_env, training_ranks
 
 pytestmark = pytest.mark.e2e
 
@@ -31,6 +32,10 @@ def test_kill_9_ends_the_ranks_and_the_rerun_resumes(tmp_path):
     try:
         wait_for(lambda: list(checkpoints.glob("node*/*/step-*/COMPLETE")), 600, "a training checkpoint")
         assert training_ranks(tmp_path), "no training rank is running"
+        # make status while it trains: the node with a checkpoint (8 of 120 steps) runs, with an ETA
+        shown = status(tmp_path, "crash")
+        node = next(checkpoints.glob("node*/*/step-*/COMPLETE")).parts[-4]
+        assert re.search(rf"^{node} +pid \d+ +running +(8|16|24)/120 .* (\d+m)?\d+s +\d+, ", shown, re.M), shown
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # Snakemake and everything in its process group
         proc.wait()

@@ -24,6 +24,7 @@ from conftest import (
     slurm_env,
     snakemake,
     snakemake_cmd,
+    status,
     submissions,
     tiny_config,
     training_ranks,
@@ -230,6 +231,10 @@ def test_time_limit_signal_checkpoints_and_the_retry_resumes(slurm_cluster, tmp_
         # SIGSTOP takes effect asynchronously: a rank still shown running would pass for one SLURM resumed
         slurm_cluster.wait_for(lambda: all(stopped(pid) for pid in ranks), 30, what="the ranks to stop")
         try:
+            # make status while the job is in flight (frozen, so this costs it no steps): its id and state
+            job = json.loads(metrics.read_text().splitlines()[0])["slurm_job_id"]
+            shown = status(tmp_path, "p", env=slurm_env(slurm_cluster))
+            assert re.search(rf"^node0 +{job} RUNNING +running +\d+/{PREEMPT_STEPS} ", shown, re.M), shown
             slurm_cluster.wait_for(lambda: all(signalled(pid) for pid in ranks), timeout=150, what="SIGURG from SLURM")
         finally:
             for pid in ranks:

@@ -1,9 +1,10 @@
 """End to end: Snakemake runs every stage for each strategy; reruns touch only what is stale."""
 
 import json
+import re
 
 import pytest
-from conftest import DEMO_CSV, check_outputs, planned_jobs, snakemake, tiny_config
+from conftest import DEMO_CSV, check_outputs, planned_jobs, snakemake, status, tiny_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 # the tests that take ddp_run are e2e (it runs the workflow); the dry runs of bad input are not
@@ -29,6 +30,18 @@ def test_ddp_end_to_end(ddp_run):
 def test_finished_run_dry_runs_to_nothing(ddp_run):
     workdir, config = ddp_run
     assert planned_jobs(snakemake(workdir, config, "-n")) == {}
+
+
+@pytest.mark.e2e
+def test_status_of_a_finished_run_is_its_summary(ddp_run):
+    workdir, _ = ddp_run
+    shown = status(workdir, "t")
+    assert shown.startswith("run t: finished")
+    for node in ("node0", "node1"):
+        assert re.search(rf"^{node} +- +done +12/12 ", shown, re.M), shown
+        assert re.search(rf"^{node}: done at step 12, final loss \d+\.\d{{4}}, trained \S+, eval loss ", shown, re.M)
+    assert "evaluated base, node0, node1" in shown
+    assert re.search(r"^Best model: node\d", shown, re.M), shown
 
 
 @pytest.mark.e2e

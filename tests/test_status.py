@@ -1,0 +1,272 @@
+"""status.py: parsing the workflow's files and the scheduler's output, the ETA, the stall rule, rendering.
+All on small synthetic files (the runs that check it on a live demo, SLURM job and finished run are in
+test_crash.py, test_slurm.py and test_workflow.py)."""
+
+import json
+import os
+import time
+
+import pytest
+from pipeline_io import UserError
+from status import (
+    Job,
+    eta_seconds,
+    is_stalled,
+    job_comment_matches,
+    last_checkpoint,
+    local_job,
+    main,
+    parse_sacct,
+    parse_squeue,
+    read_metrics,
+    render_plain,
+    run_status,
+    train_folders,
+)
+
+NOW = 1_800_000_000.0
+
+
+def record(step, step_time=0.5, **extra):
+    return {"step": step, "loss": 5.0 - step / 100, "lr": 1e-3, "tokens_per_s": 1000.0, "step_time_s": step_time,
+            "mfu": None, "epoch": (step - 1) / 20, "slurm_job_id": None} | extra  # fmt: skip
+
+
+def write_metrics(path, records, tail=""):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+    return path
+
+
+def make_run(root, run="r", nodes=("node0", "node1"), steps=8, total=40, mtime=NOW, variant=""):
+    """results/<run>/[<variant>/]train/<node>/ with metrics (every 4 steps), plan.json and a checkpoint."""
+    prefix = root / "results" / run / variant if variant else root / "results" / run
+    for node in nodes:
+        folder = prefix / "train" / node
+        metrics = write_metrics(folder / "metrics.jsonl", [record(s) for s in range(4, steps + 1, 4)])
+        os.utime(metrics, (mtime, mtime))
+        checkpoints = str(prefix.relative_to(root) / "checkpoints" / node / "key1")
+        plan = {"total_steps": total, "steps_per_epoch": 20, "start_step": 0, "resumed_after": None,
+                "checkpoints": checkpoints, "slurm_job_id": None}  # fmt: skip
+        (folder / "plan.json").write_text(json.dumps(plan))
+        marker = prefix / "checkpoints" / node / "key1" / "step-4" / "COMPLETE"
+        marker.parent.mkdir(parents=True)
+        marker.write_text(json.dumps({"step": 4, "time": mtime - 2}))
+    return prefix
+
+
+# ---------------------------------------------------------------- metrics.jsonl
+
+
+def test_truncated_last_line_is_skipped(tmp_path):
+    path = write_metrics(tmp_path / "m.jsonl", [record(1), record(2)], tail='{"step": 3, "loss": 4.')
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    assert read_metrics(tmp_path / "missing.jsonl") == []
+
+
+def test_a_resumed_runs_repeated_steps_replace_the_old_ones(tmp_path):
+    # a job logged steps 1-6, was killed, and the next resumed from the checkpoint at step 4
+    old = [record(s, loss=9.0) for s in range(1, 7)]
+    new = [record(s, loss=1.0) for s in range(5, 9)]
+    records = read_metrics(write_metrics(tmp_path / "m.jsonl", old + new))
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["loss"] for r in records] == [9.0] * 4 + [1.0] * 4
+
+
+# ---------------------------------------------------------------- ETA and stalls
+
+
+def test_eta_is_the_median_recent_step_time_times_the_steps_left():
+    records = [record(s, step_time=t) for s, t in [(10, 9.0), (20, 1.0), (30, 2.0), (40, 1.5), (50, 50.0)]]
+    assert eta_seconds(records, total=100, recent=3) == pytest.approx(2.0 * 50)  # median of 2.0, 1.5, 50.0
+    assert eta_seconds(records, total=50) == 0
+    assert eta_seconds([], total=100) is None
+    assert eta_seconds(records, total=None) is None
+
+
+def test_stall_rule_counts_step_intervals_between_records():
+    records = [record(s, step_time=1.0) for s in (4, 8, 12)]  # a record every 4 steps of 1 s
+    assert not is_stalled(records, last_update=NOW - 19, now=NOW, factor=5, min_seconds=0)  # 5 x 4 s = 20 s
+    assert is_stalled(records, last_update=NOW - 21, now=NOW, factor=5, min_seconds=0)
+    assert not is_stalled(records, last_update=NOW - 21, now=NOW, factor=6, min_seconds=0)
+    assert not is_stalled(records, last_update=NOW - 21, now=NOW, factor=5)  # and a minute at least
+    assert is_stalled(records, last_update=NOW - 61, now=NOW, factor=5)
+    assert not is_stalled([], last_update=None, now=NOW)
+
+
+def processes(monkeypatch, pid, cwd, log_dir, started):
+    """/proc as status.py sees it: one torchrun of ``log_dir`` started at ``started``."""
+    argv = ["torchrun", "train.py", "--log-dir", str(log_dir)]
+    monkeypatch.setattr("status.local_processes", lambda: [(pid, cwd, argv, started)])
+
+
+def test_running_job_without_a_step_is_starting_and_a_silent_one_stalled(tmp_path, monkeypatch):
+    make_run(tmp_path, steps=8, mtime=NOW - 100)  # last record 100 s ago; 5 x 4 steps x 0.5 s = 10 s
+    folder = tmp_path / "results/r/train/node0"
+    monkeypatch.setattr("status.slurm_jobs", lambda known: {})
+    # torchrun started before the last record: stalled
+    processes(monkeypatch, 42, tmp_path, "results/r/train/node0", NOW - 500)
+    [node0, node1] = run_status(tmp_path, "r", now=NOW)
+    assert (node0.state, node0.job, node1.state) == ("stalled", "pid 42", "stopped")
+    assert node0.notes == ["no new step for 1m40s"]
+    # unless a checkpoint is being written (its folder has no marker yet)
+    (tmp_path / "results/r/checkpoints/node0/key1/step-8").mkdir()
+    assert (run_status(tmp_path, "r", now=NOW)[0].notes) == ["saving checkpoint 8"]
+    (tmp_path / "results/r/checkpoints/node0/key1/step-8").rmdir()
+    # started after it (a retry loading its checkpoint): starting
+    processes(monkeypatch, 43, tmp_path, folder, NOW - 50)
+    assert run_status(tmp_path, "r", now=NOW)[0].state == "starting"
+    # a fresh run with no metrics at all
+    (folder / "metrics.jsonl").unlink()
+    assert run_status(tmp_path, "r", now=NOW)[0].state == "starting"
+    # and one logging on time
+    make_run(tmp_path / "b", steps=8, mtime=NOW - 5)
+    processes(monkeypatch, 44, tmp_path / "b", "results/r/train/node0", NOW - 60)
+    node0 = run_status(tmp_path / "b", "r", now=NOW)[0]
+    assert (node0.state, node0.step, node0.total, node0.eta_s) == ("running", 8, 40, 16.0)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_last_checkpoint_is_the_newest_with_its_marker(tmp_path):
+    root = tmp_path / "checkpoints" / "node0" / "key"
+    for step in (4, 8, 12):
+        (root / f"step-{step}").mkdir(parents=True)
+    (root / "step-4" / "COMPLETE").write_text(json.dumps({"step": 4, "time": NOW - 60}))
+    (root / "step-8" / "COMPLETE").write_text(json.dumps({"step": 8, "time": NOW - 30}))
+    # step-12 is being written (no marker): not a checkpoint
+    assert last_checkpoint(root) == {"step": 8, "time": NOW - 30, "path": str(root / "step-8")}
+    assert last_checkpoint(root.parent)["step"] == 8  # any key under checkpoints/<node>/
+    assert last_checkpoint(tmp_path / "none") is None
+
+
+# ---------------------------------------------------------------- the scheduler
+
+
+def test_squeue_and_sacct_parsing():
+    text = (
+        "123|RUNNING|rule_train_node_wildcards_node0|/work/run|2026-11-23T10:00:00\n"
+        "124|PENDING|rule_train_node_wildcards_node1|/work/run|N/A\n"
+        "garbage\n"
+    )
+    jobs = parse_squeue(text)
+    assert [(j.id, j.state, j.comment, j.workdir) for j in jobs] == [
+        ("123", "RUNNING", "rule_train_node_wildcards_node0", "/work/run"),
+        ("124", "PENDING", "rule_train_node_wildcards_node1", "/work/run"),
+    ]
+    assert jobs[0].started == time.mktime((2026, 11, 23, 10, 0, 0, 0, 0, -1)) and jobs[1].started is None
+    assert parse_sacct("120|FAILED\n121|CANCELLED by 0\n") == {"120": "FAILED", "121": "CANCELLED"}
+
+
+def test_job_comments_name_the_rule_and_the_wildcards():
+    assert job_comment_matches("rule_train_node_wildcards_node1", "node1", "")
+    assert not job_comment_matches("rule_train_node_wildcards_node10", "node1", "")
+    assert not job_comment_matches("rule_consolidate_node_wildcards_node1", "node1", "")
+    assert job_comment_matches("rule_train_node_wildcards_lr-1e-5_node1", "node1", "lr-1e-5")
+    assert not job_comment_matches("rule_train_node_wildcards_lr-2e-5_node1", "node1", "lr-1e-5")
+    assert job_comment_matches("rule_train_joint", "joint", "")
+
+
+def test_slurm_job_from_squeue_or_from_the_id_the_metrics_name(tmp_path, monkeypatch):
+    make_run(tmp_path, mtime=NOW - 1)
+    monkeypatch.setattr("status.local_processes", lambda: [])
+    jobs = {
+        "76": Job("76", "FAILED", "squeue", NOW - 90, "rule_train_node_wildcards_node1", str(tmp_path)),
+        "77": Job("77", "RUNNING", "squeue", NOW - 60, "rule_train_node_wildcards_node1", str(tmp_path)),
+        "78": Job("78", "RUNNING", "squeue", NOW - 60, "rule_train_node_wildcards_node0", "/another/workdir"),
+    }
+    monkeypatch.setattr("status.slurm_jobs", lambda known: jobs)
+    node0, node1 = run_status(tmp_path, "r", now=NOW)
+    assert (node0.job, node1.job, node1.state) == ("", "77 RUNNING", "running")
+    # no accounting: a finished job is known only while squeue keeps it; sacct's state otherwise
+    jobs = {"70": Job("70", "FAILED", "sacct")}
+    monkeypatch.setattr("status.slurm_jobs", lambda known: jobs if "70" in known else {})
+    folder = tmp_path / "results/r/train/node0"
+    write_metrics(folder / "metrics.jsonl", [record(4, slurm_job_id="70")])
+    assert [(n.job, n.state) for n in run_status(tmp_path, "r", now=NOW)] == [("70 FAILED", "failed"), ("", "stopped")]
+
+
+def test_local_job_matches_the_log_dir_relative_to_the_process_cwd(tmp_path):
+    folder = tmp_path / "results/r/train/node0"
+    folder.mkdir(parents=True)
+    procs = [(9, tmp_path, ["torchrun", "x/train.py", "--log-dir", "results/r/train/node0"], NOW),
+             (8, tmp_path, ["python", "train.py", "--log-dir", "results/r/train/node1"], NOW),
+             (10, tmp_path, ["python", "train.py", "--log-dir", "results/r/train/node0"], NOW + 1)]  # fmt: skip
+    assert local_job(folder, procs) == Job("9", "RUNNING", "local", NOW)
+
+
+# ---------------------------------------------------------------- folders, rendering, the CLI
+
+
+def test_training_folders_at_any_depth_with_their_variant(tmp_path):
+    make_run(tmp_path, nodes=("node0",))
+    make_run(tmp_path, nodes=("node0", "node1"), variant="lr-1e-5")
+    (tmp_path / "results/r/checkpoints/node0/key1/step-4/train/x").mkdir(parents=True)  # not walked
+    results = tmp_path / "results" / "r"
+    assert [str(p.relative_to(results)) for p in train_folders(results)] == [
+        "train/node0", "lr-1e-5/train/node0", "lr-1e-5/train/node1"]  # fmt: skip
+    nodes = run_status(tmp_path, "r", now=NOW, scheduler=False)
+    assert [(n.variant, n.node, n.checkpoint["step"]) for n in nodes] == [
+        ("", "node0", 4), ("lr-1e-5", "node0", 4), ("lr-1e-5", "node1", 4)]  # fmt: skip
+    assert "lr-1e-5/node1" in render_plain("r", nodes, results, NOW)
+    # finished: each variant's best model from its leaderboard
+    for folder in train_folders(results):
+        (folder / "train_state.json").write_text("{}")
+    (results / "eval").mkdir()
+    (results / "eval" / "grid.csv").write_text("variant,model\n")
+    (results / "lr-1e-5" / "eval").mkdir()
+    (results / "lr-1e-5" / "eval" / "leaderboard.txt").write_text("Best model: node1 (lowest eval loss)\n  more\n")
+    text = render_plain("r", run_status(tmp_path, "r", now=NOW, scheduler=False), results, NOW)
+    assert text.startswith("run r: finished")
+    assert text.rstrip().endswith("lr-1e-5: Best model: node1 (lowest eval loss)")
+
+
+def test_plain_rendering_of_a_running_and_a_finished_run(tmp_path):
+    prefix = make_run(tmp_path, steps=8, total=40, mtime=NOW - 1)
+    text = render_plain("r", run_status(tmp_path, "r", now=NOW, scheduler=False), prefix, NOW)
+    lines = text.splitlines()
+    assert lines[0].startswith("run r: 2 training job(s)")
+    assert lines[1].split() == ["node", "job", "state", "step", "epoch", "loss", "tok/s", "MFU", "ETA",
+                                "checkpoint", "resumed", "model"]  # fmt: skip
+    assert lines[2].split()[:9] == ["node0", "-", "stopped", "8/40", "0.35", "4.9200", "1000", "-", "16s"]
+    assert "4, 3s ago" in lines[2]
+    # resumed: after a signal, plan.json names it and the job before; after a crash, the start step
+    plan = prefix / "train/node0/plan.json"
+    plan.write_text(json.dumps(json.loads(plan.read_text()) | {"start_step": 4}))
+    plan = prefix / "train/node1/plan.json"
+    resumed = {"step": 4, "signal": "SIGURG", "time": NOW - 9, "slurm_job_id": "70"}
+    plan.write_text(json.dumps(json.loads(plan.read_text()) | {"start_step": 4, "resumed_after": resumed}))
+    text = render_plain("r", run_status(tmp_path, "r", now=NOW, scheduler=False), prefix, NOW)
+    after_checkpoint = [line.split("ago")[1].split() for line in text.splitlines()[2:4]]
+    assert after_checkpoint == [["4", "-"], ["4", "SIGURG", "job", "70", "-"]]
+    # finished: train_state.json, a consolidated and evaluated model, the leaderboard
+    for node in ("node0", "node1"):
+        (prefix / "train" / node / "train_state.json").write_text("{}")
+        (prefix / "models" / node).mkdir(parents=True)
+        (prefix / "models" / node / "config.json").write_text("{}")
+        (prefix / "eval").mkdir(exist_ok=True)
+        (prefix / "eval" / f"{node}.json").write_text(json.dumps({"eval_loss": 1.25}))
+    (prefix / "eval" / "summary.csv").write_text("model,eval_loss\n")
+    (prefix / "eval" / "leaderboard.txt").write_text("Best model: node0 (lowest eval loss)\n  eval loss 1.25\n\nrest\n")
+    text = render_plain("r", run_status(tmp_path, "r", now=NOW, scheduler=False), prefix, NOW)
+    assert text.splitlines()[0].startswith("run r: finished")
+    assert "node1: done at step 8, final loss 4.9200, trained 4s, eval loss 1.250" in text
+    assert "evaluated node0, node1" in text
+    assert text.rstrip().endswith("Best model: node0 (lowest eval loss)\n  eval loss 1.25")
+
+
+def test_cli_errors_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--run", "nope", "-d", str(tmp_path)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: no results/nope in {tmp_path}: nothing has run yet"
+    (tmp_path / "config.yaml").write_text("run: mine\n")
+    make_run(tmp_path, run="mine")
+    main(["-d", str(tmp_path), "--config", "config.yaml", "--plain"])  # run: from the config in the work dir
+    assert capsys.readouterr().out.startswith("run mine: 2 training job(s)")
+
+
+def test_unreadable_run_errors(tmp_path):
+    with pytest.raises(UserError, match="nothing has run yet"):
+        run_status(tmp_path, "x")

@@ -1,0 +1,619 @@
+"""status: where each training job of a run is, how fast it goes, when it ends, and whether it is stuck.
+
+Reads only what the workflow writes (train/<node>/metrics.jsonl, plan.json, train_state.json, the
+checkpoints' COMPLETE markers, models/, eval/) plus the scheduler: squeue (sacct when the cluster keeps
+accounting) or, outside SLURM, the local torchrun/train.py processes. A finished run gets a summary.
+
+    python workflow_scripts/status.py --run demo [--root DIR] [--watch [SECONDS]] [--plain]
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from pipeline_io import UserError, cli
+
+RECENT = 10  # step intervals the ETA and the stall rule take the median of
+STALL_FACTOR = 5.0  # no new step for this many expected intervals: stalled
+STALL_MIN_S = 60.0  # and for at least this long: fast steps logged every step would flag any hiccup
+SLURM_ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}
+
+
+# ---------------------------------------------------------------- the workflow's files
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl's records, one per logged step. A line cut short (a write in progress, a crash)
+    is skipped; a step logged again (a job that resumed from an earlier checkpoint) replaces the
+    records from that step on, as the resumed job's history does."""
+    records: list[dict] = []
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            continue
+        while records and records[-1]["step"] >= record["step"]:
+            records.pop()
+        records.append(record)
+    return records
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def step_seconds(records: list[dict], recent: int = RECENT) -> float | None:
+    """The median time of one optimizer step over the last ``recent`` logged intervals
+    (each record's step_time_s is its interval's mean)."""
+    times = [r["step_time_s"] for r in records[-recent:] if isinstance(r.get("step_time_s"), int | float)]
+    return statistics.median(times) if times else None
+
+
+def log_interval(records: list[dict], recent: int = RECENT) -> int:
+    """Steps between two records (training.log_every), the median of the recent ones."""
+    steps = [r["step"] for r in records[-recent - 1 :]]
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False) if b > a]
+    return int(statistics.median(gaps)) if gaps else 1
+
+
+def eta_seconds(records: list[dict], total: int | None, recent: int = RECENT) -> float | None:
+    """The median recent step time x the steps left."""
+    per_step = step_seconds(records, recent)
+    if per_step is None or not total or not records:
+        return None
+    return per_step * max(0, total - records[-1]["step"])
+
+
+def is_stalled(records: list[dict], last_update: float | None, now: float, factor: float = STALL_FACTOR,
+               recent: int = RECENT, min_seconds: float = STALL_MIN_S) -> bool:  # fmt: skip
+    """No new record for ``factor`` x the expected time between two records (the median step time x
+    the log interval), and for at least ``min_seconds``. Without a step time yet there is nothing to
+    compare with: not stalled."""
+    per_step = step_seconds(records, recent)
+    if per_step is None or last_update is None:
+        return False
+    return now - last_update > max(min_seconds, factor * per_step * log_interval(records, recent))
+
+
+def last_checkpoint(root: Path) -> dict | None:
+    """The newest complete checkpoint (its COMPLETE marker, written last, holds the step and time)
+    under ``root``: checkpoints/<node>/<key>/, or checkpoints/<node>/ to look in every key."""
+    markers = list(root.glob("step-*/COMPLETE")) or list(root.glob("*/step-*/COMPLETE"))
+    best = None
+    for marker in markers:
+        if not re.fullmatch(r"step-\d+", marker.parent.name):
+            continue
+        record = read_json(marker) or {}
+        step = record.get("step", int(marker.parent.name.split("-")[1]))
+        when = record.get("time") or marker.stat().st_mtime
+        if best is None or (step, when) > (best["step"], best["time"]):
+            best = {"step": step, "time": when, "path": str(marker.parent)}
+    return best
+
+
+def checkpoint_in_progress(root: Path) -> int | None:
+    """The step of a checkpoint being written (a step folder without its marker yet), if any."""
+    partial = [p for p in [*root.glob("step-*"), *root.glob("*/step-*")]
+               if re.fullmatch(r"step-\d+", p.name) and not (p / "COMPLETE").exists()]  # fmt: skip
+    return max((int(p.name.split("-")[1]) for p in partial), default=None)
+
+
+# folders that hold no training folder, and may hold many files: not walked
+NOT_WALKED = {"checkpoints", "data", "models", "eval", "base_model", "env", "plan", ".cache"}
+
+
+def train_folders(results: Path, depth: int = 4) -> list[Path]:
+    """Every training folder of a run: results/<run>/train/<node>/, or results/<run>/<variant>/train/<node>/
+    with a grid; found at any depth (up to ``depth`` folders above train/) so that the layout can change."""
+    found, level = [], [results]
+    for _ in range(depth):
+        below = []
+        for folder in level:
+            for child in sorted(p for p in folder.iterdir() if p.is_dir() and p.name not in NOT_WALKED):
+                if child.name == "train":
+                    found += sorted(p for p in child.iterdir() if p.is_dir())
+                else:
+                    below.append(child)
+        level = below
+    return found
+
+
+def variant_of(folder: Path, results: Path) -> str:
+    """The part of the path between results/<run>/ and train/: a grid's variant, '' without a grid."""
+    return "/".join(folder.relative_to(results).parts[:-2])
+
+
+# ---------------------------------------------------------------- the scheduler and local processes
+
+
+@dataclass
+class Job:
+    """A training job as the scheduler (or /proc) sees it."""
+
+    id: str
+    state: str  # RUNNING, PENDING, ... ; "local" for a process outside SLURM
+    source: str  # squeue, sacct or local
+    started: float | None = None  # epoch seconds
+    comment: str = ""
+    workdir: str = ""
+
+
+SQUEUE_FORMAT = "%i|%T|%k|%Z|%S"
+
+
+def parse_squeue(text: str) -> list[Job]:
+    """Rows of `squeue -h -o '%i|%T|%k|%Z|%S'`: id, state, comment (the slurm executor's
+    rule_<rule>_wildcards_<values>), work dir, start time (local time; N/A while pending)."""
+    jobs = []
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) < 5 or not parts[0]:
+            continue
+        job_id, state, comment, workdir, start = parts[:5]
+        jobs.append(Job(job_id, state.upper(), "squeue", parse_slurm_time(start), comment, workdir))
+    return jobs
+
+
+def parse_sacct(text: str) -> dict[str, str]:
+    """`sacct -n -P -X -o JobID,State`: id → state ("CANCELLED by 0" → CANCELLED)."""
+    states = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) >= 2 and parts[0]:
+            states[parts[0]] = parts[1].split()[0].upper() if parts[1].strip() else "UNKNOWN"
+    return states
+
+
+def parse_slurm_time(text: str) -> float | None:
+    try:
+        return time.mktime(time.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+def run_tool(args: list[str]) -> str | None:
+    """A scheduler command's stdout, or None where it is missing or fails (no SLURM here, no accounting)."""
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def slurm_jobs(known_ids: set[str]) -> dict[str, Job]:
+    """The jobs squeue shows (all of this user's), and sacct's states of the run's other known ids."""
+    out = run_tool(["squeue", "-h", "-u", str(os.getuid()), "-o", SQUEUE_FORMAT])
+    jobs = {j.id: j for j in parse_squeue(out)} if out is not None else {}
+    missing = sorted(known_ids - set(jobs))
+    if missing:
+        out = run_tool(["sacct", "-n", "-P", "-X", "-o", "JobID,State", "-j", ",".join(missing)])
+        for job_id, state in parse_sacct(out or "").items():
+            jobs[job_id] = Job(job_id, state, "sacct")
+    return jobs
+
+
+def job_comment_matches(comment: str, node: str, variant: str) -> bool:
+    """The slurm executor's comment for this node's training job: rule_train_node_wildcards_<...>_<node>
+    (the wildcard values joined by '_'), rule_train_joint[...] for joint."""
+    if node == "joint":
+        return comment.startswith("rule_train_joint") and (not variant or variant.replace("/", "_") in comment)
+    if not comment.startswith("rule_train_node_wildcards_"):
+        return False
+    values = comment.removeprefix("rule_train_node_wildcards_")
+    return (values == node or values.endswith(f"_{node}") or values.startswith(f"{node}_")) and (
+        not variant or variant.replace("/", "_") in values
+    )
+
+
+def boot_time() -> float:
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except OSError:
+        pass
+    return 0.0
+
+
+def local_processes(proc_root: Path = Path("/proc")) -> list[tuple[int, Path, list[str], float | None]]:
+    """(pid, cwd, argv, start time) of every process running train.py (torchrun, launch.py, the ranks)."""
+    out = []
+    ticks, booted = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100, boot_time()
+    for proc in proc_root.iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = [a.decode(errors="replace") for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
+            if not any(a.endswith("train.py") for a in argv):
+                continue
+            cwd = Path(os.readlink(proc / "cwd"))
+            stat = (proc / "stat").read_text()
+            started = booted + int(stat.rsplit(")", 1)[1].split()[19]) / ticks if booted else None
+        except (OSError, IndexError, ValueError):
+            continue
+        out.append((int(proc.name), cwd, argv, started))
+    return out
+
+
+def local_job(folder: Path, processes) -> Job | None:
+    """The local training job whose --log-dir is ``folder``: its first (oldest) process, torchrun or launch.py."""
+    matching = []
+    for pid, cwd, argv, started in processes:
+        for flag, value in zip(argv, argv[1:], strict=False):
+            if flag == "--log-dir" and (cwd / value).resolve() == folder.resolve():
+                matching.append((started or 0, pid))
+    if not matching:
+        return None
+    started, pid = min(matching)
+    return Job(str(pid), "RUNNING", "local", started or None)
+
+
+# ---------------------------------------------------------------- one training job's status
+
+
+@dataclass
+class NodeStatus:
+    variant: str
+    node: str
+    state: str  # done, running, starting, stalled, pending, stopped, failed, ...
+    job: str = ""  # "slurm 123 RUNNING", "pid 456", ""
+    step: int | None = None
+    total: int | None = None
+    epoch: float | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    eta_s: float | None = None
+    checkpoint: dict | None = None
+    resumed_after: dict | None = None
+    last_update: float | None = None
+    train_seconds: float | None = None  # the logged steps' time, over every job that trained them
+    model: bool = False  # consolidated
+    eval_loss: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def train_seconds(records: list[dict]) -> float | None:
+    """Sum of step time x steps over the records: the time spent training, start-up and restarts not counted."""
+    total, previous = 0.0, 0
+    for r in records:
+        if isinstance(r.get("step_time_s"), int | float):
+            total += r["step_time_s"] * (r["step"] - previous)
+        previous = r["step"]
+    return total if records else None
+
+
+def find_job(folder: Path, node: str, variant: str, root: Path, known: list[str], jobs: dict[str, Job], processes):
+    """This training folder's job: a squeue job of its rule in this work dir (a queued or running one
+    first, then the newest), else the newest job id the folder names (metrics, plan) that the scheduler
+    still knows, else a local process."""
+    mine = [
+        job for job in jobs.values()
+        if job.source == "squeue" and (not job.workdir or Path(job.workdir).resolve() == root.resolve())
+        and job_comment_matches(job.comment, node, variant)
+    ]  # fmt: skip
+    if mine:
+        return max(mine, key=lambda j: (j.state in SLURM_ACTIVE, int(j.id) if j.id.isdigit() else 0))
+    for job_id in reversed(known):
+        if job_id in jobs:
+            return jobs[job_id]
+    return local_job(folder, processes)
+
+
+def node_status(folder: Path, results: Path, root: Path, jobs: dict[str, Job], processes, now: float,
+                factor: float = STALL_FACTOR, recent: int = RECENT) -> NodeStatus:  # fmt: skip
+    """Everything `status` says about one training folder (train/<node>/)."""
+    node, variant = folder.name, variant_of(folder, results)
+    records = read_metrics(folder / "metrics.jsonl")
+    plan = read_json(folder / "plan.json") or {}
+    state_file = read_json(folder / "train_state.json")
+    last = records[-1] if records else {}
+    total = plan.get("total_steps") or (state_file or {}).get("step")
+    prefix = folder.parent.parent  # results/<run>/ or results/<run>/<variant>/
+    ckpt_root = Path(plan["checkpoints"]) if plan.get("checkpoints") else prefix / "checkpoints" / node
+    if not ckpt_root.is_absolute():
+        ckpt_root = root / ckpt_root
+    if not ckpt_root.exists():
+        ckpt_root = prefix / "checkpoints" / node
+    eval_record = read_json(prefix / "eval" / f"{node}.json") or {}
+    metrics_path = folder / "metrics.jsonl"
+    last_update = last.get("time") or (metrics_path.stat().st_mtime if records else None)
+    s = NodeStatus(
+        variant=variant, node=node, state="waiting", step=last.get("step"), total=total, epoch=last.get("epoch"),
+        loss=last.get("loss"), tokens_per_s=last.get("tokens_per_s"), mfu=last.get("mfu"),
+        eta_s=eta_seconds(records, total, recent), checkpoint=last_checkpoint(ckpt_root),
+        # plan.json's record of the job before (signal, step, job id) when it checkpointed on a signal;
+        # the start step alone when it did not (a crash: the newest periodic checkpoint)
+        resumed_after=plan.get("resumed_after") or ({"step": plan["start_step"]} if plan.get("start_step") else None),
+        last_update=last_update, train_seconds=train_seconds(records),
+        model=(prefix / "models" / node / "config.json").exists(), eval_loss=eval_record.get("eval_loss"),
+    )  # fmt: skip
+    known = [str(x) for x in (*(r.get("slurm_job_id") for r in records), plan.get("slurm_job_id")) if x]
+    known = list(dict.fromkeys(known))
+    job = find_job(folder, node, variant, root, known, jobs, processes)
+    if job:
+        s.job = f"pid {job.id}" if job.source == "local" else f"{job.id} {job.state}"
+    active = job is not None and (job.source == "local" or job.state in SLURM_ACTIVE)
+    if active and job.state == "PENDING":
+        s.state = "pending"
+    elif active:
+        # a job that has not logged a step of its own yet (loading, resuming) is starting, not stalled
+        mine = records and (job.started is None or (s.last_update or 0) >= job.started)
+        if job.source != "local" and plan.get("slurm_job_id") and str(plan["slurm_job_id"]) != job.id:
+            mine = False
+        if not mine or (plan.get("start_step") is not None and s.step is not None and s.step <= plan["start_step"]):
+            s.state = "starting"
+        elif is_stalled(records, s.last_update, now, factor, recent):
+            saving = checkpoint_in_progress(ckpt_root)
+            if saving is not None and saving >= (s.step or 0):
+                s.state = "running"
+                s.notes.append(f"saving checkpoint {saving}")
+            else:
+                s.state = "stalled"
+                s.notes.append(f"no new step for {duration(now - s.last_update)}")
+        else:
+            s.state = "running"
+    elif state_file is not None:
+        s.state = "done"
+        s.eta_s = None
+    elif job is not None:
+        s.state = job.state.lower()  # a finished SLURM job without train_state.json: FAILED, TIMEOUT, ...
+    elif records:
+        s.state = "stopped"  # metrics but no job and no train_state.json: killed, or waiting for a retry
+    if s.state == "done" and s.total and s.step is not None and s.step < s.total:
+        s.notes.append(f"metrics end at step {s.step}")
+    return s
+
+
+def run_status(root: Path, run: str, now: float | None = None, factor: float = STALL_FACTOR,
+               recent: int = RECENT, scheduler: bool = True) -> list[NodeStatus]:  # fmt: skip
+    """Every training folder of results/<run>/ under ``root``."""
+    results = root / "results" / run
+    if not results.is_dir():
+        where = "" if root == Path(".") else f" in {root}"
+        raise UserError(f"no results/{run}{where}: nothing has run yet")
+    now = time.time() if now is None else now
+    folders = train_folders(results)
+    known = set()
+    for folder in folders:
+        plan = read_json(folder / "plan.json") or {}
+        known |= {str(r["slurm_job_id"]) for r in read_metrics(folder / "metrics.jsonl") if r.get("slurm_job_id")}
+        if plan.get("slurm_job_id"):
+            known.add(str(plan["slurm_job_id"]))
+    jobs = slurm_jobs(known) if scheduler else {}
+    processes = local_processes() if scheduler and Path("/proc").is_dir() else []
+    return [node_status(f, results, root, jobs, processes, now, factor, recent) for f in folders]
+
+
+def stages(results: Path) -> dict:
+    """The stage-level picture from files alone: data split and tokenized, models consolidated and evaluated."""
+    return {
+        "split": (results / "data" / "manifest.json").exists(),
+        "tokenized": sorted(p.stem for p in (results / "data" / "tokenized").glob("*.json")),
+        "evaluated": sorted(p.stem for p in (results / "eval").glob("*.json")),
+        "summary": (results / "eval" / "summary.csv").exists(),
+        "grid": (results / "eval" / "grid.csv").exists(),  # a grid's comparison (summaries are per variant)
+        "report": (results / "report.html").exists(),
+    }
+
+
+def leaderboard_head(results: Path) -> list[str]:
+    """The best-model lines of eval/leaderboard.txt (up to its first blank line)."""
+    try:
+        text = (results / "eval" / "leaderboard.txt").read_text()
+    except OSError:
+        return []
+    return text.split("\n\n", 1)[0].strip().splitlines()
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def number(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+# checkpoint: the newest complete one's step and age; resumed: the step (signal, job) this job took over from;
+# model: consolidated, then its eval loss
+COLUMNS = ["node", "job", "state", "step", "epoch", "loss", "tok/s", "MFU", "ETA", "checkpoint", "resumed", "model"]
+
+
+def row(s: NodeStatus, now: float) -> list[str]:
+    ckpt = f"{s.checkpoint['step']}, {duration(now - s.checkpoint['time'])} ago" if s.checkpoint else "-"
+    resumed = "-"
+    if s.resumed_after:
+        r = s.resumed_after
+        resumed = f"{r.get('step')}" + (f" {r['signal']}" if r.get("signal") else "")
+        resumed += f" job {r['slurm_job_id']}" if r.get("slurm_job_id") else ""
+    # the model's later stages: consolidated (models/<node>/), evaluated (its held-out eval loss)
+    model = "-" if not s.model else "yes" if s.eval_loss is None else f"eval {s.eval_loss:.3f}"
+    state = s.state + (f": {'; '.join(s.notes)}" if s.notes else "")
+    return [
+        f"{s.variant}/{s.node}" if s.variant else s.node,
+        s.job or "-",
+        state,
+        f"{number(s.step, 'd')}/{number(s.total, 'd')}",
+        number(s.epoch, ".2f"),
+        number(s.loss, ".4f"),
+        number(s.tokens_per_s, ".0f"),
+        "-" if s.mfu is None else f"{s.mfu:.1%}",
+        "done" if s.state == "done" else duration(s.eta_s),
+        ckpt,
+        resumed,
+        model,
+    ]
+
+
+def summary_lines(nodes: list[NodeStatus], results: Path) -> list[str]:
+    """A finished run: each job done at step N, its final loss and training time; the best model."""
+    lines = []
+    for s in nodes:
+        name = f"{s.variant}/{s.node}" if s.variant else s.node
+        evaluated = f", eval loss {s.eval_loss:.3f}" if s.eval_loss is not None else ""
+        lines.append(
+            f"{name}: done at step {number(s.step, 'd')}, final loss {number(s.loss, '.4f')}, "
+            f"trained {duration(s.train_seconds)}{evaluated}"
+        )
+    lines += leaderboard_head(results)
+    for variant in dict.fromkeys(s.variant for s in nodes if s.variant):  # a grid: each variant's best model
+        lines += [f"{variant}: {line}" for line in leaderboard_head(results / variant)[:1]]
+    return lines
+
+
+def stage_line(picture: dict) -> str:
+    return (
+        f"stages: split {'yes' if picture['split'] else 'no'}; tokenized {', '.join(picture['tokenized']) or '-'};"
+        f" evaluated {', '.join(picture['evaluated']) or '-'};"
+        + (" grid.csv yes;" if picture["grid"] else f" summary {'yes' if picture['summary'] else 'no'};")
+        + f" report {'yes' if picture['report'] else 'no'}"
+    )
+
+
+def headline(nodes: list[NodeStatus], results: Path) -> str:
+    if not nodes or any(s.state != "done" for s in nodes):
+        return f"{len(nodes)} training job(s)"
+    compared = any((results / "eval" / name).exists() for name in ("summary.csv", "grid.csv"))  # grid.csv: a grid's
+    return "finished" if compared else "training finished"
+
+
+def render_plain(run: str, nodes: list[NodeStatus], results: Path, now: float) -> str:
+    """The status as plain text: a header, an aligned table, the stages, and a finished run's summary."""
+    finished = bool(nodes) and all(s.state == "done" for s in nodes)
+    lines = [f"run {run}: {headline(nodes, results)} ({results})"]
+    if nodes:
+        table = [COLUMNS, *(row(s, now) for s in nodes)]
+        widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
+    else:
+        lines.append("no training folder yet")
+    lines.append(stage_line(stages(results)))
+    if finished:
+        lines += summary_lines(nodes, results)
+    return "\n".join(lines)
+
+
+STATE_STYLE = {"done": "green", "running": "cyan", "starting": "yellow", "pending": "yellow", "stalled": "bold red"}
+
+
+def render_rich(console, run: str, nodes: list[NodeStatus], results: Path, now: float) -> None:
+    from rich import box
+    from rich.table import Table
+
+    finished = bool(nodes) and all(s.state == "done" for s in nodes)
+    table = Table(
+        title=f"run {run}: {headline(nodes, results)}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        pad_edge=False,
+    )
+    for c in COLUMNS:
+        right = c in {"step", "epoch", "loss", "tok/s", "MFU", "ETA"}
+        table.add_column(c, justify="right" if right else "left", no_wrap=True, min_width=len(c))
+    for s in nodes:
+        cells = row(s, now)
+        style = STATE_STYLE.get(s.state, "red" if s.state in {"failed", "stopped", "timeout"} else "")
+        cells[2] = f"[{style}]{cells[2]}[/]" if style else cells[2]
+        table.add_row(*cells)
+    console.print(table if nodes else f"run {run}: no training folder yet")
+    console.print(stage_line(stages(results)), highlight=False)
+    if finished:
+        for line in summary_lines(nodes, results):
+            console.print(line, highlight=False)
+
+
+# ---------------------------------------------------------------- main
+
+
+def config_run(config: Path) -> str:
+    """The `run:` of a config file (default config/config.yaml)."""
+    try:
+        run = (yaml.safe_load(config.read_text()) or {}).get("run")
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"cannot read the run name from {config}: {e}; pass --run") from e
+    if not run:
+        raise UserError(f"{config} has no run:; pass --run")
+    return str(run)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run", help="results/<run>/ to show (default: the config's run:)")
+    p.add_argument("--config", type=Path, default=Path("config/config.yaml"), help="where --run is read from")
+    p.add_argument("-d", "--root", type=Path, default=Path("."), help="the workflow's work dir (holds results/)")
+    p.add_argument("--watch", nargs="?", type=float, const=10.0, metavar="SECONDS", help="refresh every SECONDS (10)")
+    p.add_argument("--plain", action="store_true", help="plain text, no table (the default when not a terminal)")
+    p.add_argument("--stall-factor", type=float, default=STALL_FACTOR,
+                   help="stalled: no new step for this many median step intervals (5), a minute at least")  # fmt: skip
+    return p.parse_args(argv)
+
+
+def show(a: argparse.Namespace, run: str, console) -> None:
+    now = time.time()
+    nodes = run_status(a.root, run, now, a.stall_factor)
+    results = a.root / "results" / run
+    if console is None:
+        print(render_plain(run, nodes, results, now), flush=True)
+    else:
+        render_rich(console, run, nodes, results, now)
+
+
+@cli
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    config = a.config if a.config.is_absolute() or a.config.exists() else a.root / a.config
+    run = a.run or config_run(config)
+    console = None
+    if not a.plain and sys.stdout.isatty():
+        from rich.console import Console
+
+        console = Console()
+    try:
+        while True:
+            if a.watch and console is not None:
+                console.clear()
+            show(a, run, console)
+            if not a.watch:
+                return
+            if console is None:
+                print(flush=True)
+            time.sleep(a.watch)
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:  # `status.py | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+if __name__ == "__main__":
+    main()
