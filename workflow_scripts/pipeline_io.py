@@ -70,14 +70,18 @@ def json_object(text: str) -> dict:
     return value
 
 
-def duration(seconds: float) -> str:
-    """45s, 3m12s, 2h05m: an ETA or an elapsed time as a person reads it."""
-    s = round(seconds)
+def duration(seconds: float | None) -> str:
+    """45s, 3m12s, 2h05m, 1d03h: an ETA or an elapsed time as a person reads it ("-" for None)."""
+    if seconds is None:
+        return "-"
+    s = max(0, round(seconds))
     if s < 60:
         return f"{s}s"
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 class Progress:

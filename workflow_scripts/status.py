@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from pipeline_io import UserError, cli
+from pipeline_io import UserError, cli, duration
 
 RECENT = 10  # step intervals the ETA and the stall rule take the median of
 STALL_FACTOR = 5.0  # no new step for this many expected intervals: stalled
@@ -425,19 +425,6 @@ def leaderboard_head(results: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------- rendering
-
-
-def duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = max(0, int(round(seconds)))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
 def number(value, fmt: str) -> str:
