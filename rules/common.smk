@@ -76,6 +76,7 @@ TRAIN_STATE = f"{TRAIN_DIR}/train_state.json"
 CHECKPOINTS = f"{R}/checkpoints/{{node}}"
 MODEL_DIR = f"{R}/models/{{model}}"  # model: a trained node, joint or a soup (base is BASE_MODEL)
 EVAL_RESULT = f"{R}/eval/{{model}}.json"
+LM_EVAL_RESULT = f"{R}/eval/lm_eval/{{model}}.json"  # lm-eval's own results JSON (results, configs, ...)
 SUMMARY = f"{R}/eval/summary.csv"
 LOSS_CURVES = f"{R}/eval/loss_curves.png"
 THROUGHPUT = f"{R}/eval/throughput.png"
@@ -115,6 +116,16 @@ try:
     DATA_FILES = [str(p) for spec in DATA_SPECS for p in resolve_paths(spec)]  # every input data file
 except UserError as e:
     fail(e)
+
+
+# eval.tasks run offline: a task's local YAML or data file that is not there stops before any job runs
+# (a task of lm-eval's own without eval.task_data is checked by evaluate_model, before its model loads).
+EVAL = config["eval"]
+for task, path in EVAL["task_data"].items():
+    if not Path(path).exists():
+        fail(f"eval.task_data {task}: {path} does not exist (evaluation runs offline: the task's data must be local)")
+EVAL_TASK_FILES = list(EVAL["task_data"].values())  # evaluate_model's inputs: a changed task reruns it
+EVAL_ENV = "../envs/eval-vllm.yaml" if EVAL["backend"] == "vllm" else "../envs/eval.yaml"  # for --sdm conda
 
 
 def check_template():
@@ -195,6 +206,19 @@ TEMPLATE_ARGS = verbatim(
     cli_args(
         chat_template=DATA["chat_template"],
         format_template=DATA["format_template"],
+        template_kwargs=json.dumps(DATA["template_kwargs"]),
+    )
+)
+EVAL_ARGS = verbatim(
+    cli_args(
+        batch_size=EVAL["batch_size"],
+        max_new_tokens=EVAL["max_new_tokens"],
+        max_samples=EVAL["max_samples"],
+        backend=EVAL["backend"],
+        precision=config["training"]["precision"] if EVAL["precision"] == "training" else EVAL["precision"],
+        tasks=json.dumps(EVAL["tasks"]),
+        task_data=json.dumps(EVAL["task_data"]),
+        chat_template=json.dumps(EVAL["apply_chat_template"]),
         template_kwargs=json.dumps(DATA["template_kwargs"]),
     )
 )
