@@ -332,7 +332,11 @@ def main(argv=None) -> None:
     with atomic_path(a.lm_eval_output) as tmp:
         tmp.write_text(lm_eval_json(out))
     write_json(a.output, result)
-    scores = {"eval_loss": result["eval_loss"], "perplexity": result["perplexity"], "exact_match": result["exact_match"]}
+    scores = {
+        "eval_loss": result["eval_loss"],
+        "perplexity": result["perplexity"],
+        "exact_match": result["exact_match"],
+    }
     scores |= {f"{t} {k}": v for t, s in result["tasks"].items() for k, v in s.items() if not k.endswith("_stderr")}
     print(f"{a.name}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
 
