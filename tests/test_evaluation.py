@@ -136,9 +136,8 @@ def test_hub_data_offline_stops_with_one_line_no_traceback(demo_assets, tmp_path
     before the model loads. (A task of lm-eval's own without eval.task_data takes the same path; indexing
     lm-eval's 14,000 task YAMLs would add 10-20 s here.)"""
     yaml_file = tmp_path / "hubby.yaml"
-    yaml_file.write_text(
-        DEMO_MC.read_text().replace("task: demo_mc", "task: hubby").replace("dataset_path: json", "dataset_path: allenai/ai2_arc\ndataset_name: ARC-Easy")
-    )  # fmt: skip
+    hub = "dataset_path: allenai/ai2_arc\ndataset_name: ARC-Easy"
+    yaml_file.write_text(DEMO_MC.read_text().replace("task: demo_mc", "task: hubby").replace("dataset_path: json", hub))
     proc = subprocess.run(
         [str(BIN / "python"), str(REPO / "workflow_scripts" / "evaluation.py"), "--model", str(demo_assets["base"]),
          "--name", "base", "--eval", str(demo_assets["eval"]), "--metrics", str(METRICS), "--tasks", '["hubby"]',

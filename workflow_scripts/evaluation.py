@@ -63,10 +63,8 @@ class PinnedIds:
         ids = torch.full((len(strings), width), self.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, s in enumerate(strings):
-            ids[i, width - len(self.pinned[s]) :], mask[i, width - len(self.pinned[s]) :] = (
-                torch.tensor(self.pinned[s]),
-                1,
-            )
+            ids[i, width - len(self.pinned[s]) :] = torch.tensor(self.pinned[s])
+            mask[i, width - len(self.pinned[s]) :] = 1
         return ids, mask
 
     def loglikelihood(self, requests, disable_tqdm=False):
@@ -98,20 +96,12 @@ def model_class(backend: str):
     return type(f"Pinned{base.__name__}", (PinnedIds, base), {"pinned": {}, "spans": {}})
 
 
-def comparable(text: str, specials) -> str:
-    """An answer or reference with every special token's text taken out (a reference that kept a literal
-    <|endoftext|> equals an answer decoded without special tokens)."""
-    return remove_special_text(text, specials)
-
-
 def metric(metrics_dir: Path, module: str, key: str):
     """An lm-eval aggregation over (prediction, reference) pairs by one of the repo's evaluate modules."""
 
     def aggregate(pairs):
-        predictions, references = zip(*pairs, strict=True) if pairs else ((), ())
-        return evaluate.load(str(metrics_dir / module)).compute(
-            predictions=list(predictions), references=list(references)
-        )[key]
+        predictions, references = map(list, zip(*pairs, strict=True)) if pairs else ([], [])
+        return evaluate.load(str(metrics_dir / module)).compute(predictions=predictions, references=references)[key]
 
     aggregate.__name__ = key
     return aggregate
@@ -125,34 +115,31 @@ def token_mean(items) -> float:
 def heldout_tasks(frame: pd.DataFrame, tokenizer, metrics_dir: Path, max_new_tokens: int, stop: dict):
     """The held-out set's two lm-eval task configs, and the texts to pin to their cached ids (and spans)."""
     specials, docs, pinned, spans = special_texts(tokenizer), [], {}, {}
-    for ids, labels, n, response, category in frame[["input_ids", "labels", "prompt_length", "response", "category"]].itertuples(index=False):  # fmt: skip
+    columns = (frame["input_ids"], frame["labels"], frame["prompt_length"], frame["response"])
+    for ids, labels, n, response in zip(*columns, strict=True):
         ids = [int(i) for i in ids]
-        prompt, text = (
-            tokenizer.decode(ids[:n], skip_special_tokens=False),
-            tokenizer.decode(ids, skip_special_tokens=False),
-        )
-        pinned[prompt], pinned[text], spans[text] = ids[:n], ids, label_spans(labels[:])
-        docs.append({"prompt": prompt, "text": text, "response": response, "category": str(category or ""),
-                     "label_tokens": sum(end - start for start, end in spans[text])})  # fmt: skip
+        prompt, text = (tokenizer.decode(x, skip_special_tokens=False) for x in (ids[:n], ids))
+        pinned[prompt], pinned[text], spans[text] = ids[:n], ids, label_spans(labels)
+        tokens = sum(end - start for start, end in spans[text])
+        docs.append({"prompt": prompt, "text": text, "response": response, "label_tokens": tokens})
     dataset = datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
-    common = {
-        "custom_dataset": lambda **_: dataset,
-        "test_split": "test",
-        "doc_to_target": "response",
-        "target_delimiter": "",
-    }
+    common = {"custom_dataset": lambda **_: dataset, "test_split": "test", "doc_to_target": "response"}
 
     def answer_pairs(doc, results):
-        pair = (comparable(results[0].strip(), specials), comparable(doc["response"], specials))
+        """(answer, reference) with every special token's text taken out of both: a reference that kept a
+        literal <|endoftext|> equals an answer decoded without special tokens."""
+        pair = (remove_special_text(results[0].strip(), specials), remove_special_text(doc["response"], specials))
         return dict.fromkeys(GENERATION_METRICS, pair)
 
     def loss(doc, results):
         return {"eval_loss": (-results[0][0], doc["label_tokens"]), "label_tokens": doc["label_tokens"]}
 
+    scores = [{"metric": k, "aggregation": metric(metrics_dir, m, k), "higher_is_better": True}
+              for k, m in GENERATION_METRICS.items()]  # fmt: skip
     generation = common | {
         "task": HELDOUT, "output_type": "generate_until", "doc_to_text": "prompt", "process_results": answer_pairs,
         "generation_kwargs": {"until": [], "max_gen_toks": max_new_tokens, "do_sample": False, **stop},
-        "metric_list": [{"metric": k, "aggregation": metric(metrics_dir, m, k), "higher_is_better": True} for k, m in GENERATION_METRICS.items()],
+        "metric_list": scores,
     }  # fmt: skip
     scoring = common | {
         "task": HELDOUT_LOSS, "output_type": "loglikelihood", "doc_to_text": "text", "process_results": loss,
@@ -170,9 +157,12 @@ def data_override(name: str, path: Path, yaml_path: Path | None) -> dict:
 
         kwargs = load_yaml(yaml_path or path, resolve_func=False).get("dataset_kwargs") or {}
         files = kwargs.get("data_files")
-        if isinstance(files, str | list | dict):
-            resolve = lambda f: str((path.parent / f).resolve()) if isinstance(f, str) else [resolve(x) for x in f]  # noqa: E731
-            kwargs = kwargs | {
+
+        def resolve(f):
+            return str((path.parent / f).resolve()) if isinstance(f, str) else [resolve(x) for x in f]
+
+        if files:
+            kwargs |= {
                 "data_files": {k: resolve(v) for k, v in files.items()} if isinstance(files, dict) else resolve(files)
             }
         return {"dataset_kwargs": kwargs}
@@ -190,7 +180,8 @@ def extra_tasks(names: list[str], task_data: dict[str, str]):
     if not names:
         return [], TaskManager(include_defaults=False)  # else simple_evaluate indexes lm-eval's own tasks
 
-    include = sorted({str(Path(p).resolve().parent) for p in task_data.values() if Path(p).suffix in (".yaml", ".yml")})
+    yamls = [Path(p) for p in task_data.values() if Path(p).suffix in (".yaml", ".yml")]
+    include = sorted({str(p.resolve().parent) for p in yamls})
     # lm-eval's own 14,000 task YAMLs take ~10 s to index: only when a task is not in eval.task_data's YAMLs
     manager = TaskManager(include_path=include, include_defaults=False) if include else None
     if manager is None or not set(names) <= set(manager.all_tasks):
@@ -205,8 +196,8 @@ def extra_tasks(names: list[str], task_data: dict[str, str]):
             built = manager._factory.build(entry, overrides=overrides, registry=manager._index)  # noqa: SLF001
         except Exception as e:  # datasets' offline and missing-file errors, whatever their class
             reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            raise UserError(f"eval.tasks: {name}: its data is not available offline ({reason}); "
-                            "point eval.task_data at local files") from None  # fmt: skip
+            hint = "point eval.task_data at local files"
+            raise UserError(f"eval.tasks: {name}: its data is not available offline ({reason}); {hint}") from None
         loaded += built if isinstance(built, list) else [built]
     return loaded, manager
 
@@ -216,12 +207,9 @@ def flat_metrics(scores: dict) -> dict:
     out = {}
     for key, value in scores.items():
         name, _, filt = key.partition(",")
-        stderr = name.endswith("_stderr")
-        name = (
-            name.removesuffix("_stderr") + ("" if filt in ("", "none") else f"/{filt}") + ("_stderr" if stderr else "")
-        )
-        if isinstance(value, int | float) and not isinstance(value, bool) and filt:
-            out[name] = float(value)
+        if filt and isinstance(value, int | float) and not isinstance(value, bool):
+            base, stderr = name.removesuffix("_stderr"), "_stderr" if name.endswith("_stderr") else ""
+            out[base + ("" if filt == "none" else f"/{filt}") + stderr] = float(value)
     return out
 
 
@@ -229,26 +217,24 @@ def exact_match_by_category(predictions: list[str], references: list[str], categ
     """Exact match within each category, by the same evaluate module (same normalization) as the overall one."""
     em = evaluate.load(str(metrics_dir / "exact_match"))
     rows = pd.DataFrame({"p": predictions, "r": references, "c": categories})
-    return {str(c): em.compute(predictions=g["p"].tolist(), references=g["r"].tolist())["exact_match"] for c, g in rows.groupby("c", sort=True)}  # fmt: skip
+    groups = rows.groupby("c", sort=True)
+    return {str(c): em.compute(predictions=list(g["p"]), references=list(g["r"]))["exact_match"] for c, g in groups}
 
 
 def result_json(name: str, path: str, frame: pd.DataFrame, out: dict, metrics_dir: Path, tokenizer) -> dict:
     """Our result (the keys summarize and soup read) from lm-eval's output."""
     scores = {k: flat_metrics(v) for k, v in out["results"].items()}
     samples = sorted(out["samples"][HELDOUT], key=lambda s: s["doc_id"])
-    predictions, references = zip(*(answer for s in samples for answer in [s["exact_match"]]), strict=True)
-    loss = scores[HELDOUT_LOSS]["eval_loss"]
-    result = {"model": name, "path": path, "examples": len(frame), "label_tokens": int(scores[HELDOUT_LOSS]["label_tokens"]),
-              "eval_loss": loss, "perplexity": math.exp(min(loss, 50))} | {k: scores[HELDOUT][k] for k in GENERATION_METRICS}  # fmt: skip
+    predictions, references = map(list, zip(*(s["exact_match"] for s in samples), strict=True))
+    loss, tokens = scores[HELDOUT_LOSS]["eval_loss"], int(scores[HELDOUT_LOSS]["label_tokens"])
+    result = {"model": name, "path": path, "examples": len(frame), "label_tokens": tokens, "eval_loss": loss,
+              "perplexity": math.exp(min(loss, 50))} | {k: scores[HELDOUT][k] for k in GENERATION_METRICS}  # fmt: skip
     if frame["category"].astype(bool).any():
-        result["exact_match_by_category"] = exact_match_by_category(
-            list(predictions), list(references), frame["category"].tolist(), metrics_dir
-        )
+        categories = frame["category"].tolist()
+        result["exact_match_by_category"] = exact_match_by_category(predictions, references, categories, metrics_dir)
     result["samples"] = [
         {"prompt": tokenizer.decode(ids[:n], skip_special_tokens=True)[-300:], "reference": r, "prediction": p}
-        for ids, n, r, p in zip(
-            frame["input_ids"][:20], frame["prompt_length"][:20], references[:20], predictions[:20], strict=False
-        )  # fmt: skip
+        for ids, n, r, p in zip(frame["input_ids"], frame["prompt_length"], references[:20], predictions, strict=False)
     ]
     result["tasks"] = {k: v for k, v in scores.items() if k not in (HELDOUT, HELDOUT_LOSS)}
     return result
@@ -272,12 +258,6 @@ def load_model(backend: str, model: str, precision: str, batch_size: int):
     return model_class("hf")(pretrained=model, dtype=dtype, batch_size=batch_size, **where)
 
 
-def eos_ids(lm) -> list[int]:
-    """The model's own EOS ids (its generation config), where the backend has them."""
-    own = getattr(getattr(getattr(lm, "model", None), "generation_config", None), "eos_token_id", None)
-    return [] if own is None else own if isinstance(own, list) else [own]
-
-
 def light_env_info(storage: dict) -> None:
     """lm-eval's add_env_info without torch's collect_env (3-4 s a job; env/check.json records the machine)."""
     import transformers
@@ -291,7 +271,10 @@ def evaluate_model(lm, frame, extra, manager, metrics_dir, max_new_tokens, chat_
     import lm_eval.evaluator
     from lm_eval.api.task import ConfigurableTask
 
-    stops = list(dict.fromkeys(generation_settings(lm.tokenizer)["eos_token_id"] + eos_ids(lm)))
+    # stop at the tokenizer's end-of-turn tokens and the model's own EOS ids (hf: its generation config)
+    own = getattr(getattr(getattr(lm, "model", None), "generation_config", None), "eos_token_id", None)
+    own = [] if own is None else own if isinstance(own, list) else [own]
+    stops = list(dict.fromkeys(generation_settings(lm.tokenizer)["eos_token_id"] + own))
     vllm = hasattr(lm, "tensor_parallel_size")
     stop = {"stop_token_ids": stops, "skip_special_tokens": True} if vllm else {"eos_token_id": stops}
     configs, lm.pinned, lm.spans = heldout_tasks(frame, lm.tokenizer, metrics_dir, max_new_tokens, stop)
@@ -317,7 +300,9 @@ def main(argv=None) -> None:
     p.add_argument("--precision", choices=list(DTYPES), default="bf16", help="on GPUs (the CPU computes in fp32)")
     p.add_argument("--tasks", type=json.loads, default=[], help="JSON list: eval.tasks")
     p.add_argument("--task-data", type=json.loads, default={}, help="JSON object: eval.task_data")
-    p.add_argument("--chat-template", type=json.loads, **option("eval.apply_chat_template"), help="true/false: eval.apply_chat_template")  # fmt: skip
+    p.add_argument(
+        "--chat-template", type=json.loads, help="eval.apply_chat_template", **option("eval.apply_chat_template")
+    )
     p.add_argument("--template-kwargs", type=json.loads, default={}, help="JSON object: data.template_kwargs")
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--lm-eval-output", required=True, type=Path, help="lm-eval's own results JSON")
@@ -332,11 +317,7 @@ def main(argv=None) -> None:
     with atomic_path(a.lm_eval_output) as tmp:
         tmp.write_text(lm_eval_json(out))
     write_json(a.output, result)
-    scores = {
-        "eval_loss": result["eval_loss"],
-        "perplexity": result["perplexity"],
-        "exact_match": result["exact_match"],
-    }
+    scores = {k: result[k] for k in ("eval_loss", "perplexity", "exact_match")}
     scores |= {f"{t} {k}": v for t, s in result["tasks"].items() for k, v in s.items() if not k.endswith("_stderr")}
     print(f"{a.name}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
 
