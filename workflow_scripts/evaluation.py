@@ -258,6 +258,19 @@ def load_model(backend: str, model: str, precision: str, batch_size: int):
     return model_class("hf")(pretrained=model, dtype=dtype, batch_size=batch_size, **where)
 
 
+def stop_ids(model, tokenizer) -> list[int]:
+    """Where generation stops: the tokenizer's end-of-turn tokens and the model's own EOS ids (hf)."""
+    own = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    own = [] if own is None else own if isinstance(own, list) else [own]
+    return list(dict.fromkeys(generation_settings(tokenizer)["eos_token_id"] + own))
+
+
+def score(predictions: list[str], references: list[str], metrics_dir: Path) -> dict:
+    """The held-out set's four scores of answers against references, as its lm-eval task aggregates them."""
+    pairs = list(zip(predictions, references, strict=True))
+    return {k: metric(metrics_dir, m, k)(pairs) for k, m in GENERATION_METRICS.items()}
+
+
 def light_env_info(storage: dict) -> None:
     """lm-eval's add_env_info without torch's collect_env (3-4 s a job; env/check.json records the machine)."""
     import transformers
@@ -271,10 +284,7 @@ def evaluate_model(lm, frame, extra, manager, metrics_dir, max_new_tokens, chat_
     import lm_eval.evaluator
     from lm_eval.api.task import ConfigurableTask
 
-    # stop at the tokenizer's end-of-turn tokens and the model's own EOS ids (hf: its generation config)
-    own = getattr(getattr(getattr(lm, "model", None), "generation_config", None), "eos_token_id", None)
-    own = [] if own is None else own if isinstance(own, list) else [own]
-    stops = list(dict.fromkeys(generation_settings(lm.tokenizer)["eos_token_id"] + own))
+    stops = stop_ids(getattr(lm, "model", None), lm.tokenizer)
     vllm = hasattr(lm, "tensor_parallel_size")
     stop = {"stop_token_ids": stops, "skip_special_tokens": True} if vllm else {"eos_token_id": stops}
     configs, lm.pinned, lm.spans = heldout_tasks(frame, lm.tokenizer, metrics_dir, max_new_tokens, stop)
