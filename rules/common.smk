@@ -125,7 +125,10 @@ for task, path in EVAL["task_data"].items():
     if not Path(path).exists():
         fail(f"eval.task_data {task}: {path} does not exist (evaluation runs offline: the task's data must be local)")
 EVAL_TASK_FILES = list(EVAL["task_data"].values())  # evaluate_model's inputs: a changed task reruns it
-EVAL_ENV = "../envs/eval-vllm.yaml" if EVAL["backend"] == "vllm" else "../envs/eval.yaml"  # for --sdm conda
+VLLM = EVAL["backend"] == "vllm"  # vLLM pins an older transformers: its own environment
+EVAL_ENV = "../envs/eval-vllm.yaml" if VLLM else "../envs/eval.yaml"  # with --sdm conda
+# without conda: the interpreter of a venv with vLLM (README, "vLLM backend"), else the project's `python`
+EVAL_PYTHON = os.environ.get("EVAL_VLLM_PYTHON", "python") if VLLM else "python"
 
 
 def check_template():

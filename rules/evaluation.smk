@@ -11,11 +11,12 @@ rule evaluate_model:
     conda:
         EVAL_ENV
     params:
+        python=EVAL_PYTHON,
         script=script_path("evaluation.py"),
         model=get_model,
         metrics=METRICS,
         args=EVAL_ARGS,
     shell:
-        "python {params.script} --model {params.model} --name {wildcards.model}"
+        "{params.python} {params.script} --model {params.model} --name {wildcards.model}"
         " --eval {input.eval} --metrics {params.metrics} {params.args}"
         " --output {output.result} --lm-eval-output {output.lm_eval} > {log} 2>&1"
