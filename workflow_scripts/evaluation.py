@@ -12,6 +12,7 @@ tokens, and the text of every special token is taken out of both answers and ref
 """
 
 import argparse
+import functools
 import json
 import math
 from pathlib import Path
@@ -51,7 +52,7 @@ class PinnedIds:
     spans: dict = {}
 
     def tok_encode(self, string, *args, **kwargs):
-        if isinstance(string, list):  # VLLM encodes lists
+        if isinstance(string, list | tuple):  # VLLM encodes a batch at once
             return [self.tok_encode(s, *args, **kwargs) for s in string]
         return list(self.pinned[string]) if string in self.pinned else super().tok_encode(string, *args, **kwargs)
 
@@ -96,12 +97,18 @@ def model_class(backend: str):
     return type(f"Pinned{base.__name__}", (PinnedIds, base), {"pinned": {}, "spans": {}})
 
 
+@functools.cache
+def load_metric(path: Path):
+    """One of the repo's evaluate modules, loaded once (bleu_chrf gives two scores)."""
+    return evaluate.load(str(path))
+
+
 def metric(metrics_dir: Path, module: str, key: str):
     """An lm-eval aggregation over (prediction, reference) pairs by one of the repo's evaluate modules."""
 
     def aggregate(pairs):
         predictions, references = map(list, zip(*pairs, strict=True)) if pairs else ([], [])
-        return evaluate.load(str(metrics_dir / module)).compute(predictions=predictions, references=references)[key]
+        return load_metric(metrics_dir / module).compute(predictions=predictions, references=references)[key]
 
     aggregate.__name__ = key
     return aggregate
@@ -215,7 +222,7 @@ def flat_metrics(scores: dict) -> dict:
 
 def exact_match_by_category(predictions: list[str], references: list[str], categories: list, metrics_dir: Path) -> dict:
     """Exact match within each category, by the same evaluate module (same normalization) as the overall one."""
-    em = evaluate.load(str(metrics_dir / "exact_match"))
+    em = load_metric(metrics_dir / "exact_match")
     rows = pd.DataFrame({"p": predictions, "r": references, "c": categories})
     groups = rows.groupby("c", sort=True)
     return {str(c): em.compute(predictions=list(g["p"]), references=list(g["r"]))["exact_match"] for c, g in groups}
