@@ -121,10 +121,10 @@ except UserError as e:
 # eval.tasks run offline: a task's local YAML or data file that is not there stops before any job runs
 # (a task of lm-eval's own without eval.task_data is checked by evaluate_model, before its model loads).
 EVAL = config["eval"]
-for task, path in EVAL["task_data"].items():
+for path in EVAL["task_data"]:
     if not Path(path).exists():
-        fail(f"eval.task_data {task}: {path} does not exist (evaluation runs offline: the task's data must be local)")
-EVAL_TASK_FILES = list(EVAL["task_data"].values())  # evaluate_model's inputs: a changed task reruns it
+        fail(f"eval.task_data: {path} does not exist (evaluation runs offline: a task's data must be local)")
+EVAL_TASK_FILES = EVAL["task_data"]  # evaluate_model's inputs: a changed task reruns it
 VLLM = EVAL["backend"] == "vllm"  # vLLM pins an older transformers: its own environment
 EVAL_ENV = "../envs/eval-vllm.yaml" if VLLM else "../envs/eval.yaml"  # with --sdm conda
 # without conda: the interpreter of a venv with vLLM (README, "vLLM backend"), else the project's `python`

@@ -72,7 +72,7 @@ def heldout_run(demo_assets):
     """The demo base model through evaluation.py's lm-eval path (demo_mc: the e2e test below)."""
     frame = pd.read_parquet(demo_assets["eval"]).iloc[:SAMPLES]
     lm = model_class("hf")(pretrained=str(demo_assets["base"]), device="cpu", dtype="float32", batch_size=16)
-    extra, manager = extra_tasks([], {})
+    extra, manager = extra_tasks([], [])
     out = evaluate_model(lm, frame, extra, manager, METRICS, NEW_TOKENS, True, {})
     return lm, frame, out, result_json("base", str(demo_assets["base"]), frame, out, METRICS, lm.tokenizer)
 
@@ -124,8 +124,30 @@ def test_task_without_offline_data_stops_with_one_line(tmp_path):
         DEMO_MC.read_text().replace("task: demo_mc", "task: mine").replace("demo_mc.jsonl", "gone.jsonl")
     )
     with pytest.raises(UserError, match=r"^eval.tasks: mine: its data is not available offline") as e:
-        extra_tasks(["mine"], {"mine": str(yaml_file)})
+        extra_tasks(["mine"], [str(yaml_file)])
     assert "\n" not in str(e.value)
+
+
+def test_a_data_file_serves_the_task_it_is_named_after(tmp_path):
+    """eval.task_data: arc_easy.jsonl is lm-eval's arc_easy over local data (here: the task YAML's include
+    path holds a copy of demo_mc renamed, and the data file replaces its data)."""
+    from evaluation import data_override, task_sources
+
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "mine.yaml").write_text(DEMO_MC.read_text().replace("task: demo_mc", "task: mine"))
+    include, files = task_sources([str(tmp_path / "tasks"), str(tmp_path / "mine.jsonl")])
+    assert include == [str((tmp_path / "tasks").resolve())] and files == {"mine": (tmp_path / "mine.jsonl").resolve()}
+    entry = type("Entry", (), {"name": "mine", "yaml_path": tmp_path / "tasks" / "mine.yaml"})
+    override = data_override(entry, files, include)
+    assert override["dataset_path"] == "json" and set(override["dataset_kwargs"]["data_files"]) == {
+        "train",
+        "validation",
+        "test",
+    }
+    entry.name = "other"
+    assert data_override(entry, files, include) == {
+        "dataset_kwargs": {"data_files": {"test": str(tmp_path / "tasks" / "demo_mc.jsonl")}}
+    }
 
 
 def test_hub_data_offline_stops_with_one_line_no_traceback(demo_assets, tmp_path):
@@ -138,7 +160,7 @@ def test_hub_data_offline_stops_with_one_line_no_traceback(demo_assets, tmp_path
     proc = subprocess.run(
         [str(BIN / "python"), str(REPO / "workflow_scripts" / "evaluation.py"), "--model", str(demo_assets["base"]),
          "--name", "base", "--eval", str(demo_assets["eval"]), "--metrics", str(METRICS), "--tasks", '["hubby"]',
-         "--task-data", json.dumps({"hubby": str(yaml_file)}), "--output", str(tmp_path / "r.json"),
+         "--task-data", json.dumps([str(yaml_file)]), "--output", str(tmp_path / "r.json"),
          "--lm-eval-output", str(tmp_path / "l.json")],
         capture_output=True, text=True, env=tool_env() | {"HF_DATASETS_OFFLINE": "1"}, timeout=300,
     )  # fmt: skip
@@ -149,12 +171,12 @@ def test_hub_data_offline_stops_with_one_line_no_traceback(demo_assets, tmp_path
 
 
 def test_missing_task_data_stops_at_parse_time(tmp_path):
-    config = tiny_config("t") | {"eval": {"tasks": ["mine"], "task_data": {"mine": str(tmp_path / "gone.yaml")}}}
+    config = tiny_config("t") | {"eval": {"tasks": ["mine"], "task_data": [str(tmp_path / "gone.yaml")]}}
     proc = snakemake(tmp_path / "w", config, "-n", check=False)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: eval.task_data mine: {tmp_path / 'gone.yaml'} does not exist"
-        " (evaluation runs offline: the task's data must be local)"
+        f"error: eval.task_data: {tmp_path / 'gone.yaml'} does not exist"
+        " (evaluation runs offline: a task's data must be local)"
     )
     assert "Traceback" not in proc.stderr
 
@@ -163,7 +185,7 @@ def test_missing_task_data_stops_at_parse_time(tmp_path):
 def test_demo_mc_task_in_the_workflows_results(tmp_path):
     """evaluate_model with eval.tasks: [demo_mc] writes its scores and lm-eval's own JSON (results, configs)."""
     config = tiny_config("t")
-    config["eval"] |= {"tasks": ["demo_mc"], "task_data": {"demo_mc": str(DEMO_MC)}}
+    config["eval"] |= {"tasks": ["demo_mc"], "task_data": [str(DEMO_MC)]}
     snakemake(tmp_path, config, "results/t/eval/base.json")
     result = json.loads((tmp_path / "results/t/eval/base.json").read_text())
     assert set(result["tasks"]) == {"demo_mc"} and result["examples"] == config["eval"]["max_samples"]
@@ -183,7 +205,7 @@ def test_hf_and_vllm_give_the_same_greedy_answers(demo_assets):
     for backend in ("hf", "vllm"):
         kwargs = {"device": "cpu", "batch_size": 32} if backend == "hf" else {"batch_size": "auto"}
         lm = model_class(backend)(pretrained=str(demo_assets["base"]), dtype="float32", **kwargs)
-        extra, manager = extra_tasks([], {})
+        extra, manager = extra_tasks([], [])
         out = evaluate_model(lm, frame, extra, manager, METRICS, NEW_TOKENS, True, {})
         answers[backend] = [s["exact_match"][0] for s in sorted(out["samples"][HELDOUT], key=lambda s: s["doc_id"])]
         del lm

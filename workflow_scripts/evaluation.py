@@ -156,39 +156,55 @@ def heldout_tasks(frame: pd.DataFrame, tokenizer, metrics_dir: Path, max_new_tok
     return [generation, scoring], pinned, spans
 
 
-def data_override(name: str, path: Path, yaml_path: Path | None) -> dict:
-    """eval.task_data of one task as lm-eval config keys: a data file serves every split the task reads; a
-    task YAML's relative data files are relative to its folder."""
-    if path.suffix in (".yaml", ".yml"):
-        from lm_eval.tasks._yaml_loader import load_yaml
-
-        kwargs = load_yaml(yaml_path or path, resolve_func=False).get("dataset_kwargs") or {}
-        files = kwargs.get("data_files")
-
-        def resolve(f):
-            return str((path.parent / f).resolve()) if isinstance(f, str) else [resolve(x) for x in f]
-
-        if files:
-            kwargs |= {
-                "data_files": {k: resolve(v) for k, v in files.items()} if isinstance(files, dict) else resolve(files)
-            }
-        return {"dataset_kwargs": kwargs}
-    if path.suffix not in DATA_SUFFIXES:
-        raise UserError(f"eval.task_data {name}: {path} is neither a task YAML nor a {'/'.join(DATA_SUFFIXES)} file")
-    splits = {s: str(path.resolve()) for s in ("train", "validation", "test")}
-    return {"dataset_path": DATA_SUFFIXES[path.suffix], "dataset_name": None, "dataset_kwargs": {"data_files": splits}}
+def task_sources(task_data: list[str]) -> tuple[list[str], dict[str, Path]]:
+    """eval.task_data: include paths (a task YAML's folder, a folder of task YAMLs) and data files by task."""
+    include, files = [], {}
+    for p in map(Path, task_data):
+        if p.is_dir() or p.suffix in (".yaml", ".yml"):
+            include.append(str((p if p.is_dir() else p.parent).resolve()))
+        elif p.suffix in DATA_SUFFIXES:
+            files[p.name.removesuffix(p.suffix)] = p.resolve()
+        else:
+            raise UserError(f"eval.task_data: {p} is no task YAML, folder or {'/'.join(DATA_SUFFIXES)} file")
+    return sorted(set(include)), files
 
 
-def extra_tasks(names: list[str], task_data: dict[str, str]):
+def data_override(entry, files: dict[str, Path], include: list[str]) -> dict | None:
+    """lm-eval config keys for a task's local data: a data file named after it serves every split it reads;
+    relative data files in a task YAML of eval.task_data are relative to the YAML's folder."""
+    if entry.name in files:
+        path = files[entry.name]
+        splits = {s: str(path) for s in ("train", "validation", "test")}
+        return {
+            "dataset_path": DATA_SUFFIXES[path.suffix],
+            "dataset_name": None,
+            "dataset_kwargs": {"data_files": splits},
+        }
+    folder = Path(entry.yaml_path).resolve().parent if entry.yaml_path else None
+    if folder is None or not any(folder.is_relative_to(d) for d in include):
+        return None
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    kwargs = load_yaml(entry.yaml_path, resolve_func=False).get("dataset_kwargs") or {}
+
+    def resolve(f):
+        return str((folder / f).resolve()) if isinstance(f, str) else [resolve(x) for x in f]
+
+    if files := kwargs.get("data_files"):
+        kwargs |= {
+            "data_files": {k: resolve(v) for k, v in files.items()} if isinstance(files, dict) else resolve(files)
+        }
+    return {"dataset_kwargs": kwargs}
+
+
+def extra_tasks(names: list[str], task_data: list[str]):
     """eval.tasks as lm-eval Task objects, loaded offline now, and their TaskManager: an unknown task, or one
     whose data is not available offline, stops with one line naming it."""
     from lm_eval.tasks import TaskManager
 
     if not names:
         return [], TaskManager(include_defaults=False)  # else simple_evaluate indexes lm-eval's own tasks
-
-    yamls = [Path(p) for p in task_data.values() if Path(p).suffix in (".yaml", ".yml")]
-    include = sorted({str(p.resolve().parent) for p in yamls})
+    include, files = task_sources(task_data)
     # lm-eval's own 14,000 task YAMLs take ~10 s to index: only when a task is not in eval.task_data's YAMLs
     manager = TaskManager(include_path=include, include_defaults=False) if include else None
     if manager is None or not set(names) <= set(manager.all_tasks):
@@ -198,8 +214,8 @@ def extra_tasks(names: list[str], task_data: dict[str, str]):
         entry = manager._entry(name)  # noqa: SLF001 (the registered config, to override its data files)
         if entry is None:
             raise UserError(f"eval.tasks: {name} is no lm-eval task (nor one of eval.task_data's task YAMLs)")
-        overrides = data_override(name, Path(task_data[name]), entry.yaml_path) if name in task_data else None
         try:
+            overrides = data_override(entry, files, include)
             built = manager._factory.build(entry, overrides=overrides, registry=manager._index)  # noqa: SLF001
         except Exception as e:  # datasets' offline and missing-file errors, whatever their class
             reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
@@ -316,7 +332,7 @@ def main(argv=None) -> None:
     p.add_argument("--backend", **option("eval.backend"))
     p.add_argument("--precision", choices=list(DTYPES), default="bf16", help="on GPUs (the CPU computes in fp32)")
     p.add_argument("--tasks", type=json.loads, default=[], help="JSON list: eval.tasks")
-    p.add_argument("--task-data", type=json.loads, default={}, help="JSON object: eval.task_data")
+    p.add_argument("--task-data", type=json.loads, default=[], help="JSON list: eval.task_data")
     p.add_argument(
         "--chat-template", type=json.loads, help="eval.apply_chat_template", **option("eval.apply_chat_template")
     )
