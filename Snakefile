@@ -22,6 +22,11 @@ include: "rules/summarize.smk"
 include: "rules/provenance.smk"
 
 
+if GRID:
+
+    include: "rules/grid.smk"
+
+
 rule all:
     default_target: True
     input:

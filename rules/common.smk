@@ -1,26 +1,25 @@
 """Config validation, results paths, the base model, scripts' arguments and input functions for every rule file."""
 
 import json
-import os
+import re
 import shlex
+import string
 import sys
 from pathlib import Path
 
 SCRIPTS = Path(workflow.basedir) / "workflow_scripts"
-# The rules call `python` and `torchrun` by name: those beside the interpreter running Snakemake come first
-# when it holds the training stack, so `.venv/bin/snakemake` works without activating .venv (and a job's
-# conda env of --sdm conda still comes before it). Snakemake's jobs (SLURM too) inherit this PATH.
-INTERPRETER_BIN = str(Path(sys.executable).parent)
-if (Path(INTERPRETER_BIN) / "torchrun").exists() and os.environ.get("PATH", "").split(os.pathsep)[0] != INTERPRETER_BIN:
-    os.environ["PATH"] = os.pathsep.join([INTERPRETER_BIN, os.environ.get("PATH", "")])
 sys.path.insert(0, str(SCRIPTS))
 
 from presets import preset_name  # noqa: E402
-from pipeline_io import UserError  # noqa: E402
+from pipeline_io import UserError, interpreter_first_on_path  # noqa: E402
 from data_formats import check_columns, delimiter_arg, resolve_paths  # noqa: E402
 from fingerprint import check_model, local_model_folder  # noqa: E402
 from chat_format import has_chat_template, no_template_message, parse_format  # noqa: E402
-from settings import validated  # noqa: E402
+from settings import check_grid, validated  # noqa: E402
+from grid import expand_grid, variant_training  # noqa: E402
+
+# The rules call `python` and `torchrun` by name: .venv/bin/snakemake works without activating .venv.
+interpreter_first_on_path()
 
 
 def fail(message):
@@ -30,14 +29,22 @@ def fail(message):
 
 
 # config/schema.yaml: every key's default filled in, a wrong key, type or value one line naming it
+# and each grid key and value checked against the training keys (settings.check_grid)
 try:
     config.update(validated(config))
+    check_grid(config["grid"])
+    VARIANTS = expand_grid(config["grid"])  # a grid variant's name -> its values; {} without `grid:`
 except UserError as e:
     fail(e)
+GRID = bool(VARIANTS)
 
 RUN = config["run"]
 R = f"results/{RUN}"
 LOGS = f"logs/{RUN}"
+# A grid's variants each plan, train, consolidate, evaluate and summarize under results/<run>/<variant>/
+# (logs under logs/<run>/<variant>/); without a grid those paths are results/<run>/ itself, as always.
+V = f"{R}/{{variant}}" if GRID else R
+VLOGS = f"{LOGS}/{{variant}}" if GRID else LOGS
 NODES = [f"node{i}" for i in range(config["nodes"])]  # the data shards, one per node
 JOINT = config["training"]["mode"] == "joint"
 if JOINT and config["nodes"] < 2:
@@ -54,8 +61,22 @@ except UserError as e:
 DEMO = PRESET is not None  # the base model is built by build_demo_model
 METRICS = Path(workflow.basedir) / "metrics"
 
+
+class Pattern(str):
+    """A path pattern whose .format() fills the wildcards it is given and keeps the others as they are
+    (a grid variant's paths hold {variant}, which the job's wildcards fill)."""
+
+    class Keep(dict):
+        def __missing__(self, key):
+            return f"{{{key}}}"
+
+    def format(self, *args, **kwargs):
+        return Pattern(string.Formatter().vformat(self, args, self.Keep(kwargs)))
+
+
 # Every path under results/<run>/, defined once: rules name these patterns, expand() fills them
 # for lists, and .format() fills one wildcard or renames it (train_node reads {shard} as {node}).
+# The paths from PLAN to PROVENANCE are a grid variant's (V); expand() those with allow_missing=True.
 DEMO_MODEL = f"{R}/base_model"  # written by build_demo_model
 ENV_CHECK = f"{R}/env/check.json"
 MANIFEST = f"{R}/data/manifest.json"
@@ -68,23 +89,30 @@ TOKEN_STATS = f"{R}/data/tokenized/{{shard}}.json"
 TOKEN_REJECTS = f"{R}/data/tokenized/{{shard}}.rejects.parquet"  # examples tokenization left out
 DATA_REPORT = f"{R}/data/report.json"
 DATA_PLOT = f"{R}/data/overview.png"
-PLAN = f"{R}/plan/memory.json"
-PLAN_TABLE = f"{R}/plan/memory.csv"
-TRAIN_DIR = f"{R}/train/{{node}}"  # node: node0.. or joint
-TRAIN_METRICS = f"{TRAIN_DIR}/metrics.jsonl"
-TRAIN_STATE = f"{TRAIN_DIR}/train_state.json"
-CHECKPOINTS = f"{R}/checkpoints/{{node}}"
-MODEL_DIR = f"{R}/models/{{model}}"  # model: a trained node, joint or a soup (base is BASE_MODEL)
-EVAL_RESULT = f"{R}/eval/{{model}}.json"
-LM_EVAL_RESULT = f"{R}/eval/lm_eval/{{model}}.json"  # lm-eval's own results JSON (results, configs, ...)
-SUMMARY = f"{R}/eval/summary.csv"
-LOSS_CURVES = f"{R}/eval/loss_curves.png"
-THROUGHPUT = f"{R}/eval/throughput.png"
-LEADERBOARD = f"{R}/eval/leaderboard.png"
-CATEGORIES = f"{R}/eval/categories.png"
-SAMPLES = f"{R}/eval/samples.csv"
-CONSOLIDATION = f"{R}/eval/consolidation.csv"
-PROVENANCE = f"{R}/provenance.json"
+PLAN = Pattern(f"{V}/plan/memory.json")
+PLAN_TABLE = Pattern(f"{V}/plan/memory.csv")
+TRAIN_DIR = Pattern(f"{V}/train/{{node}}")  # node: node0.. or joint
+TRAIN_METRICS = Pattern(f"{TRAIN_DIR}/metrics.jsonl")
+TRAIN_STATE = Pattern(f"{TRAIN_DIR}/train_state.json")
+CHECKPOINTS = Pattern(f"{V}/checkpoints/{{node}}")
+MODEL_DIR = Pattern(f"{V}/models/{{model}}")  # model: a trained node, joint or a soup (base is BASE_MODEL)
+EVAL_RESULT = Pattern(f"{V}/eval/{{model}}.json")
+LM_EVAL_RESULT = Pattern(f"{V}/eval/lm_eval/{{model}}.json")  # lm-eval's own results JSON (results, configs...)
+SUMMARY = Pattern(f"{V}/eval/summary.csv")
+TASKS = Pattern(f"{V}/eval/tasks.csv")  # one row per model x task x metric, the held-out set as task "heldout"
+TASKS_PLOT = Pattern(f"{V}/eval/tasks.png")
+LOSS_CURVES = Pattern(f"{V}/eval/loss_curves.png")
+THROUGHPUT = Pattern(f"{V}/eval/throughput.png")
+LEADERBOARD = Pattern(f"{V}/eval/leaderboard.png")
+LEADERBOARD_TEXT = Pattern(f"{V}/eval/leaderboard.txt")
+CATEGORIES = Pattern(f"{V}/eval/categories.png")
+SAMPLES = Pattern(f"{V}/eval/samples.csv")
+CONSOLIDATION = Pattern(f"{V}/eval/consolidation.csv")
+PROVENANCE = Pattern(f"{V}/provenance.json")
+BASE_EVAL = Pattern(f"{R}/eval/{{model}}.json")  # model: base; shared by a grid's variants (evaluate_base)
+BASE_LM_EVAL = Pattern(f"{R}/eval/lm_eval/{{model}}.json")
+GRID_TABLE = f"{R}/eval/grid.csv"  # compare_grid: every variant's models against base
+GRID_PLOT = f"{R}/eval/grid.png"
 
 # The base model, one name per use:
 # what from_pretrained loads (the demo build, a local path or a hub id),
@@ -105,6 +133,7 @@ wildcard_constraints:
     node="|".join(TRAINED),
     model="|".join(MODELS),
     shard="|".join(NODES),
+    variant="|".join(map(re.escape, VARIANTS)) or "(?!)",  # without a grid nothing is a variant
 
 
 # Fail at parse time, before any job runs, when the data cannot be used.
@@ -227,8 +256,13 @@ EVAL_ARGS = verbatim(
 )
 # A node's shard must fill one micro-batch on every rank of its node, in packed bins (training.packing)
 # or examples, before a training job is queued (joint mode: asked of each shard, more than it needs).
-PER_RANK = config["training"]["micro_batch_size"] * config["training"]["procs_per_node"]
-NODE_TOKENIZE_ARGS = cli_args(**{"min_bins" if config["training"]["packing"] else "min_examples": PER_RANK})
+# A grid's shared tokenization asks for what the largest variant needs.
+TRAININGS = [variant_training(config["training"], values) for values in VARIANTS.values()] or [config["training"]]
+PER_RANK = [(t["packing"], t["micro_batch_size"] * t["procs_per_node"]) for t in TRAININGS]
+NODE_TOKENIZE_ARGS = cli_args(
+    min_bins=max((n for packing, n in PER_RANK if packing), default=None),
+    min_examples=max((n for packing, n in PER_RANK if not packing), default=None),
+)
 DEMO_MODEL_ARGS = cli_args(
     data=DATA["path"],  # as written: a folder or glob stays one argument
     format=DATA["format"],
@@ -256,13 +290,24 @@ def get_model(wildcards, input=None):
     """
     model = wildcards.get("model", "base")
     if model != "base":
-        return MODEL_DIR.format(model=model)
+        return MODEL_DIR.format(model=model, **variant_of(wildcards))
     return BASE_MODEL_INPUT if input is None else BASE_MODEL
 
 
+def variant_of(wildcards):
+    """The job's {variant} wildcard as format() keywords ({} without a grid)."""
+    return {"variant": wildcards.variant} if GRID else {}
+
+
+def training_section(wildcards):
+    """The validated `training` section of the job's grid variant (the config's own without a grid)."""
+    return variant_training(config["training"], VARIANTS[wildcards.variant]) if GRID else config["training"]
+
+
 def training_json():
-    """The trainer's config: the validated `training` section (train.py builds its TrainConfig from it)."""
-    return json.dumps(config["training"], sort_keys=True)
+    """The trainer's config, a params function: the job's `training` section (train.py builds its
+    TrainConfig from it; a grid variant's values change its checkpoint key, so variants never share one)."""
+    return lambda wildcards: json.dumps(training_section(wildcards), sort_keys=True)
 
 
 MEMORY_KEYS = ["mode", "strategy", "zero_stage", "offload", "peft", "lora", "procs_per_node", "precision",
@@ -270,11 +315,31 @@ MEMORY_KEYS = ["mode", "strategy", "zero_stage", "offload", "peft", "lora", "pro
 
 
 def memory_json():
-    """The training keys that change memory use (so a new learning rate does not rerun the plan)."""
-    keys = {k: config["training"][k] for k in MEMORY_KEYS} | {"nodes": config["nodes"]}
-    if JOINT:  # ZeRO and FSDP shard over every node's ranks
-        keys["world_size"] = config["nodes"] * config["training"]["procs_per_node"]
-    return json.dumps(keys, sort_keys=True)
+    """A params function: the job's training keys that change memory use (so a new learning rate does
+    not rerun the plan)."""
+
+    def keys_json(wildcards):
+        training = training_section(wildcards)
+        keys = {k: training[k] for k in MEMORY_KEYS} | {"nodes": config["nodes"]}
+        if JOINT:  # ZeRO and FSDP shard over every node's ranks
+            keys["world_size"] = config["nodes"] * training["procs_per_node"]
+        return json.dumps(keys, sort_keys=True)
+
+    return keys_json
+
+
+def provenance_json(wildcards):
+    """The resolved config of the job's variant: its `training` section in place of the config's."""
+    resolved = config | {"training": training_section(wildcards)}
+    if not GRID:  # the config as it was before grids existed
+        resolved.pop("grid")
+    return json.dumps(resolved, sort_keys=True)
+
+
+def joint_log_dir(wildcards):
+    """train_joint's log folder (a params function: a plain path looks to `snakemake --lint` like a
+    hard-coded prefix of the outputs)."""
+    return TRAIN_DIR.format(node="joint", **variant_of(wildcards))
 
 
 def train_mem_mb():
@@ -293,15 +358,14 @@ def train_mem_mb():
 
 
 def final_outputs():
-    """The report's inputs and each trained model (so a deleted model is rebuilt)."""
+    """The report's inputs and each trained model (so a deleted model is rebuilt), of every grid variant,
+    and the grid's comparison."""
+    variants = list(VARIANTS)  # expand() leaves out a wildcard its pattern does not have (no grid)
     return [
-        *expand(MODEL_DIR, model=TRAINED),
+        *expand(MODEL_DIR, model=TRAINED, variant=variants),
         ENV_CHECK,
         MANIFEST,
         DATA_REPORT,
-        PLAN,
-        SUMMARY,
-        LOSS_CURVES,
-        LEADERBOARD,
-        PROVENANCE,
+        *expand([PLAN, SUMMARY, LOSS_CURVES, LEADERBOARD, PROVENANCE], variant=variants),
+        *([GRID_TABLE, GRID_PLOT] if GRID else []),
     ]

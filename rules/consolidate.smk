@@ -4,7 +4,7 @@ rule consolidate_node:
     output:
         model=directory(MODEL_DIR.format(model="{node}")),
     log:
-        f"{LOGS}/consolidate_node/{{node}}.log",
+        f"{VLOGS}/consolidate_node/{{node}}.log",
     conda:
         "../envs/train.yaml"
     params:

@@ -7,7 +7,7 @@ rule evaluate_model:
         result=EVAL_RESULT,
         lm_eval=LM_EVAL_RESULT,
     log:
-        f"{LOGS}/evaluate_model/{{model}}.log",
+        f"{VLOGS}/evaluate_model/{{model}}.log",
     conda:
         EVAL_ENV
     params:

@@ -7,7 +7,7 @@ rule plan_training:
         plan=PLAN,
         table=report(PLAN_TABLE, caption="../report/plan.rst", category="Plan"),
     log:
-        f"{LOGS}/plan_training.log",
+        f"{VLOGS}/plan_training.log",
     conda:
         "../envs/train.yaml"
     params:

@@ -2,16 +2,16 @@ rule provenance:
     input:
         manifest=MANIFEST,
         env=ENV_CHECK,
-        states=expand(TRAIN_STATE, node=TRAINED),
+        states=expand(TRAIN_STATE, node=TRAINED, allow_missing=True),
     output:
         report(PROVENANCE, caption="../report/provenance.rst", category="Provenance"),
     log:
-        f"{LOGS}/provenance.log",
+        f"{VLOGS}/provenance.log",
     conda:
         "../envs/eval.yaml"
     params:
         script=script_path("provenance.py"),
-        config=verbatim(json.dumps(config, sort_keys=True)),  # data.format_template has {question}
+        config=provenance_json,  # a function: data.format_template has {question}, not a wildcard
         repo=workflow.basedir,
     shell:
         "python {params.script} --config {params.config:q} --repo {params.repo} --manifest {input.manifest}"

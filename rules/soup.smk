@@ -1,13 +1,13 @@
 rule make_soup:
     input:
-        models=expand(MODEL_DIR, model=NODES),
-        results=expand(EVAL_RESULT, model=NODES),
+        models=expand(MODEL_DIR, model=NODES, allow_missing=True),
+        results=expand(EVAL_RESULT, model=NODES, allow_missing=True),
         eval=TOKENIZED.format(shard="eval"),
     output:
         uniform=directory(MODEL_DIR.format(model="soup_uniform")),
         greedy=directory(MODEL_DIR.format(model="soup_greedy")),
     log:
-        f"{LOGS}/make_soup.log",
+        f"{VLOGS}/make_soup.log",
     conda:
         "../envs/eval.yaml"
     params:

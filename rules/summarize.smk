@@ -1,13 +1,25 @@
 rule summarize:
     input:
-        results=expand(EVAL_RESULT, model=MODELS),
-        metrics=expand(TRAIN_METRICS, node=TRAINED),
-        models=expand(MODEL_DIR, model=TRAINED),
+        results=expand(EVAL_RESULT, model=MODELS, allow_missing=True),
+        metrics=expand(TRAIN_METRICS, node=TRAINED, allow_missing=True),
+        models=expand(MODEL_DIR, model=TRAINED, allow_missing=True),
     output:
         summary=report(
             SUMMARY,
             caption="../report/summary.rst",
             category="Evaluation",
+        ),
+        tasks=report(
+            TASKS,
+            caption="../report/tasks_table.rst",
+            category="Evaluation",
+            subcategory="2. Per task",
+        ),
+        tasks_plot=report(
+            TASKS_PLOT,
+            caption="../report/tasks.rst",
+            category="Evaluation",
+            subcategory="2. Per task",
         ),
         curves=report(
             LOSS_CURVES,
@@ -20,7 +32,7 @@ rule summarize:
             category="Training",
         ),
         leaderboard_text=report(
-            f"{R}/eval/leaderboard.txt",
+            LEADERBOARD_TEXT,
             caption="../report/leaderboard_text.rst",
             category="Evaluation",
             subcategory="1. Best model",
@@ -47,14 +59,15 @@ rule summarize:
             category="Training",
         ),
     log:
-        f"{LOGS}/summarize.log",
+        f"{VLOGS}/summarize.log",
     conda:
         "../envs/eval.yaml"
     params:
         script=script_path("summarize.py"),
     shell:
         "python {params.script} --results {input.results} --metrics {input.metrics}"
-        " --summary {output.summary} --curves {output.curves} --throughput {output.throughput}"
+        " --summary {output.summary} --tasks {output.tasks} --tasks-plot {output.tasks_plot}"
+        " --curves {output.curves} --throughput {output.throughput}"
         " --categories {output.categories}"
         " --samples {output.samples} --leaderboard {output.leaderboard}"
         " --leaderboard-text {output.leaderboard_text}"

@@ -9,7 +9,7 @@ rule train_node:
         metrics=TRAIN_METRICS,
         state=TRAIN_STATE,
     log:
-        f"{LOGS}/train_node/{{node}}.log",
+        f"{VLOGS}/train_node/{{node}}.log",
     wildcard_constraints:
         node="|".join(NODES),
     conda:
@@ -53,7 +53,7 @@ rule train_joint:
         metrics=TRAIN_METRICS.format(node="joint"),
         state=TRAIN_STATE.format(node="joint"),
     log:
-        f"{LOGS}/train_joint.log",
+        f"{VLOGS}/train_joint.log",
     conda:
         "../envs/train.yaml"
     threads: config["training"]["procs_per_node"]
@@ -69,8 +69,7 @@ rule train_joint:
         script=script_path("train.py"),
         config=training_json(),
         base=get_model,
-        # a Path, as a str it would look to `snakemake --lint` like a hard-coded prefix of the outputs
-        log_dir=Path(TRAIN_DIR.format(node="joint")),
+        log_dir=joint_log_dir,
         # not an output: Snakemake deletes the outputs of failed jobs, and the retry resumes from here
         checkpoints=CHECKPOINTS.format(node="joint"),
         nodes=config["nodes"],

@@ -213,6 +213,9 @@ def check_outputs(root, nodes=("node0", "node1"), soups=False, shards=("node0", 
     summary = pd.read_csv(root / "eval" / "summary.csv")
     assert summary["model"].tolist() == ["base", *nodes, *(["soup_uniform", "soup_greedy"] if soups else [])]
     assert set(summary.columns) >= {"model", "eval_loss", "perplexity", "exact_match"}
+    tasks = pd.read_csv(root / "eval" / "tasks.csv")  # base, nodes, soups; the held-out set first
+    assert list(dict.fromkeys(tasks["model"])) == summary["model"].tolist() and tasks["task"].iloc[0] == "heldout"
+    assert (root / "eval" / "tasks.png").stat().st_size > 10_000
     base_loss = summary.set_index("model").loc["base", "eval_loss"]
     for node in nodes:
         metrics = [json.loads(x) for x in (root / "train" / node / "metrics.jsonl").read_text().splitlines()]

@@ -299,3 +299,18 @@ def test_cli_writes_outputs_and_exits_2_with_one_line(tmp_path):
     manifest = json.loads((tmp_path / "m.json").read_text())
     total = sum(n["rows"] for n in manifest["nodes"]) + manifest["eval"]["rows"] + manifest["rejects"]["rows"]
     assert total == manifest["rows_in"] == 2003
+    assert "INFO split: done, 2,003 rows, " in ok.stderr  # the progress line in the rule's log
+
+
+def test_estimate_rows_for_progress(tmp_path):
+    from data_formats import estimate_rows
+
+    pd.DataFrame({"question": ["a", "b\nc", "d"], "response": ["x", "y", "z"]}).to_parquet(tmp_path / "p.parquet")
+    assert estimate_rows(str(tmp_path / "p.parquet")) == (3, True)  # from the metadata
+    (tmp_path / "d.jsonl").write_text('{"question": "a"}\n\n{"question": "b"}')  # a blank line, no final newline
+    (tmp_path / "d.csv").write_text("question,response\na,x\nb,y\n")
+    assert estimate_rows(str(tmp_path / "d.jsonl")) == (3, False)
+    assert estimate_rows(str(tmp_path / "d.csv")) == (2, False)  # less the header
+    assert estimate_rows(str(tmp_path / "*.*")) == (8, False)  # a glob: the sum
+    (tmp_path / "d.json").write_text('[{"question": "a"}]')
+    assert estimate_rows(str(tmp_path / "d.json")) == (None, False)

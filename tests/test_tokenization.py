@@ -142,3 +142,25 @@ def test_cache_hits_across_runs_and_misses_on_tokenizer_or_template(tmp_path, to
     stats = json.loads((tmp_path / "a.json").read_text())
     assert stats["examples"] == pq.read_metadata(shard_a).num_rows  # every row of the shard
     assert 0 < stats["packing_efficiency"] <= 1
+
+
+def test_cli_logs_progress_lines(tmp_path, tokenizer):
+    data = tmp_path / "d.csv"
+    pd.DataFrame({"question": [f"What is {i} + 4?" for i in range(30)], "response": ["7"] * 30}).to_csv(
+        data, index=False
+    )
+    tok_dir = tmp_path / "tok"
+    tokenizer.save_pretrained(tok_dir)
+    shard = split_files(tmp_path / "split", data, nodes=1)["splits"][0]
+    rows = pq.ParquetFile(shard).metadata.num_rows
+    cmd = [
+        sys.executable, str(REPO / "workflow_scripts/tokenization.py"), "--shard", str(shard),
+        "--tokenizer", str(tok_dir), "--max-seq-len", "64", "--cache-dir", str(tmp_path / "cache"),
+        "--output", str(tmp_path / "t.parquet"), "--packing", str(tmp_path / "t.packing.parquet"),
+        "--stats", str(tmp_path / "t.json"),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tokens = json.loads((tmp_path / "t.json").read_text())["tokens"]
+    line = next(x for x in proc.stderr.splitlines() if "INFO tokenize node0.parquet: done, " in x)
+    assert f"{rows:,}/{rows:,} rows (100%)" in line and f"{tokens:,} tokens (" in line and "\r" not in proc.stderr

@@ -61,6 +61,8 @@ def test_report_builds(ddp_run):
     html = (workdir / "report.html").read_text(errors="replace")
     for name in (
         "summary.csv",
+        "tasks.csv",
+        "tasks.png",
         "leaderboard.png",
         "leaderboard.txt",
         "loss_curves.png",

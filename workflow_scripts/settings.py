@@ -54,6 +54,37 @@ def validated(config: dict, section: str | None = None) -> dict:
     return out
 
 
+# Training keys a grid may not vary: mode changes which models exist (node<i> or joint); procs_per_node
+# sizes the shared tokenization's guard, the environment check and the training job's cluster request.
+NOT_GRIDDED = {"training.mode", "training.procs_per_node"}
+
+
+def check_grid(grid: dict) -> None:
+    """Each grid key is a dotted path of a training key (training.lr, training.lora.r) other than
+    NOT_GRIDDED, and each listed value is valid for that key; else a UserError naming the key."""
+    from jsonschema import Draft202012Validator
+
+    for key, values in grid.items():
+        prop, parts = schema(), key.split(".")
+        for part in parts:
+            prop = prop.get("properties", {}).get(part)
+            if prop is None:
+                break
+        if parts[0] != "training":
+            raise UserError(f"grid: {key} is not a training key (data, model and eval are shared by every variant)")
+        if prop is None or len(parts) < 2:
+            raise UserError(f"grid: {key} is not a training key")
+        if "properties" in prop:
+            first = next(iter(prop["properties"]))
+            raise UserError(f"grid: {key} is a section; name one of its keys (e.g. {key}.{first})")
+        if key in NOT_GRIDDED:
+            raise UserError(f"grid: {key} cannot vary in a grid (it shapes the stages the variants share)")
+        for value in values:
+            error = next(iter(Draft202012Validator(prop).iter_errors(value)), None)
+            if error is not None:
+                raise UserError(f"grid: {key} value {value!r}: {error.message}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The `training` section, flat (lora.r -> lora_r); documented in config/schema.yaml."""

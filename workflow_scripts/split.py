@@ -31,11 +31,12 @@ from data_formats import (
     column_names,
     conversation_text,
     delimiter_arg,
+    estimate_rows,
     iter_records,
     resolve_paths,
     to_examples,
 )
-from pipeline_io import UserError, atomic_path, cli, file_sha256, json_object, write_json
+from pipeline_io import Progress, UserError, atomic_path, cli, file_sha256, json_object, write_json
 from settings import option
 
 REASONS = (
@@ -275,6 +276,9 @@ def run_split(a) -> dict:
     splitter.special = special_text_check(counter, a.special_text)
     outputs = Outputs(a.splits, a.eval, a.rejects)
     reasons, rows_in, ok = Counter(), 0, False
+    totals = [estimate_rows(spec, a.format) for spec in (a.eval_data, a.data) if spec]
+    known = all(t is not None for t, _ in totals)
+    progress = Progress("split", sum(t for t, _ in totals) if known else None, exact=all(e for _, e in totals))
     try:
         if a.eval_data:  # a separate held-out file: all of it is eval, and overlaps leave training
             check_columns(a.eval_data, a.format, mapping, names, delimiter)
@@ -284,6 +288,7 @@ def run_split(a) -> dict:
                 outputs.write(kept, rejects)
                 rows_in += len(kept) + len(rejects)
                 reasons.update(r["reason"] for r in rejects)
+                progress.update(len(records))
                 eval_prompts.update(prompt_hash(json.loads(r["messages"])) for r in kept)
             splitter.eval_prompts = eval_prompts
         for records in iter_records(a.data, a.format, delimiter):
@@ -291,6 +296,8 @@ def run_split(a) -> dict:
             outputs.write(kept, rejects)
             rows_in += len(kept) + len(rejects)
             reasons.update(r["reason"] for r in rejects)
+            progress.update(len(records))
+        progress.done()
         n_rej = sum(reasons.values())
         if rows_in == 0 or n_rej == rows_in:
             raise UserError(

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import matplotlib
@@ -13,24 +14,125 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 COLUMNS = ["model", "eval_loss", "perplexity", "exact_match", "rouge_l", "bleu", "chrf"]
 SCORES = ["exact_match", "rouge_l", "bleu", "chrf"]  # all on 0-1, higher is better
+HELDOUT = "heldout"  # the task name of the held-out set in tasks.csv
+LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte")  # metric names containing these; higher is better otherwise
+TASK_COLUMNS = ["model", "task", "metric", "value", "stderr", "base_value", "delta_to_base"]
+
+
+def model_rank(model: str) -> int:
+    """The order every table uses: base first, then the trained models, then the soups."""
+    return -1 if model == "base" else int(model.startswith("soup"))
+
+
+def number(value) -> float:
+    """A metric's value as a float; NaN for anything else (lm-eval writes "N/A" for a stderr it cannot compute)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def metric_key(key: str) -> tuple[str, bool]:
+    """A task's result key as (metric, is its stderr): "acc" and lm-eval's own "acc,none" are ("acc", False),
+    "acc_stderr" and "acc_stderr,none" ("acc", True); a filter other than none stays in the name, as
+    "exact_match/strict-match"."""
+    name, _, filtered = key.partition(",")
+    stderr = name.endswith("_stderr")
+    name = name.removesuffix("_stderr")
+    return (name if filtered in ("", "none") else f"{name}/{filtered}"), stderr
+
+
+def task_scores(result: dict) -> dict[str, dict[str, tuple[float, float]]]:
+    """A result's extra lm-eval tasks as {task: {metric: (value, stderr)}}; metrics in the order written,
+    entries that are not numbers (an lm-eval "alias") left out. {} when the result has no "tasks"."""
+    tasks = {}
+    for task, metrics in (result.get("tasks") or {}).items():
+        values, errors = {}, {}
+        for key, value in metrics.items():
+            metric, stderr = metric_key(key)
+            (errors if stderr else values)[metric] = number(value)
+        tasks[task] = {m: (v, errors.get(m, math.nan)) for m, v in values.items() if not math.isnan(v)}
+    return tasks
+
+
+def task_metrics(results: list[dict]) -> dict[str, list[str]]:
+    """Every extra task and its metrics over all results (a task one model lacks still counts), first seen first."""
+    seen: dict[str, dict[str, None]] = {}
+    for result in results:
+        for task, metrics in task_scores(result).items():
+            seen.setdefault(task, {}).update(dict.fromkeys(metrics))
+    return {task: list(metrics) for task, metrics in seen.items()}
 
 
 def summary_table(results: list[dict]) -> pd.DataFrame:
-    """One row per model, base first, with the change against base."""
+    """One row per model, base first, with the change against base, then a `<task>.<metric>` column per extra
+    task's metric (their stderr is in tasks.csv)."""
     frame = pd.DataFrame(results)
     frame = frame[[c for c in COLUMNS if c in frame.columns]]
-    frame = frame.sort_values("model", key=lambda s: s.map(lambda m: -1 if m == "base" else int(m.startswith("soup"))),
-                              kind="stable")  # fmt: skip
+    frame = frame.sort_values("model", key=lambda s: s.map(model_rank), kind="stable")
     base = frame[frame["model"] == "base"]
     if len(base):
         frame["eval_loss_vs_base"] = frame["eval_loss"] / base["eval_loss"].iloc[0]
         frame["exact_match_delta"] = frame["exact_match"] - base["exact_match"].iloc[0]
+    scores = {r["model"]: task_scores(r) for r in results}
+    for task, metrics in task_metrics(results).items():
+        for metric in metrics:
+            column = [scores[m].get(task, {}).get(metric, (math.nan,))[0] for m in frame["model"]]
+            frame[f"{task}.{metric}"] = column
     return frame.reset_index(drop=True)
 
 
-def leaderboard_text(table: pd.DataFrame) -> str:
+def tasks_table(results: list[dict]) -> pd.DataFrame:
+    """The long table of tasks.csv: one row per model x task x metric (base, trained models, soups; the held-out
+    set first as task "heldout", then each extra task), its stderr where known, base's value and the delta to it.
+    A model without a task has NaN there."""
+    results = sorted(results, key=lambda r: model_rank(r["model"]))
+    heldout = [c for c in COLUMNS[1:] if any(c in r for r in results)]
+    tasks = {HELDOUT: heldout} | task_metrics(results)
+    rows = []
+    for r in results:
+        scores = {HELDOUT: {c: (number(r.get(c)), number(r.get(f"{c}_stderr"))) for c in heldout}} | task_scores(r)
+        for task, metrics in tasks.items():
+            for metric in metrics:
+                value, stderr = scores.get(task, {}).get(metric, (math.nan, math.nan))
+                rows.append({"model": r["model"], "task": task, "metric": metric, "value": value, "stderr": stderr})
+    table = pd.DataFrame(rows, columns=TASK_COLUMNS[:5])
+    base = table[table["model"] == "base"].set_index(["task", "metric"])["value"]
+    table["base_value"] = [base.get((t, m), math.nan) for t, m in zip(table["task"], table["metric"], strict=True)]
+    table["delta_to_base"] = table["value"] - table["base_value"]
+    return table
+
+
+def lower_is_better(metric: str) -> bool:
+    return any(word in metric for word in LOWER_IS_BETTER)
+
+
+def task_lines(tasks: pd.DataFrame, best_model: str) -> list[str]:
+    """One leaderboard line per extra task (its first metric): the best model's value against base's, and the
+    model that does best on that task when it is another one."""
+    lines = []
+    extra = tasks[tasks["task"] != HELDOUT]
+    for task, rows in extra.groupby("task", sort=False):
+        metric = rows["metric"].iloc[0]
+        rows = rows[(rows["metric"] == metric) & rows["value"].notna()].set_index("model")
+        if not len(rows):
+            continue
+        top = rows["value"].idxmin() if lower_is_better(metric) else rows["value"].idxmax()
+        label = f"  {task} {metric}".ljust(15)  # the value under the eval loss's and exact match's
+        line = f"{label}{rows.loc[best_model, 'value']:.3f}" if best_model in rows.index else f"{label}n/a"
+        if "base" in rows.index and best_model in rows.index:
+            b = rows.loc["base", "value"]
+            line += f" vs base {b:.3f}: {rows.loc[best_model, 'value'] - b:+.3f}"
+        if top != best_model:
+            line += f" (best on this task: {top} {rows.loc[top, 'value']:.3f})"
+        lines.append(line)
+    return lines
+
+
+def leaderboard_text(table: pd.DataFrame, tasks: pd.DataFrame | None = None) -> str:
     """What the end of a run says: the best model (lowest held-out eval loss), its eval loss and exact match
-    against the untrained base model's, then every model's numbers. `make run` prints it; the report shows it."""
+    against the untrained base model's, a line per extra task (tasks_table's), then every model's numbers.
+    `make run` prints it; the report shows it."""
     rows = table.dropna(subset=["eval_loss"])
     best = rows.loc[rows["eval_loss"].idxmin()]
     lines = [
@@ -49,6 +151,8 @@ def leaderboard_text(table: pd.DataFrame) -> str:
             lines.append("  no trained model has a lower eval loss than the untrained base model")
     else:
         lines.append(f"  eval loss {best['eval_loss']:.3f}, exact match {best['exact_match']:.3f} (no base model)")
+    if tasks is not None:
+        lines += task_lines(tasks, best["model"])
     columns = [c for c in ("model", "eval_loss", *SCORES) if c in table]
     lines += [
         "",
@@ -161,6 +265,60 @@ def plot_categories(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def task_panels(tasks: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """What tasks.png draws, one panel per task: the held-out set's 0-1 scores (its loss is in leaderboard.png),
+    then every extra task's metrics; a panel only where some model has a value."""
+    panels = {}
+    for task, rows in tasks.groupby("task", sort=False):
+        if task == HELDOUT:
+            rows = rows[rows["metric"].isin(SCORES)]
+        if rows["value"].notna().any():
+            panels[task] = rows
+    return panels
+
+
+def plot_tasks(tasks: pd.DataFrame, path: Path) -> list[str]:
+    """One panel per task, bars per model grouped by metric with stderr error bars; the base model's bars hatched
+    and grey, its value a dashed line across the group. Returns the tasks drawn."""
+    panels = task_panels(tasks)
+    models = list(dict.fromkeys(tasks["model"]))
+    fig, axes = plt.subplots(len(panels) or 1, 1, figsize=(11, 3.6 * max(len(panels), 1)), squeeze=False)
+    if not panels:
+        ax = axes[0, 0]
+        ax.axis("off")
+        ax.text(0.5, 0.5, "No evaluation scores in the results", ha="center", va="center", fontsize=14)
+    colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * len(models))
+    color = {m: "lightgray" if m == "base" else next(colors) for m in models}
+    width = 0.8 / max(len(models), 1)
+    for ax, (task, rows) in zip(axes[:, 0], panels.items(), strict=False):
+        metrics = list(dict.fromkeys(rows["metric"]))
+        by = rows.set_index(["model", "metric"])
+        for i, model in enumerate(models):
+            values = [by["value"].get((model, m), math.nan) for m in metrics]
+            errors = [by["stderr"].get((model, m), math.nan) for m in metrics]
+            xs = [x + (i - (len(models) - 1) / 2) * width for x in range(len(metrics))]
+            base = model == "base"
+            ax.bar(xs, values, width, yerr=errors, capsize=3, label=model,
+                   color=color[model], edgecolor="black" if base else None, hatch="//" if base else None)  # fmt: skip
+            if base:
+                for x, v in enumerate(values):
+                    if not math.isnan(v):
+                        ax.hlines(v, x - 0.45, x + 0.45, colors="black", linestyles="dashed", linewidth=1)
+        title = "held-out set (0-1, higher is better)" if task == HELDOUT else task
+        ax.set_xticks(range(len(metrics)), metrics)
+        ax.set(title=title, ylabel="score", xlim=(-0.5, len(metrics) - 0.5))
+        if (rows["value"].dropna() >= 0).all():
+            ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3, axis="y")
+    if panels:
+        axes[0, 0].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    return list(panels)
+
+
 def consolidation_table(folders: list[Path]) -> pd.DataFrame:
     """One row per consolidated model: what was read, how the self-check went, peak memory per phase."""
     rows = []
@@ -205,6 +363,8 @@ def main(argv=None) -> None:
     p.add_argument("--results", nargs="+", required=True, type=Path, help="eval/<model>.json files")
     p.add_argument("--metrics", nargs="+", required=True, type=Path, help="train/node<i>/metrics.jsonl files")
     p.add_argument("--summary", required=True, type=Path)
+    p.add_argument("--tasks", required=True, type=Path, help="tasks.csv: one row per model x task x metric")
+    p.add_argument("--tasks-plot", required=True, type=Path, help="tasks.png: one panel per task")
     p.add_argument("--curves", required=True, type=Path)
     p.add_argument("--throughput", required=True, type=Path)
     p.add_argument("--categories", required=True, type=Path)
@@ -218,13 +378,17 @@ def main(argv=None) -> None:
     table = with_examples_trained(summary_table(results), a.metrics)
     with atomic_path(a.summary) as tmp:
         table.to_csv(tmp, index=False, float_format="%.6g")
+    tasks = tasks_table(results)
+    with atomic_path(a.tasks) as tmp:
+        tasks.to_csv(tmp, index=False, float_format="%.6g")
+    plot_tasks(tasks, a.tasks_plot)
     curves = {p.parent.name: read_metrics(p) for p in a.metrics}
     plot_curves(curves, a.curves)
     for node, tps in plot_throughput(curves, a.throughput).items():
         print(f"{node}: median {tps:,.0f} tokens/s")
     plot_categories(results, a.categories)
     plot_leaderboard(table, a.leaderboard)
-    board = leaderboard_text(table)
+    board = leaderboard_text(table, tasks)
     with atomic_path(a.leaderboard_text) as tmp:
         tmp.write_text(board)
     with atomic_path(a.samples) as tmp:

@@ -57,9 +57,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 from chat_format import format_chat_template, no_template_message
-from pipeline_io import UserError, atomic_path, cli, file_sha256, json_object, write_json
+from pipeline_io import Progress, UserError, atomic_path, cli, file_sha256, json_object, write_json
 from settings import option
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
 log = logging.getLogger("tokenize")
@@ -624,7 +623,7 @@ def tokenize_shard(
         writer = stack.enter_context(pq.ParquetWriter(stack.enter_context(atomic_path(tokens_out)), SCHEMA))
         rejected = RejectWriter(shard, stack.enter_context(atomic_path(rejects_out)) if rejects_out else None)
         stack.callback(rejected.close)
-        bar = tqdm(total=file.metadata.num_rows, desc=f"tokenize {shard.name}", unit="ex", mininterval=5)
+        progress = Progress(f"tokenize {shard.name}", file.metadata.num_rows)
         for batch in file.iter_batches(batch_size=batch_rows, columns=columns):
             rows = batch.to_pylist()
             conversations = [json.loads(r["messages"]) for r in rows]
@@ -649,8 +648,8 @@ def tokenize_shard(
             lengths += out["length"]
             writer.write_table(pa.Table.from_pydict(out, schema=SCHEMA))
             rejected.flush()
-            bar.update(len(rows))
-        bar.close()
+            progress.update(len(rows), tokens=sum(out["length"]))
+        progress.done()
         reasons, rejects = rejected.reasons, rejected.shown
         if rejects and not lengths and not reasons.keys() & set(LENGTH_REASONS):
             first = rejects[0]

@@ -1,0 +1,178 @@
+"""summarize's per-task tables and plot: summary.csv columns, tasks.csv rows, tasks.png, leaderboard lines."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from conftest import REPO
+
+HELDOUT = {"eval_loss": 2.0, "perplexity": 7.39, "exact_match": 0.25, "rouge_l": 0.5, "bleu": 0.1, "chrf": 0.4}
+
+
+def results(tasks: bool = True) -> list[dict]:
+    """Synthetic eval/<model>.json contents, in the order the rule lists them."""
+
+    def result(model, shift, task=None):
+        r = (
+            {"model": model}
+            | {k: v + (shift if k in ("eval_loss", "perplexity") else abs(shift) / 10) for k, v in HELDOUT.items()}
+            | {"samples": []}
+        )
+        if tasks and task is not None:
+            r["tasks"] = task
+        return r
+
+    return [
+        result("soup_uniform", 0.05, {"demo_mc": {"acc": 0.5, "acc_stderr": 0.03, "acc_norm": 0.52}}),
+        result("base", 0.0, {"demo_mc": {"acc": 0.4, "acc_stderr": 0.02, "acc_norm": 0.45, "acc_norm_stderr": 0.02,
+                                         "alias": "demo_mc"}}),
+        result("node0", -0.5, {"demo_mc": {"acc": 0.6, "acc_stderr": "N/A", "acc_norm": 0.55}, "other": {"f1": 0.7}}),
+        result("node1", -0.4, {}),  # this model has no extra task: NaN there, no crash
+    ]  # fmt: skip
+
+
+def test_summary_has_a_column_per_task_metric_and_none_without_tasks():
+    from summarize import summary_table
+
+    table = summary_table(results())
+    assert table["model"].tolist() == ["base", "node0", "node1", "soup_uniform"]
+    assert [c for c in table if "." in c] == ["demo_mc.acc", "demo_mc.acc_norm", "other.f1"]  # no stderr, no alias
+    assert table["demo_mc.acc"].tolist()[:2] == [0.4, 0.6] and math.isnan(table.loc[2, "demo_mc.acc"])
+    assert table["other.f1"].isna().tolist() == [True, False, True, True]
+
+    plain = summary_table(results(tasks=False))
+    assert list(plain) == ["model", *HELDOUT, "eval_loss_vs_base", "exact_match_delta"]
+    assert list(summary_table([r | {"tasks": {}} for r in results(tasks=False)])) == list(plain)
+
+
+def test_tasks_table_rows_per_model_task_metric_with_delta_to_base():
+    from summarize import TASK_COLUMNS, tasks_table
+
+    table = tasks_table(results())
+    assert list(table) == TASK_COLUMNS
+    assert list(dict.fromkeys(table["model"])) == ["base", "node0", "node1", "soup_uniform"]
+    assert list(dict.fromkeys(table["task"])) == ["heldout", "demo_mc", "other"]
+    assert len(table) == 4 * (6 + 2 + 1)  # every model has every task's rows, NaN where it has no score
+    t = table.set_index(["model", "task", "metric"])
+    assert t.loc[("node0", "demo_mc", "acc"), "delta_to_base"] == pytest.approx(0.2)
+    assert t.loc[("node0", "demo_mc", "acc"), "base_value"] == 0.4
+    assert math.isnan(t.loc[("node0", "demo_mc", "acc"), "stderr"])  # "N/A" from lm-eval
+    assert t.loc[("base", "demo_mc", "acc_norm"), "stderr"] == 0.02
+    assert t.loc[("soup_uniform", "demo_mc", "acc"), "delta_to_base"] == pytest.approx(0.1)
+    assert math.isnan(t.loc[("node1", "demo_mc", "acc"), "value"])
+    assert math.isnan(t.loc[("node1", "demo_mc", "acc"), "delta_to_base"])
+    assert math.isnan(t.loc[("node0", "other", "f1"), "delta_to_base"])  # base has no score there
+    assert t.loc[("node0", "heldout", "eval_loss"), "delta_to_base"] == pytest.approx(-0.5)
+    assert t.loc[("base", "heldout", "exact_match"), "delta_to_base"] == 0
+
+    plain = tasks_table(results(tasks=False))
+    assert set(plain["task"]) == {"heldout"} and len(plain) == 4 * 6
+    no_base = tasks_table([r for r in results() if r["model"] != "base"])
+    assert no_base["base_value"].isna().all() and no_base["delta_to_base"].isna().all()
+
+
+def test_leaderboard_has_a_line_per_extra_task_only_when_there_are_tasks():
+    from summarize import leaderboard_text, summary_table, tasks_table
+
+    plain = results(tasks=False)
+    assert leaderboard_text(summary_table(plain), tasks_table(plain)) == leaderboard_text(summary_table(plain))
+
+    lines = leaderboard_text(summary_table(results()), tasks_table(results())).splitlines()
+    assert lines[0].startswith("Best model: node0")
+    assert lines[3].split() == "demo_mc acc 0.600 vs base 0.400: +0.200".split()
+    assert lines[4].split() == "other f1 0.700".split()  # no base score
+    assert lines[5] == ""
+
+    # the best model by eval loss is not the best on the task: the task's best is named
+    worse = [r | {"tasks": {"demo_mc": {"acc": 0.3}}} if r["model"] == "node0" else r for r in results()]
+    line = leaderboard_text(summary_table(worse), tasks_table(worse)).splitlines()[3]
+    assert line.split() == "demo_mc acc 0.300 vs base 0.400: -0.100 (best on this task: soup_uniform 0.500)".split()
+
+
+def test_task_panels_never_empty():
+    from summarize import task_panels, tasks_table
+
+    assert list(task_panels(tasks_table(results()))) == ["heldout", "demo_mc", "other"]
+    heldout = task_panels(tasks_table(results(tasks=False)))["heldout"]
+    assert set(heldout["metric"]) == {"exact_match", "rouge_l", "bleu", "chrf"}  # the 0-1 scores, not the loss
+    assert task_panels(tasks_table([{"model": "base"}])) == {}  # nothing to draw: plot_tasks says so on one panel
+
+
+def test_plot_tasks_draws_a_panel_per_task(tmp_path):
+    import matplotlib.pyplot as plt
+    from summarize import plot_tasks, tasks_table
+
+    drawn = []
+    real = plt.subplots
+
+    def spy(*args, **kwargs):
+        fig, axes = real(*args, **kwargs)
+        drawn.append(axes)
+        return fig, axes
+
+    plt.subplots = spy
+    try:
+        assert plot_tasks(tasks_table(results()), tmp_path / "tasks.png") == ["heldout", "demo_mc", "other"]
+        assert plot_tasks(tasks_table([{"model": "base"}]), tmp_path / "empty.png") == []
+    finally:
+        plt.subplots = real
+    heldout, demo_mc, _ = drawn[0][:, 0]
+    assert demo_mc.get_title() == "demo_mc" and [t.get_text() for t in demo_mc.get_xticklabels()] == ["acc", "acc_norm"]
+    assert len(demo_mc.patches) == 4 * 2  # a bar per model and metric (NaN for node1)
+    assert "held-out" in heldout.get_title()
+    assert "No evaluation scores" in drawn[1][0, 0].texts[0].get_text()
+    assert (tmp_path / "tasks.png").stat().st_size > 10_000 and (tmp_path / "empty.png").exists()
+
+
+def cli(tmp_path, res: list[dict]) -> dict:
+    """Run summarize.py on synthetic result JSONs and one node's metrics; returns its outputs' paths."""
+    (tmp_path / "eval").mkdir()
+    paths = []
+    for r in res:
+        paths.append(tmp_path / "eval" / f"{r['model']}.json")
+        paths[-1].write_text(json.dumps(r))
+    metrics = tmp_path / "train" / "node0" / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s, "lr": 1e-3}) + "\n" for s in (4, 8)))
+    model = tmp_path / "models" / "node0"
+    model.mkdir(parents=True)
+    (model / "consolidation.json").write_text(json.dumps({"strategy": "ddp", "peft": "none", "step": 8,
+        "weight_files": [], "max_logit_diff": 0.0, "generation_ok": True}))  # fmt: skip
+    out = {name: tmp_path / "eval" / name for name in ("summary.csv", "tasks.csv", "tasks.png", "leaderboard.txt")}
+    args = ["--results", *map(str, paths), "--metrics", str(metrics), "--models", str(model),
+            "--summary", out["summary.csv"], "--tasks", out["tasks.csv"], "--tasks-plot", out["tasks.png"],
+            "--curves", tmp_path / "c.png", "--throughput", tmp_path / "t.png", "--categories", tmp_path / "k.png",
+            "--leaderboard", tmp_path / "l.png", "--leaderboard-text", out["leaderboard.txt"],
+            "--samples", tmp_path / "s.csv", "--consolidation", tmp_path / "n.csv"]  # fmt: skip
+    proc = subprocess.run([sys.executable, str(REPO / "workflow_scripts" / "summarize.py"), *map(str, args)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+@pytest.mark.parametrize("tasks", [True, False])
+def test_cli_writes_tasks_csv_and_plot(tmp_path, tasks):
+    out = cli(tmp_path, results(tasks))
+    summary = pd.read_csv(out["summary.csv"])
+    table = pd.read_csv(out["tasks.csv"])
+    assert list(dict.fromkeys(table["model"])) == ["base", "node0", "node1", "soup_uniform"]
+    assert table["task"].iloc[0] == "heldout" and out["tasks.png"].stat().st_size > 10_000
+    board = out["leaderboard.txt"].read_text()
+    if tasks:
+        assert "demo_mc.acc" in summary and "demo_mc" in set(table["task"]) and "demo_mc acc" in board
+    else:
+        assert not [c for c in summary if "." in c] and set(table["task"]) == {"heldout"}
+        assert "demo_mc" not in board
+
+
+def test_lm_eval_keys_with_filters():
+    from summarize import task_scores
+
+    raw = {"alias": "demo_mc", "acc,none": 0.41, "acc_stderr,none": 0.03, "exact_match,strict-match": 0.2,
+           "exact_match_stderr,strict-match": "N/A"}  # fmt: skip
+    scores = task_scores({"tasks": {"demo_mc": raw}})["demo_mc"]
+    assert list(scores) == ["acc", "exact_match/strict-match"] and scores["acc"] == (0.41, 0.03)
+    assert math.isnan(scores["exact_match/strict-match"][1])
