@@ -97,6 +97,7 @@ TRAIN_STATE = Pattern(f"{TRAIN_DIR}/train_state.json")
 CHECKPOINTS = Pattern(f"{V}/checkpoints/{{node}}")
 MODEL_DIR = Pattern(f"{V}/models/{{model}}")  # model: a trained node, joint or a soup (base is BASE_MODEL)
 EVAL_RESULT = Pattern(f"{V}/eval/{{model}}.json")
+LM_EVAL_RESULT = Pattern(f"{V}/eval/lm_eval/{{model}}.json")  # lm-eval's own results JSON (results, configs...)
 SUMMARY = Pattern(f"{V}/eval/summary.csv")
 TASKS = Pattern(f"{V}/eval/tasks.csv")  # one row per model x task x metric, the held-out set as task "heldout"
 TASKS_PLOT = Pattern(f"{V}/eval/tasks.png")
@@ -109,6 +110,7 @@ SAMPLES = Pattern(f"{V}/eval/samples.csv")
 CONSOLIDATION = Pattern(f"{V}/eval/consolidation.csv")
 PROVENANCE = Pattern(f"{V}/provenance.json")
 BASE_EVAL = Pattern(f"{R}/eval/{{model}}.json")  # model: base; shared by a grid's variants (evaluate_base)
+BASE_LM_EVAL = Pattern(f"{R}/eval/lm_eval/{{model}}.json")
 GRID_TABLE = f"{R}/eval/grid.csv"  # compare_grid: every variant's models against base
 GRID_PLOT = f"{R}/eval/grid.png"
 
@@ -143,6 +145,19 @@ try:
     DATA_FILES = [str(p) for spec in DATA_SPECS for p in resolve_paths(spec)]  # every input data file
 except UserError as e:
     fail(e)
+
+
+# eval.tasks run offline: a task's local YAML or data file that is not there stops before any job runs
+# (a task of lm-eval's own without eval.task_data is checked by evaluate_model, before its model loads).
+EVAL = config["eval"]
+for path in EVAL["task_data"]:
+    if not Path(path).exists():
+        fail(f"eval.task_data: {path} does not exist (evaluation runs offline: a task's data must be local)")
+EVAL_TASK_FILES = EVAL["task_data"]  # evaluate_model's inputs: a changed task reruns it
+VLLM = EVAL["backend"] == "vllm"  # vLLM pins an older transformers: its own environment
+EVAL_ENV = "../envs/eval-vllm.yaml" if VLLM else "../envs/eval.yaml"  # with --sdm conda
+# without conda: the interpreter of a venv with vLLM (README, "vLLM backend"), else the project's `python`
+EVAL_PYTHON = os.environ.get("EVAL_VLLM_PYTHON", "python") if VLLM else "python"
 
 
 def check_template():
@@ -223,6 +238,19 @@ TEMPLATE_ARGS = verbatim(
     cli_args(
         chat_template=DATA["chat_template"],
         format_template=DATA["format_template"],
+        template_kwargs=json.dumps(DATA["template_kwargs"]),
+    )
+)
+EVAL_ARGS = verbatim(
+    cli_args(
+        batch_size=EVAL["batch_size"],
+        max_new_tokens=EVAL["max_new_tokens"],
+        max_samples=EVAL["max_samples"],
+        backend=EVAL["backend"],
+        precision=config["training"]["precision"] if EVAL["precision"] == "training" else EVAL["precision"],
+        tasks=json.dumps(EVAL["tasks"]),
+        task_data=json.dumps(EVAL["task_data"]),
+        chat_template=json.dumps(EVAL["apply_chat_template"]),
         template_kwargs=json.dumps(DATA["template_kwargs"]),
     )
 )

@@ -5,6 +5,7 @@
 use rule evaluate_model as evaluate_base with:
     output:
         result=BASE_EVAL,
+        lm_eval=BASE_LM_EVAL,
     log:
         f"{LOGS}/evaluate_model/{{model}}.log",
     wildcard_constraints:
@@ -22,8 +23,10 @@ ruleorder: copy_base_eval > evaluate_model
 rule copy_base_eval:
     input:
         result=BASE_EVAL,
+        lm_eval=BASE_LM_EVAL,
     output:
         result=EVAL_RESULT,
+        lm_eval=LM_EVAL_RESULT,
     log:
         f"{VLOGS}/copy_base_eval/{{model}}.log",
     conda:
@@ -31,7 +34,7 @@ rule copy_base_eval:
     wildcard_constraints:
         model="base",
     shell:
-        "cp {input.result} {output.result} > {log} 2>&1"
+        "(cp {input.result} {output.result} && cp {input.lm_eval} {output.lm_eval}) > {log} 2>&1"
 
 
 rule compare_grid:

@@ -251,14 +251,14 @@ def test_special_texts_are_the_tokenizers_special_tokens(llama2_base, qwen3_base
 
 
 def test_exact_match_compares_like_with_like(llama2_base):
-    import evaluate
-    from evaluation import comparable
+    """The held-out task's process_results takes every special token's text out of answers and references."""
+    from evaluation import heldout_tasks
 
-    specials = special_texts(llama2_base)
-    references = comparable(["hi<|endoftext|>", "Paris", "7</s>"], specials)
-    predictions = comparable(["hi", "Paris<|endoftext|>", "7"], specials)
-    metric = evaluate.load(str(REPO / "metrics" / "exact_match"))
-    assert metric.compute(predictions=predictions, references=references)["exact_match"] == 1.0
+    frame = pd.DataFrame({"input_ids": [[1, 5]], "labels": [[-100, 5]], "prompt_length": [1], "response": ["x"]})
+    (generation, _), _, _ = heldout_tasks(frame, llama2_base, REPO / "metrics", 4, {})
+    cases = [("hi", "hi<|endoftext|>"), (" Paris<|endoftext|>", "Paris"), ("7", "7</s>")]
+    pairs = [generation["process_results"]({"response": r}, [p])["exact_match"] for p, r in cases]
+    assert generation["metric_list"][0]["aggregation"](pairs) == 1.0
 
 
 # ---------------------------------------------------------------- no pad token: evaluation and soup
@@ -266,14 +266,15 @@ def test_exact_match_compares_like_with_like(llama2_base):
 
 def test_evaluation_without_a_pad_token(tmp_path, base_dir, tokenized):
     from evaluation import main as evaluate_main
-    from evaluation import padding_id, stop_ids
+    from evaluation import stop_ids
+    from soup import padding_id
 
     tok = AutoTokenizer.from_pretrained(base_dir)
     assert tok.pad_token_id is None and padding_id(tok) == tok.eos_token_id
     evaluate_main(
         ["--model", str(base_dir), "--name", "base", "--eval", str(tokenized / "eval.tok.parquet"),
          "--metrics", str(REPO / "metrics"), "--batch-size", "3", "--max-new-tokens", "4",
-         "--output", str(tmp_path / "base.json")]
+         "--output", str(tmp_path / "base.json"), "--lm-eval-output", str(tmp_path / "lm_eval.json")]
     )  # fmt: skip
     result = json.loads((tmp_path / "base.json").read_text())
     assert result["examples"] > 1 and result["label_tokens"] > 0 and result["eval_loss"] > 0
@@ -283,7 +284,8 @@ def test_evaluation_without_a_pad_token(tmp_path, base_dir, tokenized):
 
 
 def test_generation_stops_at_the_templates_end_of_turn(qwen3_base):
-    from evaluation import padding_id, stop_ids
+    from evaluation import stop_ids
+    from soup import padding_id
 
     eot, eos = qwen3_base.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     model = tiny_llama(qwen3_base)

@@ -28,8 +28,8 @@ from conftest import BIN, DEMO_CSV, REPO, check_outputs, job_logs, snakemake, ti
 EXAMPLES_DIR = REPO / "config" / "examples"
 EXAMPLES = sorted(p.name for p in EXAMPLES_DIR.glob("*.yaml"))
 TRAIN_RULES = {"train_node", "train_joint"}
-GPU_RULES = {*TRAIN_RULES, "check_environment"}
-# CPU jobs that hold a whole model in fp32: their memory comes from MODEL_MEM_MB
+GPU_RULES = {*TRAIN_RULES, "check_environment", "evaluate_model"}
+# jobs that hold a whole model in host memory: their memory comes from MODEL_MEM_MB
 MODEL_RULES = {"consolidate_node", "evaluate_model", "build_demo_model", "make_soup"}
 LOCAL_RULES = {"plan_training", "all"}
 
@@ -420,6 +420,8 @@ def check_submissions(name: str, exports: dict, submissions: list[tuple[str, dic
                 assert opts["--cpus-per-task"] == str(cpus), opts
                 assert opts["--mem"] == str(mem), opts
                 assert opts["-t"] == str(hours * 60), opts
+            elif rule == "evaluate_model":  # EVAL_GPUS (default 1) on one node
+                assert opts["--nodes"] == "1" and total == int(exports.get("EVAL_GPUS", 1)), opts
             else:
                 assert opts["--nodes"] == "1" and total == gpus, opts
         else:
@@ -427,8 +429,8 @@ def check_submissions(name: str, exports: dict, submissions: list[tuple[str, dic
             assert opts["-p"] == exports["SLURM_CPU_PARTITION"], (rule, opts)
             assert not {"--gpus", "--gres", "--gpus-per-node", "--gpus-per-task"} & set(opts), (rule, opts)
             assert opts["--ntasks"] == "1", (rule, opts)
-            if rule in MODEL_RULES and model_mem:
-                assert opts["--mem"] == model_mem, (rule, opts)
+        if rule in MODEL_RULES and model_mem:
+            assert opts["--mem"] == model_mem, (rule, opts)
 
 
 # The 002 variants differ only in their strategy keys and share their exports (tested above), so their
@@ -456,7 +458,9 @@ def check_seed_000_lines(submissions):
     comments = sorted(o["--comment"] for o in train)
     assert comments == [f"rule_train_node_wildcards_node{i}" for i in range(4)]
     evals = [opts for rule, opts in submissions if rule == "evaluate_model"]
-    assert len(evals) == 5 and {o["--mem"] for o in evals} == {"400000"}
+    assert len(evals) == 5 and {(o["-p"], o["--nodes"], o["--gpus"], o["--mem"]) for o in evals} == {
+        ("gpu", "1", "1", "400000")
+    }
 
 
 # --- CPU-scaled twins, end to end ----------------------------------------------------------------------

@@ -1,118 +1,322 @@
-"""evaluate_model: held-out loss, perplexity and exact match of greedy answers for one model.
+"""evaluate_model: one model through lm-eval-harness: the held-out set and the extra tasks of eval.tasks.
 
-The eval set is the tokenized cache that training's caches come from, so the model
-sees exactly the token ids training produced: the loss uses ``labels`` as they are,
-and generation starts from the first ``prompt_length`` ids of each example. Generation stops at
-any end-of-turn token (the EOS and the template's, e.g. ``<|im_end|>`` for a Qwen3 base whose EOS
-is ``<|endoftext|>``) and pads with the pad token, else the EOS: a tokenizer without a pad token
-(Llama 2, 3) works. Exact match compares like with like: the answers are decoded without special
+The held-out set is the tokenized cache training's caches come from, made into two local lm-eval tasks:
+``heldout`` generates greedily from the first ``prompt_length`` ids of each example (scored by the repo's
+exact match, ROUGE-L, BLEU and chrF modules in metrics/), ``heldout_loss`` scores its label tokens
+(token-weighted loss, perplexity). lm-eval would tokenize a prompt's text again, and move its trailing
+whitespace into the scored continuation (the "\\n" after "assistant"); the model classes here take the
+cached ids for those texts instead (PinnedIds), so the numbers are the plain forward pass's, token for token.
+Generation stops at any end-of-turn token (the EOS and the template's, e.g. ``<|im_end|>`` for a Qwen3 base
+whose EOS is ``<|endoftext|>``). Exact match compares like with like: answers are decoded without special
 tokens, and the text of every special token is taken out of both answers and references.
 """
 
 import argparse
+import functools
+import json
 import math
 from pathlib import Path
 
+import datasets
 import evaluate
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from chat_format import remove_special_text, special_texts
-from pipeline_io import cli, write_json
+from pipeline_io import UserError, atomic_path, cli, write_json
 from settings import option
 from tokenization import generation_settings
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 IGNORE = -100
+HELDOUT, HELDOUT_LOSS = "heldout", "heldout_loss"
+GENERATION_METRICS = {"exact_match": "exact_match", "rouge_l": "rouge_l", "bleu": "bleu_chrf", "chrf": "bleu_chrf"}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def padding_id(tokenizer) -> int:
-    """The id padding uses: the pad token, else the EOS, else 0; never None (Llama has no pad token)."""
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if isinstance(candidate, list):
-            candidate = candidate[0] if candidate else None
-        if candidate is not None:
-            return int(candidate)
-    return 0
+def label_spans(labels) -> list[tuple[int, int]]:
+    """[start, end) of each run of label tokens (labels other than -100)."""
+    spans, start = [], None
+    for i, y in enumerate([*labels, IGNORE]):
+        if y != IGNORE and start is None:
+            start = i
+        elif y == IGNORE and start is not None:
+            spans, start = [*spans, (start, i)], None
+    return spans
 
 
-def stop_ids(model, tokenizer) -> list[int]:
-    """Where generation stops: the tokenizer's end-of-turn tokens and the model's own EOS ids."""
-    own = model.generation_config.eos_token_id
-    own = [] if own is None else own if isinstance(own, list) else [own]
-    return list(dict.fromkeys(generation_settings(tokenizer)["eos_token_id"] + own))
+class PinnedIds:
+    """For an lm-eval model class (HFLM, VLLM): a text in ``pinned`` is tokenized as the cached ids it was
+    decoded from, and a log-likelihood request whose context is one with ``spans`` scores exactly those."""
 
+    pinned: dict = {}
+    spans: dict = {}
 
-def comparable(texts: list[str], tokens) -> list[str]:
-    """Texts with every special token's text taken out (a reference that kept a literal <|endoftext|>
-    compares equal to an answer decoded without special tokens)."""
-    return [remove_special_text(t, tokens) for t in texts]
+    def tok_encode(self, string, *args, **kwargs):
+        if isinstance(string, list | tuple):  # VLLM encodes a batch at once
+            return [self.tok_encode(s, *args, **kwargs) for s in string]
+        return list(self.pinned[string]) if string in self.pinned else super().tok_encode(string, *args, **kwargs)
 
-
-def batches(frame: pd.DataFrame, size: int):
-    for start in range(0, len(frame), size):
-        yield frame.iloc[start : start + size]
-
-
-@torch.no_grad()
-def eval_loss(model, frame: pd.DataFrame, pad_id: int, batch_size: int) -> tuple[float, int]:
-    """Token-weighted mean cross-entropy over all label tokens of the eval set."""
-    total, count = 0.0, 0
-    for batch in batches(frame, batch_size):
-        width = int(batch["length"].max())
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (x, y) in enumerate(zip(batch["input_ids"], batch["labels"], strict=True)):
-            ids[i, : len(x)], labels[i, : len(y)], mask[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
-        logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits.float().cpu()
-        loss = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="sum"
-        )
-        total += loss.item()
-        count += int((labels[:, 1:] != IGNORE).sum())
-    return total / max(count, 1), count
-
-
-@torch.no_grad()
-def generate(model, tokenizer, frame: pd.DataFrame, batch_size: int, max_new_tokens: int) -> list[str]:
-    """Greedy answers, prompts left-padded so every row's answer starts at the same column."""
-    answers = []
-    for batch in batches(frame, batch_size):
-        prompts = [list(x[:n]) for x, n in zip(batch["input_ids"], batch["prompt_length"], strict=True)]
-        width = max(map(len, prompts))
-        ids = torch.full((len(prompts), width), padding_id(tokenizer), dtype=torch.long)
+    def tok_batch_encode(self, strings, *args, **kwargs):
+        """Left-padded ids of held-out prompts as they are (never truncated)."""
+        if not all(s in self.pinned for s in strings):
+            return super().tok_batch_encode(strings, *args, **kwargs)
+        width = max(len(self.pinned[s]) for s in strings)
+        ids = torch.full((len(strings), width), self.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for i, pr in enumerate(prompts):
-            ids[i, width - len(pr) :], mask[i, width - len(pr) :] = torch.tensor(pr), 1
-        out = model.generate(
-            input_ids=ids.to(model.device),
-            attention_mask=mask.to(model.device),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=padding_id(tokenizer),
-            eos_token_id=stop_ids(model, tokenizer),
-        )
-        answers += tokenizer.batch_decode(out[:, width:].cpu(), skip_special_tokens=True)
-    return [a.strip() for a in answers]
+        for i, s in enumerate(strings):
+            ids[i, width - len(self.pinned[s]) :] = torch.tensor(self.pinned[s])
+            mask[i, width - len(self.pinned[s]) :] = 1
+        return ids, mask
+
+    def loglikelihood(self, requests, disable_tqdm=False):
+        ours = [r.args[0] in self.spans for r in requests]
+        parts, owner = [], []
+        for n, r in enumerate(r for r, mine in zip(requests, ours, strict=True) if mine):
+            ids = self.pinned[r.args[0]]
+            for start, end in self.spans[r.args[0]]:
+                parts, owner = [*parts, ((r.args[0], ""), ids[:start], ids[start:end])], [*owner, n]
+        totals = [[0.0, True] for _ in range(sum(ours))]
+        for n, (ll, greedy) in zip(owner, self._loglikelihood_tokens(parts) if parts else [], strict=True):
+            totals[n] = [totals[n][0] + ll, totals[n][1] and greedy]
+        others = [r for r, mine in zip(requests, ours, strict=True) if not mine]
+        theirs, mine = iter(super().loglikelihood(others, disable_tqdm) if others else []), iter(map(tuple, totals))
+        return [next(mine) if m else next(theirs) for m in ours]
+
+    def apply_chat_template(self, chat_history, add_generation_prompt=True):
+        """A held-out text is rendered already, by training's template (extra tasks get the model's)."""
+        if len(chat_history) == 1 and chat_history[0]["content"] in self.pinned:
+            return chat_history[0]["content"]
+        return super().apply_chat_template(chat_history, add_generation_prompt)
 
 
-def score(predictions: list[str], references: list[str], metrics_dir: Path) -> dict:
-    """Every evaluate module kept in the repo: exact match, ROUGE-L, BLEU and chrF."""
+def model_class(backend: str):
+    if backend == "vllm":
+        from lm_eval.models.vllm_causallms import VLLM as base
+    else:
+        from lm_eval.models.huggingface import HFLM as base
+    return type(f"Pinned{base.__name__}", (PinnedIds, base), {"pinned": {}, "spans": {}})
+
+
+@functools.cache
+def load_metric(path: Path):
+    """One of the repo's evaluate modules, loaded once (bleu_chrf gives two scores)."""
+    return evaluate.load(str(path))
+
+
+def metric(metrics_dir: Path, module: str, key: str):
+    """An lm-eval aggregation over (prediction, reference) pairs by one of the repo's evaluate modules."""
+
+    def aggregate(pairs):
+        predictions, references = map(list, zip(*pairs, strict=True)) if pairs else ([], [])
+        return load_metric(metrics_dir / module).compute(predictions=predictions, references=references)[key]
+
+    aggregate.__name__ = key
+    return aggregate
+
+
+def token_mean(items) -> float:
+    """Token-weighted mean of (summed loss, tokens) pairs."""
+    return sum(loss for loss, _ in items) / max(sum(n for _, n in items), 1)
+
+
+def heldout_tasks(frame: pd.DataFrame, tokenizer, metrics_dir: Path, max_new_tokens: int, stop: dict):
+    """The held-out set's two lm-eval task configs, and the texts to pin to their cached ids (and spans)."""
+    specials, docs, pinned, spans = special_texts(tokenizer), [], {}, {}
+    columns = (frame["input_ids"], frame["labels"], frame["prompt_length"], frame["response"])
+    for ids, labels, n, response in zip(*columns, strict=True):
+        ids = [int(i) for i in ids]
+        prompt, text = (tokenizer.decode(x, skip_special_tokens=False) for x in (ids[:n], ids))
+        pinned[prompt], pinned[text], spans[text] = ids[:n], ids, label_spans(labels)
+        tokens = sum(end - start for start, end in spans[text])
+        docs.append({"prompt": prompt, "text": text, "response": response, "label_tokens": tokens})
+    dataset = datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
+    common = {"custom_dataset": lambda **_: dataset, "test_split": "test", "doc_to_target": "response"}
+
+    def answer_pairs(doc, results):
+        """(answer, reference) with every special token's text taken out of both: a reference that kept a
+        literal <|endoftext|> equals an answer decoded without special tokens."""
+        pair = (remove_special_text(results[0].strip(), specials), remove_special_text(doc["response"], specials))
+        return dict.fromkeys(GENERATION_METRICS, pair)
+
+    def loss(doc, results):
+        return {"eval_loss": (-results[0][0], doc["label_tokens"]), "label_tokens": doc["label_tokens"]}
+
+    scores = [{"metric": k, "aggregation": metric(metrics_dir, m, k), "higher_is_better": True}
+              for k, m in GENERATION_METRICS.items()]  # fmt: skip
+    generation = common | {
+        "task": HELDOUT, "output_type": "generate_until", "doc_to_text": "prompt", "process_results": answer_pairs,
+        "generation_kwargs": {"until": [], "max_gen_toks": max_new_tokens, "do_sample": False, **stop},
+        "metric_list": scores,
+    }  # fmt: skip
+    scoring = common | {
+        "task": HELDOUT_LOSS, "output_type": "loglikelihood", "doc_to_text": "text", "process_results": loss,
+        "metric_list": [{"metric": "eval_loss", "aggregation": token_mean, "higher_is_better": False},
+                        {"metric": "label_tokens", "aggregation": sum, "higher_is_better": True}],
+    }  # fmt: skip
+    return [generation, scoring], pinned, spans
+
+
+def task_sources(task_data: list[str]) -> tuple[list[str], dict[str, Path]]:
+    """eval.task_data: include paths (a task YAML's folder, a folder of task YAMLs) and data files by task."""
+    include, files = [], {}
+    for p in map(Path, task_data):
+        if p.is_dir() or p.suffix in (".yaml", ".yml"):
+            include.append(str((p if p.is_dir() else p.parent).resolve()))
+        elif p.suffix in DATA_SUFFIXES:
+            files[p.name.removesuffix(p.suffix)] = p.resolve()
+        else:
+            raise UserError(f"eval.task_data: {p} is no task YAML, folder or {'/'.join(DATA_SUFFIXES)} file")
+    return sorted(set(include)), files
+
+
+def data_override(entry, files: dict[str, Path], include: list[str]) -> dict | None:
+    """lm-eval config keys for a task's local data: a data file named after it serves every split it reads;
+    relative data files in a task YAML of eval.task_data are relative to the YAML's folder."""
+    if entry.name in files:
+        path = files[entry.name]
+        splits = {s: str(path) for s in ("train", "validation", "test")}
+        return {
+            "dataset_path": DATA_SUFFIXES[path.suffix],
+            "dataset_name": None,
+            "dataset_kwargs": {"data_files": splits},
+        }
+    folder = Path(entry.yaml_path).resolve().parent if entry.yaml_path else None
+    if folder is None or not any(folder.is_relative_to(d) for d in include):
+        return None
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    kwargs = load_yaml(entry.yaml_path, resolve_func=False).get("dataset_kwargs") or {}
+
+    def resolve(f):
+        return str((folder / f).resolve()) if isinstance(f, str) else [resolve(x) for x in f]
+
+    if files := kwargs.get("data_files"):
+        kwargs |= {
+            "data_files": {k: resolve(v) for k, v in files.items()} if isinstance(files, dict) else resolve(files)
+        }
+    return {"dataset_kwargs": kwargs}
+
+
+def extra_tasks(names: list[str], task_data: list[str]):
+    """eval.tasks as lm-eval Task objects, loaded offline now, and their TaskManager: an unknown task, or one
+    whose data is not available offline, stops with one line naming it."""
+    from lm_eval.tasks import TaskManager
+
+    if not names:
+        return [], TaskManager(include_defaults=False)  # else simple_evaluate indexes lm-eval's own tasks
+    include, files = task_sources(task_data)
+    # lm-eval's own 14,000 task YAMLs take ~10 s to index: only when a task is not in eval.task_data's YAMLs
+    manager = TaskManager(include_path=include, include_defaults=False) if include else None
+    if manager is None or not set(names) <= set(manager.all_tasks):
+        manager = TaskManager(include_path=include or None)
+    loaded = []
+    for name in names:
+        entry = manager._entry(name)  # noqa: SLF001 (the registered config, to override its data files)
+        if entry is None:
+            raise UserError(f"eval.tasks: {name} is no lm-eval task (nor one of eval.task_data's task YAMLs)")
+        try:
+            overrides = data_override(entry, files, include)
+            built = manager._factory.build(entry, overrides=overrides, registry=manager._index)  # noqa: SLF001
+        except Exception as e:  # datasets' offline and missing-file errors, whatever their class
+            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            hint = "point eval.task_data at local files"
+            raise UserError(f"eval.tasks: {name}: its data is not available offline ({reason}); {hint}") from None
+        loaded += built if isinstance(built, list) else [built]
+    return loaded, manager
+
+
+def flat_metrics(scores: dict) -> dict:
+    """lm-eval's "acc,none" keys as "acc" (another filter: "exact_match/strict-match"), floats only."""
     out = {}
-    for name in ("exact_match", "rouge_l", "bleu_chrf"):
-        out |= evaluate.load(str(metrics_dir / name)).compute(predictions=predictions, references=references)
+    for key, value in scores.items():
+        name, _, filt = key.partition(",")
+        if filt and isinstance(value, int | float) and not isinstance(value, bool):
+            base, stderr = name.removesuffix("_stderr"), "_stderr" if name.endswith("_stderr") else ""
+            out[base + ("" if filt == "none" else f"/{filt}") + stderr] = float(value)
     return out
 
 
 def exact_match_by_category(predictions: list[str], references: list[str], categories: list, metrics_dir: Path) -> dict:
     """Exact match within each category, by the same evaluate module (same normalization) as the overall one."""
-    metric = evaluate.load(str(metrics_dir / "exact_match"))
+    em = load_metric(metrics_dir / "exact_match")
     rows = pd.DataFrame({"p": predictions, "r": references, "c": categories})
-    return {
-        str(c): metric.compute(predictions=g["p"].tolist(), references=g["r"].tolist())["exact_match"]
-        for c, g in rows.groupby("c", sort=True)
-    }
+    groups = rows.groupby("c", sort=True)
+    return {str(c): em.compute(predictions=list(g["p"]), references=list(g["r"]))["exact_match"] for c, g in groups}
+
+
+def result_json(name: str, path: str, frame: pd.DataFrame, out: dict, metrics_dir: Path, tokenizer) -> dict:
+    """Our result (the keys summarize and soup read) from lm-eval's output."""
+    scores = {k: flat_metrics(v) for k, v in out["results"].items()}
+    samples = sorted(out["samples"][HELDOUT], key=lambda s: s["doc_id"])
+    predictions, references = map(list, zip(*(s["exact_match"] for s in samples), strict=True))
+    loss, tokens = scores[HELDOUT_LOSS]["eval_loss"], int(scores[HELDOUT_LOSS]["label_tokens"])
+    result = {"model": name, "path": path, "examples": len(frame), "label_tokens": tokens, "eval_loss": loss,
+              "perplexity": math.exp(min(loss, 50))} | {k: scores[HELDOUT][k] for k in GENERATION_METRICS}  # fmt: skip
+    if frame["category"].astype(bool).any():
+        categories = frame["category"].tolist()
+        result["exact_match_by_category"] = exact_match_by_category(predictions, references, categories, metrics_dir)
+    result["samples"] = [
+        {"prompt": tokenizer.decode(ids[:n], skip_special_tokens=True)[-300:], "reference": r, "prediction": p}
+        for ids, n, r, p in zip(frame["input_ids"], frame["prompt_length"], references[:20], predictions, strict=False)
+    ]
+    result["tasks"] = {k: v for k, v in scores.items() if k not in (HELDOUT, HELDOUT_LOSS)}
+    return result
+
+
+def lm_eval_json(out: dict) -> str:
+    """lm-eval's results as its EvaluationTracker writes them (no samples), JSON-safe."""
+    from lm_eval.utils import handle_non_serializable
+
+    return json.dumps({k: v for k, v in out.items() if k != "samples"}, indent=2, default=handle_non_serializable)
+
+
+def load_model(backend: str, model: str, precision: str, batch_size: int):
+    """The model on every visible GPU in ``precision`` (fp32 on the CPU): hf spreads layers over several
+    (parallelize), vLLM shards tensors (tensor_parallel_size)."""
+    gpus = torch.cuda.device_count()
+    dtype = DTYPES[precision] if gpus else "float32"
+    if backend == "vllm":
+        return model_class("vllm")(pretrained=model, dtype=dtype, batch_size="auto", tensor_parallel_size=max(gpus, 1))
+    where = {"parallelize": True} if gpus > 1 else {"device": "cuda" if gpus else "cpu"}
+    return model_class("hf")(pretrained=model, dtype=dtype, batch_size=batch_size, **where)
+
+
+def stop_ids(model, tokenizer) -> list[int]:
+    """Where generation stops: the tokenizer's end-of-turn tokens and the model's own EOS ids (hf)."""
+    own = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    own = [] if own is None else own if isinstance(own, list) else [own]
+    return list(dict.fromkeys(generation_settings(tokenizer)["eos_token_id"] + own))
+
+
+def score(predictions: list[str], references: list[str], metrics_dir: Path) -> dict:
+    """The held-out set's four scores of answers against references, as its lm-eval task aggregates them."""
+    pairs = list(zip(predictions, references, strict=True))
+    return {k: metric(metrics_dir, m, k)(pairs) for k, m in GENERATION_METRICS.items()}
+
+
+def light_env_info(storage: dict) -> None:
+    """lm-eval's add_env_info without torch's collect_env (3-4 s a job; env/check.json records the machine)."""
+    import transformers
+    from lm_eval.loggers.utils import version
+
+    storage |= {"transformers_version": transformers.__version__, "lm_eval_version": version("lm_eval")}
+
+
+def evaluate_model(lm, frame, extra, manager, metrics_dir, max_new_tokens, chat_template, template_kwargs) -> dict:
+    """lm-eval's output for the held-out tasks and ``extra`` (loaded Task objects) on ``lm``."""
+    import lm_eval.evaluator
+    from lm_eval.api.task import ConfigurableTask
+
+    stops = stop_ids(getattr(lm, "model", None), lm.tokenizer)
+    vllm = hasattr(lm, "tensor_parallel_size")
+    stop = {"stop_token_ids": stops, "skip_special_tokens": True} if vllm else {"eos_token_id": stops}
+    configs, lm.pinned, lm.spans = heldout_tasks(frame, lm.tokenizer, metrics_dir, max_new_tokens, stop)
+    lm.chat_template_args = dict(template_kwargs)
+    lm_eval.evaluator.add_env_info = light_env_info
+    tasks = [ConfigurableTask(config=c) for c in configs] + extra
+    return lm_eval.evaluator.simple_evaluate(
+        lm, tasks=tasks, task_manager=manager, apply_chat_template=chat_template, bootstrap_iters=1000
+    )
 
 
 @cli
@@ -125,44 +329,30 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, **option("eval.batch_size"))
     p.add_argument("--max-new-tokens", type=int, **option("eval.max_new_tokens"))
     p.add_argument("--max-samples", type=int, help="0 = the whole eval set", **option("eval.max_samples"))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", **option("eval.backend"))
+    p.add_argument("--precision", choices=list(DTYPES), default="bf16", help="on GPUs (the CPU computes in fp32)")
+    p.add_argument("--tasks", type=json.loads, default=[], help="JSON list: eval.tasks")
+    p.add_argument("--task-data", type=json.loads, default=[], help="JSON list: eval.task_data")
+    p.add_argument(
+        "--chat-template", type=json.loads, help="eval.apply_chat_template", **option("eval.apply_chat_template")
+    )
+    p.add_argument("--template-kwargs", type=json.loads, default={}, help="JSON object: data.template_kwargs")
     p.add_argument("--output", required=True, type=Path)
+    p.add_argument("--lm-eval-output", required=True, type=Path, help="lm-eval's own results JSON")
     a = p.parse_args(argv)
-    torch.manual_seed(a.seed)
     frame = pd.read_parquet(a.eval)
     if a.max_samples:
         frame = frame.iloc[: a.max_samples]
-    tokenizer = AutoTokenizer.from_pretrained(a.model)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    # fp32 whatever the folder holds: a bf16 model (consolidate.dtype) is upcast exactly, computed in fp32
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).to(device).eval()
-
-    loss, tokens = eval_loss(model, frame, padding_id(tokenizer), a.batch_size)
-    specials = special_texts(tokenizer)
-    predictions = comparable(generate(model, tokenizer, frame, a.batch_size, a.max_new_tokens), specials)
-    references = comparable(frame["response"].tolist(), specials)
-    result = {
-        "model": a.name,
-        "path": a.model,
-        "examples": len(frame),
-        "label_tokens": tokens,
-        "eval_loss": loss,
-        "perplexity": math.exp(min(loss, 50)),
-    } | score(predictions, references, a.metrics)
-    if frame["category"].astype(bool).any():
-        result["exact_match_by_category"] = exact_match_by_category(
-            predictions, references, frame["category"].tolist(), a.metrics
-        )
-    result["samples"] = [
-        {"prompt": tokenizer.decode(ids[:n], skip_special_tokens=True)[-300:], "reference": r, "prediction": p}
-        for ids, n, r, p in zip(
-            frame["input_ids"][:20], frame["prompt_length"][:20], references[:20], predictions[:20], strict=True
-        )
-    ]
+    extra, manager = extra_tasks(a.tasks, a.task_data)  # before the model loads: missing data stops at once
+    lm = load_model(a.backend, a.model, a.precision, a.batch_size)
+    out = evaluate_model(lm, frame, extra, manager, a.metrics, a.max_new_tokens, a.chat_template, a.template_kwargs)
+    result = result_json(a.name, a.model, frame, out, a.metrics, lm.tokenizer)
+    with atomic_path(a.lm_eval_output) as tmp:
+        tmp.write_text(lm_eval_json(out))
     write_json(a.output, result)
-    print(
-        f"{a.name}: eval_loss {loss:.4f} perplexity {result['perplexity']:.2f} exact_match {result['exact_match']:.3f}"
-    )
+    scores = {k: result[k] for k in ("eval_loss", "perplexity", "exact_match")}
+    scores |= {f"{t} {k}": v for t, s in result["tasks"].items() for k, v in s.items() if not k.endswith("_stderr")}
+    print(f"{a.name}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
 
 
 if __name__ == "__main__":

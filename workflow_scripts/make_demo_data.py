@@ -12,10 +12,17 @@ family) but never this instruction, so the LoRA stage has something to learn on 
 
     python workflow_scripts/make_demo_data.py resources/demo/instructions.csv
     python workflow_scripts/make_demo_data.py --held-out resources/demo/lora_task.csv
+
+``--multiple-choice`` writes the demo's lm-eval task data (eval.tasks: demo_mc, resources/demo/tasks/): each
+question the demo config holds out (data.eval_fraction 0.1, data.seed 0), its answer and three distractors,
+answers of other questions of its family, as lm-eval's log-likelihood multiple choice scores them.
+
+    python workflow_scripts/make_demo_data.py --multiple-choice resources/demo/tasks/demo_mc.jsonl
 """
 
 import argparse
 import csv
+import json
 import random
 from pathlib import Path
 
@@ -139,12 +146,38 @@ def generate_held_out(seed: int = 0) -> list[dict]:
     return [row | {"category": HELD_OUT_CATEGORY} for row in rows]
 
 
+def multiple_choice(rows: list[dict], seed: int = 0, eval_fraction: float = 0.1) -> list[dict]:
+    """The held-out rows of ``rows`` (as split_dataset picks them) as 4-way multiple-choice questions."""
+    from data_formats import column_names, to_examples
+    from split import is_eval, prompt_hash
+
+    names = column_names("columns", {"prompt": "prompt", "question": "question", "response": "response"})
+    rng, out = random.Random(seed), []
+    for row in rows:
+        messages = to_examples(row, "columns", names)[0][0]
+        if not is_eval(prompt_hash(messages), seed, eval_fraction):
+            continue
+        others = sorted({r["response"] for r in rows if r["category"] == row["category"]} - {row["response"]})
+        choices = [row["response"], *rng.sample(others, 3)]
+        rng.shuffle(choices)
+        out.append({"question": row["question"], "choices": choices, "answer": choices.index(row["response"]),
+                    "category": row["category"]})  # fmt: skip
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--held-out", action="store_true", help="the LoRA stage's task family instead")
+    parser.add_argument("--multiple-choice", action="store_true", help="the demo_mc task's JSONL instead")
     args = parser.parse_args(argv)
+    if args.multiple_choice:
+        questions = multiple_choice(generate(args.seed), args.seed)
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text("".join(json.dumps(q) + "\n" for q in questions), encoding="utf-8")
+        print(f"wrote {len(questions)} questions to {args.output}")
+        return
     rows = generate_held_out(args.seed) if args.held_out else generate(args.seed)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("w", newline="", encoding="utf-8") as f:

@@ -1,0 +1,216 @@
+"""evaluate_model through lm-eval-harness: the held-out numbers equal the plain forward pass and generate() loop
+it replaced, eval.tasks run offline from local files or stop with one line, the demo's multiple-choice task."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import BIN, REPO, snakemake, tiny_config, tool_env
+from evaluation import (
+    HELDOUT,
+    evaluate_model,
+    extra_tasks,
+    flat_metrics,
+    label_spans,
+    model_class,
+    result_json,
+)
+from pipeline_io import UserError
+
+METRICS = REPO / "metrics"
+DEMO_MC = REPO / "resources" / "demo" / "tasks" / "demo_mc.yaml"
+SAMPLES, NEW_TOKENS = 48, 8
+
+
+# --- the oracle: evaluation.py before lm-eval (commit f208e47), a plain forward pass and a generate() loop ---
+
+
+@torch.no_grad()
+def reference_loss(model, frame: pd.DataFrame, pad_id: int, batch_size: int) -> tuple[float, int]:
+    total, count = 0.0, 0
+    for start in range(0, len(frame), batch_size):
+        batch = frame.iloc[start : start + batch_size]
+        width = int(batch["length"].max())
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (x, y) in enumerate(zip(batch["input_ids"], batch["labels"], strict=True)):
+            ids[i, : len(x)], labels[i, : len(y)], mask[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        total += F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+        ).item()
+        count += int((labels[:, 1:] != -100).sum())
+    return total / count, count
+
+
+@torch.no_grad()
+def reference_answers(model, tokenizer, frame: pd.DataFrame, stops: list[int], batch_size: int) -> list[str]:
+    answers, pad = [], tokenizer.pad_token_id
+    for start in range(0, len(frame), batch_size):
+        batch = frame.iloc[start : start + batch_size]
+        prompts = [list(x[:n]) for x, n in zip(batch["input_ids"], batch["prompt_length"], strict=True)]
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, pr in enumerate(prompts):
+            ids[i, width - len(pr) :], mask[i, width - len(pr) :] = torch.tensor(pr), 1
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=pad, eos_token_id=stops)  # fmt: skip
+        answers += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    return [a.strip() for a in answers]
+
+
+@pytest.fixture(scope="module")
+def heldout_run(demo_assets):
+    """The demo base model through evaluation.py's lm-eval path (demo_mc: the e2e test below)."""
+    frame = pd.read_parquet(demo_assets["eval"]).iloc[:SAMPLES]
+    lm = model_class("hf")(pretrained=str(demo_assets["base"]), device="cpu", dtype="float32", batch_size=16)
+    extra, manager = extra_tasks([], [])
+    out = evaluate_model(lm, frame, extra, manager, METRICS, NEW_TOKENS, True, {})
+    return lm, frame, out, result_json("base", str(demo_assets["base"]), frame, out, METRICS, lm.tokenizer)
+
+
+def test_heldout_numbers_equal_the_plain_forward_pass(heldout_run):
+    """Loss, perplexity and label tokens to 1e-6 (relative: fp32 sums in another order), the same greedy
+    answer for every prompt, so the same exact match: lm-eval sees our cached token ids, not its own."""
+    from tokenization import generation_settings
+
+    lm, frame, out, result = heldout_run
+    loss, tokens = reference_loss(lm.model, frame, lm.tokenizer.pad_token_id, 16)
+    assert result["label_tokens"] == tokens
+    assert math.isclose(result["eval_loss"], loss, rel_tol=1e-6, abs_tol=0)
+    assert math.isclose(result["perplexity"], math.exp(loss), rel_tol=1e-6)
+    stops = generation_settings(lm.tokenizer)["eos_token_id"]
+    expected = reference_answers(lm.model, lm.tokenizer, frame, stops, 16)
+    answers = [s["exact_match"][0] for s in sorted(out["samples"][HELDOUT], key=lambda s: s["doc_id"])]
+    assert answers == expected
+    hits = sum(a == r.strip() for a, r in zip(expected, frame["response"], strict=True)) / len(frame)
+    assert math.isclose(result["exact_match"], hits, abs_tol=1e-12)
+
+
+def test_result_keeps_every_key(heldout_run):
+    _, _, _, result = heldout_run
+    assert {"model", "path", "examples", "label_tokens", "eval_loss", "perplexity", "exact_match", "rouge_l", "bleu",
+            "chrf", "exact_match_by_category", "samples", "tasks"} <= set(result)  # fmt: skip
+    assert result["tasks"] == {}  # the held-out set stays in the top-level keys
+
+
+def test_lm_eval_names_lose_the_none_filter():
+    scores = {"alias": "gsm8k", "exact_match,strict-match": 0.5, "exact_match_stderr,strict-match": 0.1,
+              "acc,none": 0.25, "acc_stderr,none": "N/A", "sample_len": 3}  # fmt: skip
+    assert flat_metrics(scores) == {
+        "exact_match/strict-match": 0.5,
+        "exact_match/strict-match_stderr": 0.1,
+        "acc": 0.25,
+    }
+
+
+def test_label_spans():
+    assert label_spans([-100, -100, 5, 6, -100, 7, -100]) == [(2, 4), (5, 6)]
+    assert label_spans([-100, 1, 2]) == [(1, 3)]
+
+
+def test_task_without_offline_data_stops_with_one_line(tmp_path):
+    """A task YAML whose data file is missing: a UserError naming the task, raised before any model loads."""
+    yaml_file = tmp_path / "mine.yaml"
+    yaml_file.write_text(
+        DEMO_MC.read_text().replace("task: demo_mc", "task: mine").replace("demo_mc.jsonl", "gone.jsonl")
+    )
+    with pytest.raises(UserError, match=r"^eval.tasks: mine: its data is not available offline") as e:
+        extra_tasks(["mine"], [str(yaml_file)])
+    assert "\n" not in str(e.value)
+
+
+def test_a_data_file_serves_the_task_it_is_named_after(tmp_path):
+    """eval.task_data: arc_easy.jsonl is lm-eval's arc_easy over local data (here: the task YAML's include
+    path holds a copy of demo_mc renamed, and the data file replaces its data)."""
+    from evaluation import data_override, task_sources
+
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "mine.yaml").write_text(DEMO_MC.read_text().replace("task: demo_mc", "task: mine"))
+    include, files = task_sources([str(tmp_path / "tasks"), str(tmp_path / "mine.jsonl")])
+    assert include == [str((tmp_path / "tasks").resolve())] and files == {"mine": (tmp_path / "mine.jsonl").resolve()}
+    entry = type("Entry", (), {"name": "mine", "yaml_path": tmp_path / "tasks" / "mine.yaml"})
+    override = data_override(entry, files, include)
+    assert override["dataset_path"] == "json" and set(override["dataset_kwargs"]["data_files"]) == {
+        "train",
+        "validation",
+        "test",
+    }
+    entry.name = "other"
+    assert data_override(entry, files, include) == {
+        "dataset_kwargs": {"data_files": {"test": str(tmp_path / "tasks" / "demo_mc.jsonl")}}
+    }
+
+
+def test_hub_data_offline_stops_with_one_line_no_traceback(demo_assets, tmp_path):
+    """A task whose data set is on the hub (arc_easy's), offline: the script exits 2 with one line naming it,
+    before the model loads. (A task of lm-eval's own without eval.task_data takes the same path; indexing
+    lm-eval's 14,000 task YAMLs would add 10-20 s here.)"""
+    yaml_file = tmp_path / "hubby.yaml"
+    hub = "dataset_path: allenai/ai2_arc\ndataset_name: ARC-Easy"
+    yaml_file.write_text(DEMO_MC.read_text().replace("task: demo_mc", "task: hubby").replace("dataset_path: json", hub))
+    proc = subprocess.run(
+        [str(BIN / "python"), str(REPO / "workflow_scripts" / "evaluation.py"), "--model", str(demo_assets["base"]),
+         "--name", "base", "--eval", str(demo_assets["eval"]), "--metrics", str(METRICS), "--tasks", '["hubby"]',
+         "--task-data", json.dumps([str(yaml_file)]), "--output", str(tmp_path / "r.json"),
+         "--lm-eval-output", str(tmp_path / "l.json")],
+        capture_output=True, text=True, env=tool_env() | {"HF_DATASETS_OFFLINE": "1"}, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: eval.tasks: hubby: its data is not available offline")
+
+
+def test_missing_task_data_stops_at_parse_time(tmp_path):
+    config = tiny_config("t") | {"eval": {"tasks": ["mine"], "task_data": [str(tmp_path / "gone.yaml")]}}
+    proc = snakemake(tmp_path / "w", config, "-n", check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: eval.task_data: {tmp_path / 'gone.yaml'} does not exist"
+        " (evaluation runs offline: a task's data must be local)"
+    )
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.e2e
+def test_demo_mc_task_in_the_workflows_results(tmp_path):
+    """evaluate_model with eval.tasks: [demo_mc] writes its scores and lm-eval's own JSON (results, configs)."""
+    config = tiny_config("t")
+    config["eval"] |= {"tasks": ["demo_mc"], "task_data": [str(DEMO_MC)]}
+    snakemake(tmp_path, config, "results/t/eval/base.json")
+    result = json.loads((tmp_path / "results/t/eval/base.json").read_text())
+    assert set(result["tasks"]) == {"demo_mc"} and result["examples"] == config["eval"]["max_samples"]
+    assert set(result["tasks"]["demo_mc"]) == {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"}
+    assert 0 <= result["tasks"]["demo_mc"]["acc"] <= 1
+    own = json.loads((tmp_path / "results/t/eval/lm_eval/base.json").read_text())
+    assert {"results", "configs"} <= set(own) and "acc,none" in own["results"]["demo_mc"]
+    assert own["configs"]["demo_mc"]["output_type"] == "multiple_choice"
+    assert own["results"]["heldout_loss"]["eval_loss,none"] == result["eval_loss"]
+    assert own["results"]["demo_mc"]["acc,none"] == result["tasks"]["demo_mc"]["acc"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (envs/eval-vllm.yaml)")
+def test_hf_and_vllm_give_the_same_greedy_answers(demo_assets):
+    frame = pd.read_parquet(demo_assets["eval"])
+    answers = {}
+    for backend in ("hf", "vllm"):
+        kwargs = {"device": "cpu", "batch_size": 32} if backend == "hf" else {"batch_size": "auto"}
+        lm = model_class(backend)(pretrained=str(demo_assets["base"]), dtype="float32", **kwargs)
+        extra, manager = extra_tasks([], [])
+        out = evaluate_model(lm, frame, extra, manager, METRICS, NEW_TOKENS, True, {})
+        answers[backend] = [s["exact_match"][0] for s in sorted(out["samples"][HELDOUT], key=lambda s: s["doc_id"])]
+        del lm
+    assert answers["hf"] == answers["vllm"]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
