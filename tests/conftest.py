@@ -26,6 +26,14 @@ def tool_env() -> dict:
     return env
 
 
+def rule_env() -> dict:
+    """The environment of a rule's shell command: tool_env with the venv first on PATH, as Snakemake puts
+    the folder of its own interpreter (rules/common.smk), for tests that run a rule's command without it."""
+    env = tool_env()
+    env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
+    return env
+
+
 def tiny_config(run: str, strategy: str = "ddp", **training) -> dict:
     """A config that runs every stage in about a minute on 2 cores."""
     return {

@@ -23,6 +23,7 @@ from conftest import (
     REPO,
     job_logs,
     planned_jobs,
+    rule_env,
     slurm_env,
     snakemake,
     snakemake_cmd,
@@ -157,7 +158,7 @@ def local_joint_command(tmp_path, demo_assets, **cfg) -> list[str]:
 def test_joint_training_outside_slurm_runs_node_groups_here(tmp_path, demo_assets):
     cmd = local_joint_command(tmp_path, demo_assets, max_steps=6, checkpoint_every=6)
     log_dir = tmp_path / "train"
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=rule_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "2 node groups on this machine" in proc.stderr
     plan = json.loads((log_dir / "plan.json").read_text())
@@ -172,7 +173,7 @@ def test_joint_training_outside_slurm_runs_node_groups_here(tmp_path, demo_asset
 @pytest.mark.torchrun
 def test_sigterm_checkpoints_every_node_group_and_the_rerun_resumes(tmp_path, demo_assets):
     cmd = local_joint_command(tmp_path, demo_assets, max_steps=40, checkpoint_every=4)
-    proc = subprocess.Popen(cmd, env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=rule_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
         while not any((tmp_path / "ckpt").glob("*/step-4/COMPLETE")) and time.monotonic() < deadline:
@@ -188,7 +189,7 @@ def test_sigterm_checkpoints_every_node_group_and_the_rerun_resumes(tmp_path, de
     assert json.loads((tmp_path / "train" / "preempted.json").read_text())["signal"] == "SIGTERM"
     stopped = max(int(p.parent.name.split("-")[1]) for p in (tmp_path / "ckpt").glob("*/step-*/COMPLETE"))
     assert 4 <= stopped < 40
-    resumed = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
+    resumed = subprocess.run(cmd, capture_output=True, text=True, env=rule_env(), timeout=600)
     assert resumed.returncode == 0 and f"at step {stopped}" in resumed.stderr, resumed.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(2, 41, 2))  # every logged step once
