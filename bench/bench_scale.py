@@ -17,6 +17,8 @@ RSS is VmRSS from /proc/self/status, split into anonymous memory (the rank's own
 
     .venv/bin/python bench/bench_scale.py --part load --workdir /tmp/bench_scale   # (a) + (d): model loading
     .venv/bin/python bench/bench_scale.py --part world --workdir /tmp/bench_scale  # (b): FSDP at 1, 2, 4 ranks
+    .venv/bin/python bench/bench_scale.py --part step --workdir /tmp/bench_scale   # (e): FSDP2 vs ZeRO-3 through
+                                                                                   # the first optimizer step
 
 Parts load and world (issue 13, bench parts a, b and d): a Qwen3-0.6B-shaped checkpoint (28 layers,
 hidden 1024, vocab 151936, untied head: 751.6M parameters) built once with random weights and saved in
@@ -281,6 +283,12 @@ else:
 loaded = status("VmHWM:")
 strategy = build_strategy(cfg, model, device, total_steps=10)
 record = {"rank": dist.get_rank(), "imports": imports, "load": loaded, "peak": status("VmHWM:")}
+if sys.argv[6] == "1":  # one optimizer step: gradients and optimizer states exist in every strategy now
+    ids = torch.randint(0, 1000, (1, 32))
+    strategy.model.train()
+    strategy.forward_backward({"input_ids": ids, "labels": ids}, True)
+    strategy.step()
+    record["step"] = status("VmHWM:")
 rows = [None] * dist.get_world_size()
 dist.all_gather_object(rows, record)
 if dist.get_rank() == 0:
@@ -306,7 +314,7 @@ def build_checkpoint(folder: Path) -> tuple[Path, int]:
     return folder, n
 
 
-def measure(base: Path, training: dict, ranks: int, legacy: bool, workdir: Path) -> dict:
+def measure(base: Path, training: dict, ranks: int, legacy: bool, workdir: Path, step: bool = False) -> dict:
     out = workdir / "rows.json"
     out.unlink(missing_ok=True)
     config = {"precision": "bf16", "gradient_checkpointing": True} | training
@@ -315,14 +323,17 @@ def measure(base: Path, training: dict, ranks: int, legacy: bool, workdir: Path)
     script = workdir / "worker.py"
     script.write_text(WORKER)
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(ranks), str(script),
-           str(REPO / "workflow_scripts"), str(base), json.dumps(config), "1" if legacy else "0", str(out)]  # fmt: skip
+           str(REPO / "workflow_scripts"), str(base), json.dumps(config), "1" if legacy else "0", str(out),
+           "1" if step else "0"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir)
     if proc.returncode != 0:
         raise SystemExit(f"{training} x{ranks}: failed\n{proc.stderr[-3000:]}")
     rows = json.loads(out.read_text())
     worst = max(rows, key=lambda r: r["peak"] - r["imports"])
     load = max(r["load"] - r["imports"] for r in rows)
-    return {"imports": worst["imports"], "peak": worst["peak"], "load": load, "above": worst["peak"] - worst["imports"]}
+    step_peak = max((r["step"] - r["imports"] for r in rows), default=None) if step else None
+    return {"imports": worst["imports"], "peak": worst["peak"], "load": load, "above": worst["peak"] - worst["imports"],
+            "step": step_peak}  # fmt: skip
 
 
 def label(training: dict) -> str:
@@ -345,7 +356,14 @@ def world_cases() -> list[tuple[dict, int, bool]]:
     return [({"strategy": "fsdp"}, ranks, False) for ranks in (1, 2, 4)]
 
 
-def model_part(cases, args) -> list[dict]:
+def step_cases() -> list[tuple[dict, int, bool]]:
+    """(e): through the first optimizer step, 2 ranks, the sharded strategies: FSDP2 allocates its gradients
+    and AdamW states in the step, DeepSpeed its fp32 master and gradient partitions in deepspeed.initialize;
+    after one step both hold everything training holds, so the peaks compare like with like."""
+    return [({"strategy": "fsdp"}, 2, False), ({"strategy": "deepspeed", "zero_stage": 3}, 2, False)]
+
+
+def model_part(cases, args, step: bool = False) -> list[dict]:
     """Each case in its own torchrun; rows with the peaks above imports and their ratio to the fp32 bytes."""
     workdir = args.workdir
     base, n = build_checkpoint(workdir / "qwen3-0.6b-shape-bf16")
@@ -354,12 +372,12 @@ def model_part(cases, args) -> list[dict]:
           f"{(base / 'model.safetensors').stat().st_size / 2**30:.2f} GiB", flush=True)  # fmt: skip
     rows = []
     for training, ranks, legacy in cases:
-        m = measure(base, training, ranks, legacy, workdir)
+        m = measure(base, training, ranks, legacy, workdir, step)
         rows.append({
             "run": label(training) + (" (before)" if legacy else ""), "ranks": ranks,
             "imports GiB": m["imports"] / 2**30, "load GiB": m["load"] / 2**30, "load x fp32": m["load"] / fp32,
             "load+wrap GiB": m["above"] / 2**30, "load+wrap x fp32": m["above"] / fp32,
-        })  # fmt: skip
+        } | ({"first step GiB": m["step"] / 2**30, "first step x fp32": m["step"] / fp32} if step else {}))  # fmt: skip
         print(rows[-1], flush=True)
     return rows
 
@@ -372,18 +390,30 @@ def world_part(args) -> list[dict]:
     return model_part(world_cases(), args)
 
 
+def step_part(args) -> list[dict]:
+    return model_part(step_cases(), args, step=True)
+
+
 def model_summary(rows: list[dict]) -> None:
     by = {(r["run"], r["ranks"]): r for r in rows}
     for name in ("ddp", "fsdp", "deepspeed-zero3"):
         if (f"{name} (before)", 2) in by:
             after, before = by[(name, 2)], by[(f"{name} (before)", 2)]
             print(f"{name}: load+wrap after / before = {after['load+wrap x fp32'] / before['load+wrap x fp32']:.2f}")
+    if ("deepspeed-zero3", 2) in by and "first step x fp32" in by[("deepspeed-zero3", 2)]:
+        zero3, fsdp = by[("deepspeed-zero3", 2)], by[("fsdp", 2)]
+        print(f"first step, ZeRO-3 / FSDP2 per-rank peak = {zero3['first step GiB'] / fsdp['first step GiB']:.2f}")
     if ("fsdp", 4) in by:
         print(f"fsdp per-rank load+wrap peak, 4 ranks / 2 ranks = "
               f"{by[('fsdp', 4)]['load+wrap GiB'] / by[('fsdp', 2)]['load+wrap GiB']:.2f}")  # fmt: skip
 
 
-PARTS = {"data": (data_part, data_summary), "load": (load_part, model_summary), "world": (world_part, model_summary)}
+PARTS = {
+    "data": (data_part, data_summary),
+    "load": (load_part, model_summary),
+    "world": (world_part, model_summary),
+    "step": (step_part, model_summary),
+}
 
 
 def main() -> None:

@@ -93,9 +93,9 @@ def test_lora_trains_and_consolidates(tmp_path, demo_assets, strategy, extra):
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("stage", [2])  # ZeRO-1 is consolidated (and checked) end to end in the seed-002 twin
+@pytest.mark.parametrize("stage", [1, 2])  # seed 002's ZeRO-1 and ZeRO-2 (ZeRO-3: sharded-load and twin tests)
 def test_deepspeed_full_finetune_consolidates_sharded_with_equal_logits(tmp_path, demo_assets, stage):
-    """ZeRO-2 (one merged fp32 vector per group) through DeepSpeed's converter, written as 4 MB shards."""
+    """ZeRO-1/2 (one merged fp32 vector per group) through DeepSpeed's converter, written as 4 MB shards."""
     losses, out = train_and_consolidate(
         tmp_path, demo_assets, max_shard_size="4MB", strategy="deepspeed", zero_stage=stage, max_steps=4
     )
