@@ -96,7 +96,8 @@ def test_best_fit_decreasing_packs_tightly():
     assert stats["pad_to_longest_efficiency"] < stats["packing_efficiency"]
 
 
-def run_tokenize(tmp_path, shard, tok_dir, cache, name, *extra):
+def tokenize_cli(tmp_path, shard, tok_dir, cache, name, *extra) -> subprocess.CompletedProcess:
+    """tokenization.py on one shard, its outputs named ``name`` in tmp_path; fails the test if it fails."""
     cmd = [
         sys.executable, str(REPO / "workflow_scripts/tokenization.py"), "--shard", str(shard),
         "--tokenizer", str(tok_dir), "--max-seq-len", "64", "--cache-dir", str(cache),
@@ -105,6 +106,11 @@ def run_tokenize(tmp_path, shard, tok_dir, cache, name, *extra):
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def run_tokenize(tmp_path, shard, tok_dir, cache, name, *extra):
+    tokenize_cli(tmp_path, shard, tok_dir, cache, name, *extra)
     return json.loads((tmp_path / f"{name}.json").read_text())
 
 
@@ -153,14 +159,7 @@ def test_cli_logs_progress_lines(tmp_path, tokenizer):
     tokenizer.save_pretrained(tok_dir)
     shard = split_files(tmp_path / "split", data, nodes=1)["splits"][0]
     rows = pq.ParquetFile(shard).metadata.num_rows
-    cmd = [
-        sys.executable, str(REPO / "workflow_scripts/tokenization.py"), "--shard", str(shard),
-        "--tokenizer", str(tok_dir), "--max-seq-len", "64", "--cache-dir", str(tmp_path / "cache"),
-        "--output", str(tmp_path / "t.parquet"), "--packing", str(tmp_path / "t.packing.parquet"),
-        "--stats", str(tmp_path / "t.json"),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env())
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = tokenize_cli(tmp_path, shard, tok_dir, tmp_path / "cache", "t")
     tokens = json.loads((tmp_path / "t.json").read_text())["tokens"]
     line = next(x for x in proc.stderr.splitlines() if "INFO tokenize node0.parquet: done, " in x)
     assert f"{rows:,}/{rows:,} rows (100%)" in line and f"{tokens:,} tokens (" in line and "\r" not in proc.stderr
