@@ -16,7 +16,6 @@ from pathlib import Path
 from pipeline_io import UserError, atomic_path, cli
 
 PREFIX = "training."
-LOWER_IS_BETTER = ("loss", "perplexity")  # a metric whose name holds one of these: lower is better
 FIRST = ("eval_loss", "perplexity", "exact_match")  # the table's first metric columns; the rest as they come
 NOT_METRICS = {"examples", "label_tokens"}  # numeric keys of a result that describe the eval set, not the model
 
@@ -87,7 +86,10 @@ def metrics_of(result: dict) -> dict:
 
 
 def lower_is_better(metric: str) -> bool:
-    return any(word in metric.split(".")[-1] for word in LOWER_IS_BETTER)
+    """As summarize ranks metrics (imported here, not at the top: see metrics_of)."""
+    from summarize import lower_is_better as by_name
+
+    return by_name(metric)
 
 
 def grid_rows(variants: dict[str, dict], results: dict[tuple[str, str], dict], base: dict) -> list[dict]:

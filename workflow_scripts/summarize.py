@@ -104,7 +104,8 @@ def tasks_table(results: list[dict]) -> pd.DataFrame:
 
 
 def lower_is_better(metric: str) -> bool:
-    return any(word in metric for word in LOWER_IS_BETTER)
+    """By the metric's name (a `<task>.<metric>` column by its metric part): losses and perplexities."""
+    return any(word in metric.split(".")[-1] for word in LOWER_IS_BETTER)
 
 
 def task_lines(tasks: pd.DataFrame, best_model: str) -> list[str]:
