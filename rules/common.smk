@@ -59,7 +59,6 @@ try:
 except UserError as e:
     fail(e)
 DEMO = PRESET is not None  # the base model is built by build_demo_model
-METRICS = Path(workflow.basedir) / "metrics"
 
 
 class Pattern(str):

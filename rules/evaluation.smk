@@ -14,9 +14,8 @@ rule evaluate_model:
         python=EVAL_PYTHON,
         script=script_path("evaluation.py"),
         model=get_model,
-        metrics=METRICS,
         args=EVAL_ARGS,
     shell:
         "{params.python} {params.script} --model {params.model} --name {wildcards.model}"
-        " --eval {input.eval} --metrics {params.metrics} {params.args}"
+        " --eval {input.eval} {params.args}"
         " --output {output.result} --lm-eval-output {output.lm_eval} > {log} 2>&1"

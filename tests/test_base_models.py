@@ -24,7 +24,7 @@ from chat_format import (
     parse_format,
     special_texts,
 )
-from conftest import REPO, bpe_tokenizer, snakemake, split_files, tiny_config, trained_runs
+from conftest import bpe_tokenizer, snakemake, split_files, tiny_config, trained_runs
 from pipeline_io import UserError
 from tokenization import ChatRenderer, encode_messages, generation_settings, use_template
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -255,7 +255,7 @@ def test_exact_match_compares_like_with_like(llama2_base):
     from evaluation import heldout_tasks
 
     frame = pd.DataFrame({"input_ids": [[1, 5]], "labels": [[-100, 5]], "prompt_length": [1], "response": ["x"]})
-    (generation, _), _, _ = heldout_tasks(frame, llama2_base, REPO / "metrics", 4, {})
+    (generation, _), _, _ = heldout_tasks(frame, llama2_base, 4, {})
     cases = [("hi", "hi<|endoftext|>"), (" Paris<|endoftext|>", "Paris"), ("7", "7</s>")]
     pairs = [generation["process_results"]({"response": r}, [p])["exact_match"] for p, r in cases]
     assert generation["metric_list"][0]["aggregation"](pairs) == 1.0
@@ -267,13 +267,12 @@ def test_exact_match_compares_like_with_like(llama2_base):
 def test_evaluation_without_a_pad_token(tmp_path, base_dir, tokenized):
     from evaluation import main as evaluate_main
     from evaluation import stop_ids
-    from soup import padding_id
 
     tok = AutoTokenizer.from_pretrained(base_dir)
-    assert tok.pad_token_id is None and padding_id(tok) == tok.eos_token_id
+    assert tok.pad_token_id is None
     evaluate_main(
         ["--model", str(base_dir), "--name", "base", "--eval", str(tokenized / "eval.tok.parquet"),
-         "--metrics", str(REPO / "metrics"), "--batch-size", "3", "--max-new-tokens", "4",
+         "--batch-size", "3", "--max-new-tokens", "4",
          "--output", str(tmp_path / "base.json"), "--lm-eval-output", str(tmp_path / "lm_eval.json")]
     )  # fmt: skip
     result = json.loads((tmp_path / "base.json").read_text())
@@ -285,11 +284,10 @@ def test_evaluation_without_a_pad_token(tmp_path, base_dir, tokenized):
 
 def test_generation_stops_at_the_templates_end_of_turn(qwen3_base):
     from evaluation import stop_ids
-    from soup import padding_id
 
     eot, eos = qwen3_base.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     model = tiny_llama(qwen3_base)
-    assert set(stop_ids(model, qwen3_base)) == {eos, eot} and padding_id(qwen3_base) == eos
+    assert set(stop_ids(model, qwen3_base)) == {eos, eot}
     bare = bpe(["<|endoftext|>"], eos_token="<|endoftext|>")  # no chat template at all: still the EOS
     assert generation_settings(bare) == {"eos_token_id": [eos], "chat_template_kwargs": {}}
 

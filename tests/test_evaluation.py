@@ -23,7 +23,6 @@ from evaluation import (
 )
 from pipeline_io import UserError
 
-METRICS = REPO / "metrics"
 DEMO_MC = REPO / "resources" / "demo" / "tasks" / "demo_mc.yaml"
 SAMPLES, NEW_TOKENS = 48, 8
 
@@ -73,8 +72,8 @@ def heldout_run(demo_assets):
     frame = pd.read_parquet(demo_assets["eval"]).iloc[:SAMPLES]
     lm = model_class("hf")(pretrained=str(demo_assets["base"]), device="cpu", dtype="float32", batch_size=16)
     extra, manager = extra_tasks([], [])
-    out = evaluate_model(lm, frame, extra, manager, METRICS, NEW_TOKENS, True, {})
-    return lm, frame, out, result_json("base", str(demo_assets["base"]), frame, out, METRICS, lm.tokenizer)
+    out = evaluate_model(lm, frame, extra, manager, NEW_TOKENS, True, {})
+    return lm, frame, out, result_json("base", str(demo_assets["base"]), frame, out, lm.tokenizer)
 
 
 def test_heldout_numbers_equal_the_plain_forward_pass(heldout_run):
@@ -159,7 +158,7 @@ def test_hub_data_offline_stops_with_one_line_no_traceback(demo_assets, tmp_path
     yaml_file.write_text(DEMO_MC.read_text().replace("task: demo_mc", "task: hubby").replace("dataset_path: json", hub))
     proc = subprocess.run(
         [str(BIN / "python"), str(REPO / "workflow_scripts" / "evaluation.py"), "--model", str(demo_assets["base"]),
-         "--name", "base", "--eval", str(demo_assets["eval"]), "--metrics", str(METRICS), "--tasks", '["hubby"]',
+         "--name", "base", "--eval", str(demo_assets["eval"]), "--tasks", '["hubby"]',
          "--task-data", json.dumps([str(yaml_file)]), "--output", str(tmp_path / "r.json"),
          "--lm-eval-output", str(tmp_path / "l.json")],
         capture_output=True, text=True, env=tool_env() | {"HF_DATASETS_OFFLINE": "1"}, timeout=300,
@@ -206,7 +205,7 @@ def test_hf_and_vllm_give_the_same_greedy_answers(demo_assets):
         kwargs = {"device": "cpu", "batch_size": 32} if backend == "hf" else {"batch_size": "auto"}
         lm = model_class(backend)(pretrained=str(demo_assets["base"]), dtype="float32", **kwargs)
         extra, manager = extra_tasks([], [])
-        out = evaluate_model(lm, frame, extra, manager, METRICS, NEW_TOKENS, True, {})
+        out = evaluate_model(lm, frame, extra, manager, NEW_TOKENS, True, {})
         answers[backend] = [s["exact_match"][0] for s in sorted(out["samples"][HELDOUT], key=lambda s: s["doc_id"])]
         del lm
     assert answers["hf"] == answers["vllm"]

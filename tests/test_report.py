@@ -7,8 +7,6 @@ import subprocess
 import pytest
 from conftest import REPO
 
-METRICS = REPO / "metrics"
-
 
 def test_per_category_exact_match_normalizes_like_the_overall_one():
     from evaluation import exact_match_by_category, score
@@ -16,10 +14,10 @@ def test_per_category_exact_match_normalizes_like_the_overall_one():
     predictions = ["a  b", "x\ny", " c ", "no", "d"]
     references = ["a b", "x y", "c", "yes", "D"]
     categories = ["open_qa", "open_qa", "brainstorm", "brainstorm", "brainstorm"]
-    by_category = exact_match_by_category(predictions, references, categories, METRICS)
+    by_category = exact_match_by_category(predictions, references, categories)
     # inner whitespace runs count as one space in both; case matters in both
     assert by_category == {"brainstorm": pytest.approx(1 / 3), "open_qa": 1.0}
-    overall = score(predictions, references, METRICS)["exact_match"]
+    overall = score(predictions, references)["exact_match"]
     weighted = sum(by_category[c] * categories.count(c) for c in by_category) / len(categories)
     assert overall == pytest.approx(weighted) == pytest.approx(3 / 5)
 
@@ -67,9 +65,9 @@ def test_every_score_in_a_summary_is_on_0_1():
     from summarize import SCORES, summary_table
 
     references = ["the cat sat on the mat today", "a quick brown fox jumps over it", "ten green bottles on the wall"]
-    same = score(references, references, METRICS)
+    same = score(references, references)
     assert {k: same[k] for k in SCORES} == {k: pytest.approx(1.0) for k in SCORES}  # chrF 1.0, not 100
-    other = score(["the cat sat on a rug", "", "ten green bottles on the wall"], references, METRICS)
+    other = score(["the cat sat on a rug", "", "ten green bottles on the wall"], references)
     results = [{"model": "base", "eval_loss": 4.0, "perplexity": 54.6} | other,
                {"model": "node0", "eval_loss": 2.0, "perplexity": 7.39} | same]  # fmt: skip
     table = summary_table(results)

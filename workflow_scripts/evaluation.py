@@ -1,8 +1,8 @@
 """evaluate_model: one model through lm-eval-harness: the held-out set and the extra tasks of eval.tasks.
 
 The held-out set is the tokenized cache training's caches come from, made into two local lm-eval tasks:
-``heldout`` generates greedily from the first ``prompt_length`` ids of each example (scored by the repo's
-exact match, ROUGE-L, BLEU and chrF modules in metrics/), ``heldout_loss`` scores its label tokens
+``heldout`` generates greedily from the first ``prompt_length`` ids of each example (exact match, and
+ROUGE-L, BLEU and chrF by rouge_score and sacrebleu), ``heldout_loss`` scores its label tokens
 (token-weighted loss, perplexity). lm-eval would tokenize a prompt's text again, and move its trailing
 whitespace into the scored continuation (the "\\n" after "assistant"); the model classes here take the
 cached ids for those texts instead (PinnedIds), so the numbers are the plain forward pass's, token for token.
@@ -12,23 +12,24 @@ tokens, and the text of every special token is taken out of both answers and ref
 """
 
 import argparse
-import functools
 import json
 import math
+import re
+import statistics
 from pathlib import Path
 
 import datasets
-import evaluate
 import pandas as pd
+import sacrebleu
 import torch
 from chat_format import remove_special_text, special_texts
 from pipeline_io import UserError, atomic_path, cli, write_json
+from rouge_score import rouge_scorer
 from settings import option
 from tokenization import generation_settings
 
 IGNORE = -100
 HELDOUT, HELDOUT_LOSS = "heldout", "heldout_loss"
-GENERATION_METRICS = {"exact_match": "exact_match", "rouge_l": "rouge_l", "bleu": "bleu_chrf", "chrf": "bleu_chrf"}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -97,21 +98,34 @@ def model_class(backend: str):
     return type(f"Pinned{base.__name__}", (PinnedIds, base), {"pinned": {}, "spans": {}})
 
 
-@functools.cache
-def load_metric(path: Path):
-    """One of the repo's evaluate modules, loaded once (bleu_chrf gives two scores)."""
-    return evaluate.load(str(path))
+# lm-eval aggregations over (answer, reference) pairs, each 0-1 (sacrebleu's 0-100 divided by 100)
+def exact_match(pairs) -> float:
+    """Answers equal to their reference, ends stripped and inner runs of whitespace taken as one space."""
+    norm = [tuple(re.sub(r"\s+", " ", t).strip() for t in pair) for pair in pairs]
+    return sum(a == r for a, r in norm) / len(norm) if norm else 0.0
 
 
-def metric(metrics_dir: Path, module: str, key: str):
-    """An lm-eval aggregation over (prediction, reference) pairs by one of the repo's evaluate modules."""
+def rouge_l(pairs) -> float:
+    """Mean ROUGE-L F1 (rouge_score, no stemming)."""
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+    return statistics.fmean(scorer.score(r, a)["rougeL"].fmeasure for a, r in pairs) if pairs else 0.0
 
-    def aggregate(pairs):
-        predictions, references = map(list, zip(*pairs, strict=True)) if pairs else ([], [])
-        return load_metric(metrics_dir / module).compute(predictions=predictions, references=references)[key]
 
-    aggregate.__name__ = key
-    return aggregate
+def corpus(score, pairs) -> float:
+    """A sacrebleu corpus score, one reference each (identical texts give 100.00000000000004: capped)."""
+    answers, references = map(list, zip(*pairs, strict=True)) if pairs else ([], [])
+    return min(score(answers, [references]).score / 100, 1.0) if pairs else 0.0
+
+
+def bleu(pairs) -> float:
+    return corpus(sacrebleu.corpus_bleu, pairs)
+
+
+def chrf(pairs) -> float:
+    return corpus(sacrebleu.corpus_chrf, pairs)
+
+
+GENERATION_METRICS = {"exact_match": exact_match, "rouge_l": rouge_l, "bleu": bleu, "chrf": chrf}
 
 
 def token_mean(items) -> float:
@@ -119,7 +133,7 @@ def token_mean(items) -> float:
     return sum(loss for loss, _ in items) / max(sum(n for _, n in items), 1)
 
 
-def heldout_tasks(frame: pd.DataFrame, tokenizer, metrics_dir: Path, max_new_tokens: int, stop: dict):
+def heldout_tasks(frame: pd.DataFrame, tokenizer, max_new_tokens: int, stop: dict):
     """The held-out set's two lm-eval task configs, and the texts to pin to their cached ids (and spans)."""
     specials, docs, pinned, spans = special_texts(tokenizer), [], {}, {}
     columns = (frame["input_ids"], frame["labels"], frame["prompt_length"], frame["response"])
@@ -141,8 +155,7 @@ def heldout_tasks(frame: pd.DataFrame, tokenizer, metrics_dir: Path, max_new_tok
     def loss(doc, results):
         return {"eval_loss": (-results[0][0], doc["label_tokens"]), "label_tokens": doc["label_tokens"]}
 
-    scores = [{"metric": k, "aggregation": metric(metrics_dir, m, k), "higher_is_better": True}
-              for k, m in GENERATION_METRICS.items()]  # fmt: skip
+    scores = [{"metric": k, "aggregation": f, "higher_is_better": True} for k, f in GENERATION_METRICS.items()]
     generation = common | {
         "task": HELDOUT, "output_type": "generate_until", "doc_to_text": "prompt", "process_results": answer_pairs,
         "generation_kwargs": {"until": [], "max_gen_toks": max_new_tokens, "do_sample": False, **stop},
@@ -236,15 +249,13 @@ def flat_metrics(scores: dict) -> dict:
     return out
 
 
-def exact_match_by_category(predictions: list[str], references: list[str], categories: list, metrics_dir: Path) -> dict:
-    """Exact match within each category, by the same evaluate module (same normalization) as the overall one."""
-    em = load_metric(metrics_dir / "exact_match")
+def exact_match_by_category(predictions: list[str], references: list[str], categories: list) -> dict:
+    """Exact match within each category (the overall one's normalization)."""
     rows = pd.DataFrame({"p": predictions, "r": references, "c": categories})
-    groups = rows.groupby("c", sort=True)
-    return {str(c): em.compute(predictions=list(g["p"]), references=list(g["r"]))["exact_match"] for c, g in groups}
+    return {str(c): exact_match(list(zip(g["p"], g["r"], strict=True))) for c, g in rows.groupby("c", sort=True)}
 
 
-def result_json(name: str, path: str, frame: pd.DataFrame, out: dict, metrics_dir: Path, tokenizer) -> dict:
+def result_json(name: str, path: str, frame: pd.DataFrame, out: dict, tokenizer) -> dict:
     """Our result (the keys summarize and soup read) from lm-eval's output."""
     scores = {k: flat_metrics(v) for k, v in out["results"].items()}
     samples = sorted(out["samples"][HELDOUT], key=lambda s: s["doc_id"])
@@ -254,7 +265,7 @@ def result_json(name: str, path: str, frame: pd.DataFrame, out: dict, metrics_di
               "perplexity": math.exp(min(loss, 50))} | {k: scores[HELDOUT][k] for k in GENERATION_METRICS}  # fmt: skip
     if frame["category"].astype(bool).any():
         categories = frame["category"].tolist()
-        result["exact_match_by_category"] = exact_match_by_category(predictions, references, categories, metrics_dir)
+        result["exact_match_by_category"] = exact_match_by_category(predictions, references, categories)
     result["samples"] = [
         {"prompt": tokenizer.decode(ids[:n], skip_special_tokens=True)[-300:], "reference": r, "prediction": p}
         for ids, n, r, p in zip(frame["input_ids"], frame["prompt_length"], references[:20], predictions, strict=False)
@@ -288,10 +299,10 @@ def stop_ids(model, tokenizer) -> list[int]:
     return list(dict.fromkeys(generation_settings(tokenizer)["eos_token_id"] + own))
 
 
-def score(predictions: list[str], references: list[str], metrics_dir: Path) -> dict:
+def score(predictions: list[str], references: list[str]) -> dict:
     """The held-out set's four scores of answers against references, as its lm-eval task aggregates them."""
     pairs = list(zip(predictions, references, strict=True))
-    return {k: metric(metrics_dir, m, k)(pairs) for k, m in GENERATION_METRICS.items()}
+    return {k: f(pairs) for k, f in GENERATION_METRICS.items()}
 
 
 def light_env_info(storage: dict) -> None:
@@ -302,21 +313,31 @@ def light_env_info(storage: dict) -> None:
     storage |= {"transformers_version": transformers.__version__, "lm_eval_version": version("lm_eval")}
 
 
-def evaluate_model(lm, frame, extra, manager, metrics_dir, max_new_tokens, chat_template, template_kwargs) -> dict:
-    """lm-eval's output for the held-out tasks and ``extra`` (loaded Task objects) on ``lm``."""
+def evaluate_model(lm, frame, extra, manager, max_new_tokens, chat_template, template_kwargs, generate=True) -> dict:
+    """lm-eval's output for the held-out tasks (``generate=False``: the loss alone) and ``extra`` (loaded Task
+    objects) on ``lm``."""
     import lm_eval.evaluator
     from lm_eval.api.task import ConfigurableTask
 
     stops = stop_ids(getattr(lm, "model", None), lm.tokenizer)
     vllm = hasattr(lm, "tensor_parallel_size")
     stop = {"stop_token_ids": stops, "skip_special_tokens": True} if vllm else {"eos_token_id": stops}
-    configs, lm.pinned, lm.spans = heldout_tasks(frame, lm.tokenizer, metrics_dir, max_new_tokens, stop)
+    configs, lm.pinned, lm.spans = heldout_tasks(frame, lm.tokenizer, max_new_tokens, stop)
     lm.chat_template_args = dict(template_kwargs)
     lm_eval.evaluator.add_env_info = light_env_info
-    tasks = [ConfigurableTask(config=c) for c in configs] + extra
+    tasks = [ConfigurableTask(config=c) for c in configs[0 if generate else 1 :]] + extra
     return lm_eval.evaluator.simple_evaluate(
         lm, tasks=tasks, task_manager=manager, apply_chat_template=chat_template, bootstrap_iters=1000
     )
+
+
+def heldout_loss(model, tokenizer, frame: pd.DataFrame) -> float:
+    """A loaded model's token-weighted held-out loss, by the heldout_loss task (the greedy soup's criterion)."""
+    from lm_eval.tasks import TaskManager
+
+    lm = model_class("hf")(pretrained=model, tokenizer=tokenizer, batch_size=option("eval.batch_size")["default"])
+    out = evaluate_model(lm, frame, [], TaskManager(include_defaults=False), 0, False, {}, generate=False)
+    return flat_metrics(out["results"][HELDOUT_LOSS])["eval_loss"]
 
 
 @cli
@@ -325,7 +346,6 @@ def main(argv=None) -> None:
     p.add_argument("--model", required=True, help="Hugging Face folder or hub id")
     p.add_argument("--name", required=True, help="name in the summary (base, node0, ...)")
     p.add_argument("--eval", required=True, type=Path, help="tokenized eval set")
-    p.add_argument("--metrics", required=True, type=Path, help="folder of the repo's evaluate modules")
     p.add_argument("--batch-size", type=int, **option("eval.batch_size"))
     p.add_argument("--max-new-tokens", type=int, **option("eval.max_new_tokens"))
     p.add_argument("--max-samples", type=int, help="0 = the whole eval set", **option("eval.max_samples"))
@@ -345,8 +365,8 @@ def main(argv=None) -> None:
         frame = frame.iloc[: a.max_samples]
     extra, manager = extra_tasks(a.tasks, a.task_data)  # before the model loads: missing data stops at once
     lm = load_model(a.backend, a.model, a.precision, a.batch_size)
-    out = evaluate_model(lm, frame, extra, manager, a.metrics, a.max_new_tokens, a.chat_template, a.template_kwargs)
-    result = result_json(a.name, a.model, frame, out, a.metrics, lm.tokenizer)
+    out = evaluate_model(lm, frame, extra, manager, a.max_new_tokens, a.chat_template, a.template_kwargs)
+    result = result_json(a.name, a.model, frame, out, lm.tokenizer)
     with atomic_path(a.lm_eval_output) as tmp:
         tmp.write_text(lm_eval_json(out))
     write_json(a.output, result)

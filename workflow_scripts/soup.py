@@ -15,44 +15,10 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from consolidate import stored_dtype
+from evaluation import heldout_loss
 from pipeline_io import UserError, cli, write_json
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-IGNORE = -100
-
-
-def padding_id(tokenizer) -> int:
-    """The id padding uses: the pad token, else the EOS, else 0; never None (Llama has no pad token)."""
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if isinstance(candidate, list):
-            candidate = candidate[0] if candidate else None
-        if candidate is not None:
-            return int(candidate)
-    return 0
-
-
-@torch.no_grad()
-def eval_loss(model, frame: pd.DataFrame, pad_id: int, batch_size: int) -> tuple[float, int]:
-    """Token-weighted mean cross-entropy over all label tokens of the eval set: evaluate_model's eval_loss
-    (lm-eval's log-likelihood of the same ids; tests/test_evaluation.py checks they agree to 1e-6)."""
-    total, count = 0.0, 0
-    for start in range(0, len(frame), batch_size):
-        batch = frame.iloc[start : start + batch_size]
-        width = int(batch["length"].max())
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (x, y) in enumerate(zip(batch["input_ids"], batch["labels"], strict=True)):
-            ids[i, : len(x)], labels[i, : len(y)], mask[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
-        logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits.float().cpu()
-        loss = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="sum"
-        )
-        total += loss.item()
-        count += int((labels[:, 1:] != IGNORE).sum())
-    return total / max(count, 1), count
 
 
 def load_state(path: Path) -> dict:
@@ -88,9 +54,9 @@ def save(state: dict, template: Path, tokenizer, out: Path, members: list[str], 
     write_json(out / "soup.json", {"members": members})
 
 
-def held_out_loss(state: dict, template: Path, frame: pd.DataFrame, pad_id: int, dtype=torch.float32) -> float:
-    model = as_saved(state, template, dtype).float()  # computed in fp32
-    return eval_loss(model.eval(), frame, pad_id, batch_size=32)[0]
+def held_out_loss(state: dict, template: Path, frame: pd.DataFrame, tokenizer, dtype=torch.float32) -> float:
+    """evaluate_model's eval_loss of the soup as it will be saved, computed in fp32."""
+    return heldout_loss(as_saved(state, template, dtype).float().eval(), tokenizer, frame)
 
 
 @cli
@@ -116,7 +82,7 @@ def main(argv=None) -> None:
     trail = [{"added": order[0], "loss": best}]
     for name in order[1:]:
         soup = average([states[m] for m in [*members, name]])
-        loss = held_out_loss(soup, template, frame, padding_id(tokenizer), dtype)
+        loss = held_out_loss(soup, template, frame, tokenizer, dtype)
         trail.append({"tried": name, "loss": loss, "kept": loss < best})
         if loss < best:
             members, best = [*members, name], loss
