@@ -15,7 +15,6 @@ import argparse
 import json
 import math
 import re
-import statistics
 from pathlib import Path
 
 import datasets
@@ -108,7 +107,7 @@ def exact_match(pairs) -> float:
 def rouge_l(pairs) -> float:
     """Mean ROUGE-L F1 (rouge_score, no stemming)."""
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
-    return statistics.fmean(scorer.score(r, a)["rougeL"].fmeasure for a, r in pairs) if pairs else 0.0
+    return sum(scorer.score(r, a)["rougeL"].fmeasure for a, r in pairs) / len(pairs) if pairs else 0.0
 
 
 def corpus(score, pairs) -> float:
