@@ -255,7 +255,7 @@ def test_exact_match_compares_like_with_like(llama2_base):
     from evaluation import heldout_tasks
 
     frame = pd.DataFrame({"input_ids": [[1, 5]], "labels": [[-100, 5]], "prompt_length": [1], "response": ["x"]})
-    (generation, _), _, _ = heldout_tasks(frame, llama2_base, 4, {})
+    (generation, _), _ = heldout_tasks(frame, llama2_base, 4, {})
     cases = [("hi", "hi<|endoftext|>"), (" Paris<|endoftext|>", "Paris"), ("7", "7</s>")]
     pairs = [generation["process_results"]({"response": r}, [p])["exact_match"] for p, r in cases]
     assert generation["metric_list"][0]["aggregation"](pairs) == 1.0

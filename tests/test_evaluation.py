@@ -94,6 +94,24 @@ def test_heldout_numbers_equal_the_plain_forward_pass(heldout_run):
     assert math.isclose(result["exact_match"], hits, abs_tol=1e-12)
 
 
+def test_multi_turn_loss_scores_every_answer_run(heldout_run):
+    """Examples with several runs of label tokens (multi-turn: two demo examples back to back) and a label
+    on the first token (no context: never scored, as in the shifted cross-entropy): the loss task's docs are
+    the runs, and their token-weighted loss equals the plain forward pass's."""
+    lm, frame, _, _ = heldout_run
+    rows = frame.iloc[:6]
+    pairs = zip(rows.iloc[::2].itertuples(), rows.iloc[1::2].itertuples(), strict=True)
+    joined = pd.DataFrame([{"input_ids": [*a.input_ids, *b.input_ids], "labels": [*a.labels, *b.labels],
+                            "prompt_length": a.prompt_length, "response": a.response,
+                            "length": a.length + b.length} for a, b in pairs])  # fmt: skip
+    joined.at[0, "labels"] = [joined.at[0, "input_ids"][0], *joined.at[0, "labels"][1:]]
+    out = evaluate_model(lm, joined, [], extra_tasks([], [])[1], NEW_TOKENS, True, {}, generate=False)
+    loss, tokens = reference_loss(lm.model, joined, lm.tokenizer.pad_token_id, 16)
+    scores = flat_metrics(out["results"]["heldout_loss"])
+    assert scores["label_tokens"] == tokens and len(out["samples"]["heldout_loss"]) == 2 * len(joined)
+    assert math.isclose(scores["eval_loss"], loss, rel_tol=1e-6, abs_tol=0)
+
+
 def test_result_keeps_every_key(heldout_run):
     _, _, _, result = heldout_run
     assert {"model", "path", "examples", "label_tokens", "eval_loss", "perplexity", "exact_match", "rouge_l", "bleu",

@@ -46,10 +46,10 @@ def label_spans(labels) -> list[tuple[int, int]]:
 
 class PinnedIds:
     """For an lm-eval model class (HFLM, VLLM): a text in ``pinned`` is tokenized as the cached ids it was
-    decoded from, and a log-likelihood request whose context is one with ``spans`` scores exactly those."""
+    decoded from (lm-eval splits a log-likelihood request as tok_encode(context + continuation) after
+    tok_encode(context), the context's trailing whitespace moved over: both are pinned)."""
 
     pinned: dict = {}
-    spans: dict = {}
 
     def tok_encode(self, string, *args, **kwargs):
         if isinstance(string, list | tuple):  # VLLM encodes a batch at once
@@ -68,20 +68,6 @@ class PinnedIds:
             mask[i, width - len(self.pinned[s]) :] = 1
         return ids, mask
 
-    def loglikelihood(self, requests, disable_tqdm=False):
-        ours = [r.args[0] in self.spans for r in requests]
-        parts, owner = [], []
-        for n, r in enumerate(r for r, mine in zip(requests, ours, strict=True) if mine):
-            ids = self.pinned[r.args[0]]
-            for start, end in self.spans[r.args[0]]:
-                parts, owner = [*parts, ((r.args[0], ""), ids[:start], ids[start:end])], [*owner, n]
-        totals = [[0.0, True] for _ in range(sum(ours))]
-        for n, (ll, greedy) in zip(owner, self._loglikelihood_tokens(parts) if parts else [], strict=True):
-            totals[n] = [totals[n][0] + ll, totals[n][1] and greedy]
-        others = [r for r, mine in zip(requests, ours, strict=True) if not mine]
-        theirs, mine = iter(super().loglikelihood(others, disable_tqdm) if others else []), iter(map(tuple, totals))
-        return [next(mine) if m else next(theirs) for m in ours]
-
     def apply_chat_template(self, chat_history, add_generation_prompt=True):
         """A held-out text is rendered already, by training's template (extra tasks get the model's)."""
         if len(chat_history) == 1 and chat_history[0]["content"] in self.pinned:
@@ -94,7 +80,7 @@ def model_class(backend: str):
         from lm_eval.models.vllm_causallms import VLLM as base
     else:
         from lm_eval.models.huggingface import HFLM as base
-    return type(f"Pinned{base.__name__}", (PinnedIds, base), {"pinned": {}, "spans": {}})
+    return type(f"Pinned{base.__name__}", (PinnedIds, base), {"pinned": {}})
 
 
 # lm-eval aggregations over (answer, reference) pairs, each 0-1 (sacrebleu's 0-100 divided by 100)
@@ -133,17 +119,22 @@ def token_mean(items) -> float:
 
 
 def heldout_tasks(frame: pd.DataFrame, tokenizer, max_new_tokens: int, stop: dict):
-    """The held-out set's two lm-eval task configs, and the texts to pin to their cached ids (and spans)."""
-    specials, docs, pinned, spans = special_texts(tokenizer), [], {}, {}
+    """The held-out set's two lm-eval task configs (generation: an example a doc; loss: a run of label tokens
+    a doc), and the texts to pin to their cached ids."""
+    specials, docs, spans, pinned = special_texts(tokenizer), [], [], {}
     columns = (frame["input_ids"], frame["labels"], frame["prompt_length"], frame["response"])
     for ids, labels, n, response in zip(*columns, strict=True):
         ids = [int(i) for i in ids]
-        prompt, text = (tokenizer.decode(x, skip_special_tokens=False) for x in (ids[:n], ids))
-        pinned[prompt], pinned[text], spans[text] = ids[:n], ids, label_spans(labels)
-        tokens = sum(end - start for start, end in spans[text])
-        docs.append({"prompt": prompt, "text": text, "response": response, "label_tokens": tokens})
-    dataset = datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
-    common = {"custom_dataset": lambda **_: dataset, "test_split": "test", "doc_to_target": "response"}
+        pinned[prompt := tokenizer.decode(ids[:n], skip_special_tokens=False)] = ids[:n]
+        docs.append({"prompt": prompt, "response": response})
+        for start, end in label_spans([IGNORE, *labels[1:]]):  # the first token has no context: never scored
+            context, target = (tokenizer.decode(x, skip_special_tokens=False) for x in (ids[:start], ids[start:end]))
+            pinned |= {context: ids[:start], context.rstrip(): ids[:start], context + target: ids[:end]}
+            spans.append({"context": context, "target": target, "label_tokens": end - start})
+
+    def config(rows: list[dict]) -> dict:
+        dataset = datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+        return {"custom_dataset": lambda **_: dataset, "test_split": "test"}
 
     def answer_pairs(doc, results):
         """(answer, reference) with every special token's text taken out of both: a reference that kept a
@@ -155,17 +146,19 @@ def heldout_tasks(frame: pd.DataFrame, tokenizer, max_new_tokens: int, stop: dic
         return {"eval_loss": (-results[0][0], doc["label_tokens"]), "label_tokens": doc["label_tokens"]}
 
     scores = [{"metric": k, "aggregation": f, "higher_is_better": True} for k, f in GENERATION_METRICS.items()]
-    generation = common | {
-        "task": HELDOUT, "output_type": "generate_until", "doc_to_text": "prompt", "process_results": answer_pairs,
+    generation = config(docs) | {
+        "task": HELDOUT, "output_type": "generate_until", "doc_to_text": "prompt", "doc_to_target": "response",
+        "process_results": answer_pairs,
         "generation_kwargs": {"until": [], "max_gen_toks": max_new_tokens, "do_sample": False, **stop},
         "metric_list": scores,
     }  # fmt: skip
-    scoring = common | {
-        "task": HELDOUT_LOSS, "output_type": "loglikelihood", "doc_to_text": "text", "process_results": loss,
+    scoring = config(spans) | {
+        "task": HELDOUT_LOSS, "output_type": "loglikelihood", "doc_to_text": "context", "doc_to_target": "target",
+        "process_results": loss,
         "metric_list": [{"metric": "eval_loss", "aggregation": token_mean, "higher_is_better": False},
                         {"metric": "label_tokens", "aggregation": sum, "higher_is_better": True}],
     }  # fmt: skip
-    return [generation, scoring], pinned, spans
+    return [generation, scoring], pinned
 
 
 def task_sources(task_data: list[str]) -> tuple[list[str], dict[str, Path]]:
@@ -321,7 +314,7 @@ def evaluate_model(lm, frame, extra, manager, max_new_tokens, chat_template, tem
     stops = stop_ids(getattr(lm, "model", None), lm.tokenizer)
     vllm = hasattr(lm, "tensor_parallel_size")
     stop = {"stop_token_ids": stops, "skip_special_tokens": True} if vllm else {"eos_token_id": stops}
-    configs, lm.pinned, lm.spans = heldout_tasks(frame, lm.tokenizer, max_new_tokens, stop)
+    configs, lm.pinned = heldout_tasks(frame, lm.tokenizer, max_new_tokens, stop)
     lm.chat_template_args = dict(template_kwargs)
     lm_eval.evaluator.add_env_info = light_env_info
     tasks = [ConfigurableTask(config=c) for c in configs[0 if generate else 1 :]] + extra
