@@ -251,10 +251,65 @@ class FSDPStrategy(Strategy):
         self.load_extra_state(torch.load(folder / "scheduler.pt", weights_only=True))
 
 
-def deepspeed_config(cfg, world_size: int) -> dict:
-    """DeepSpeed JSON from our config, on top of a user-supplied one when given."""
+def hidden_size(config) -> int:
+    """The model's hidden size, found as transformers' DeepSpeed integration finds it (the largest of
+    ``hidden_sizes``, or the text model's for a multimodal config)."""
+    for c in (config, getattr(config, "text_config", None)):
+        if getattr(c, "hidden_size", None):
+            return c.hidden_size
+        if getattr(c, "hidden_sizes", None):
+            return max(c.hidden_sizes)
+    raise ValueError(f"{type(config).__name__} has no hidden_size: give ZeRO's sizes in training.deepspeed_config")
+
+
+def zero_buffer_sizes(stage: int, hidden: int) -> dict:
+    """ZeRO's buffer sizes (in elements) scaled to the model, as transformers fills DeepSpeed's "auto"
+    values, plus the ZeRO-3 sub-group. DeepSpeed's defaults are sized for big GPUs, not for one layer,
+    and on the CPU accelerator each is host memory. Per rank, with h the hidden size:
+
+    - ``reduce_bucket_size`` h² (default 5e8): the gradient bucket, in the compute dtype, filled in
+      backward and all-reduced whole; ZeRO-3 then casts the whole bucket to fp32 before keeping this
+      rank's slice. Default: up to 5e8 x (2 + 4) bytes = 3 GB; here 6 h² bytes (6 MB at h = 1024).
+      A gradient larger than the bucket (the embedding) is reduce-scattered on its own.
+    - ``sub_group_size`` (ZeRO-3) 10 h² (default 1e9): the fp32 master partition is split into groups
+      of about this many elements, and the optimizer steps one group at a time. Everything transient
+      in ``initialize`` and in the step is one group's size: the fp32 cast of the bf16 partition
+      before it is copied, a zeroed fp32 gradient buffer, the flattened fp32 gradients fed to AdamW,
+      AdamW's ``sqrt``/``div`` temporaries. With the default the whole partition is one group and
+      those are 4-5 x 4 bytes x (parameters / ranks) at once. 10 h² is about a decoder layer; a
+      single larger tensor (the embedding) is a group of its own.
+    - ``stage3_prefetch_bucket_size`` 0.9 h² (default 5e7): parameters gathered ahead of use.
+    - ``stage3_param_persistence_threshold`` 10 h (default 1e5): tensors this small (norms, biases)
+      stay gathered on every rank.
+    - ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` 10 h² (defaults 1e9): once
+      the first step has traced the module order, gathered parameters reused within this many
+      elements are kept, and prefetching stops at this many live ones; with 1e9 the whole model,
+      gathered in bf16, can stay on every rank (gradient checkpointing reuses each layer in
+      backward). 10 h² keeps about one layer.
+
+    None of these changes the arithmetic of a step: the same sums in the same dtypes, grouped
+    differently (the gradient norm is summed per sub-group, so its last bits may differ from a run
+    with other sizes)."""
+    sizes = {"reduce_bucket_size": hidden * hidden}
+    if stage == 3:
+        sizes |= {
+            "sub_group_size": 10 * hidden * hidden,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden,
+            "stage3_max_live_parameters": 10 * hidden * hidden,
+            "stage3_max_reuse_distance": 10 * hidden * hidden,
+        }
+    return sizes
+
+
+def deepspeed_config(cfg, world_size: int, hidden: int) -> dict:
+    """DeepSpeed JSON from our config, on top of a user-supplied one when given; ZeRO's buffer sizes
+    from the model's hidden size (zero_buffer_sizes) where that JSON does not set them."""
     base = json.loads(Path(cfg.deepspeed_config).read_text()) if cfg.deepspeed_config else {}
     zero = {"stage": cfg.zero_stage, **base.get("zero_optimization", {})}
+    for key, size in zero_buffer_sizes(zero["stage"], hidden).items():
+        if zero.get(key, "auto") == "auto":  # unset, or transformers' "auto"
+            zero[key] = size
     if cfg.offload in ("optimizer", "all"):
         zero.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": True})
     if cfg.offload == "all" and cfg.zero_stage == 3:
@@ -284,7 +339,7 @@ class DeepSpeedStrategy(Strategy):
             model=model,
             optimizer=self.make_optimizer(model.parameters()),
             lr_scheduler=self.make_scheduler,
-            config=deepspeed_config(cfg, dist.get_world_size()),
+            config=deepspeed_config(cfg, dist.get_world_size(), hidden_size(model.config)),
         )
 
     def forward_backward(self, batch, last_micro: bool):
