@@ -264,32 +264,35 @@ def hidden_size(config) -> int:
 
 def zero_buffer_sizes(stage: int, hidden: int) -> dict:
     """ZeRO's buffer sizes (in elements) scaled to the model, as transformers fills DeepSpeed's "auto"
-    values, plus the ZeRO-3 sub-group. DeepSpeed's defaults are sized for big GPUs, not for one layer,
-    and on the CPU accelerator each is host memory. Per rank, with h the hidden size:
+    values, plus ZeRO-3's sub-group and reuse window. DeepSpeed's defaults are sized for big GPUs, not
+    for one layer, and on the CPU accelerator each is host memory. Per rank, h the hidden size, n the
+    parameters, N the ranks (docs/benchmarks.md measures them on a 0.6B model, 2 ranks, bf16):
 
-    - ``reduce_bucket_size`` h² (default 5e8): the gradient bucket, in the compute dtype, filled in
-      backward and all-reduced whole; ZeRO-3 then casts the whole bucket to fp32 before keeping this
-      rank's slice. Default: up to 5e8 x (2 + 4) bytes = 3 GB; here 6 h² bytes (6 MB at h = 1024).
-      A gradient larger than the bucket (the embedding) is reduce-scattered on its own.
+    - ``reduce_bucket_size`` h² (default 5e8): gradients are copied into a bucket of this many
+      elements in the compute dtype, all-reduced whole, and this rank's slices added to its gradient
+      partition; the bucket is kept for the whole run. Default: up to 5e8 x 2 bytes (1 GB) touched;
+      here 2 h² bytes (2 MB at h = 1024). A larger gradient (the embedding) is reduce-scattered alone.
     - ``sub_group_size`` (ZeRO-3) 10 h² (default 1e9): the fp32 master partition is split into groups
-      of about this many elements, and the optimizer steps one group at a time. Everything transient
-      in ``initialize`` and in the step is one group's size: the fp32 cast of the bf16 partition
-      before it is copied, a zeroed fp32 gradient buffer, the flattened fp32 gradients fed to AdamW,
-      AdamW's ``sqrt``/``div`` temporaries. With the default the whole partition is one group and
-      those are 4-5 x 4 bytes x (parameters / ranks) at once. 10 h² is about a decoder layer; a
-      single larger tensor (the embedding) is a group of its own.
+      of about this many elements and the optimizer steps one group at a time. What ``initialize``
+      and the step allocate besides the states is one group's size: the fp32 cast of the bf16
+      partition before its clone (initialize), a zeroed fp32 gradient buffer (initialize), the
+      group's gradients flattened and cast to fp32 for AdamW and AdamW's ``sqrt``/division
+      temporaries (step: 3 x 4 bytes a group element at once). With the default the whole partition
+      (n / N elements) is one group: 12 n / N bytes at once in the step, 8 n / N in initialize.
+      10 h² is about a decoder layer; a single larger tensor (the embedding) is a group of its own.
     - ``stage3_prefetch_bucket_size`` 0.9 h² (default 5e7): parameters gathered ahead of use.
     - ``stage3_param_persistence_threshold`` 10 h (default 1e5): tensors this small (norms, biases)
       stay gathered on every rank.
     - ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` 10 h² (defaults 1e9): once
-      the first step has traced the module order, gathered parameters reused within this many
-      elements are kept, and prefetching stops at this many live ones; with 1e9 the whole model,
-      gathered in bf16, can stay on every rank (gradient checkpointing reuses each layer in
-      backward). 10 h² keeps about one layer.
+      the first step has traced the module order, a gathered parameter used again within this many
+      elements is kept gathered, and prefetching stops at this many; with 1e9, most of a model under
+      1e9 parameters stays gathered in the compute dtype (gradient checkpointing reuses every layer
+      in backward). 10 h² keeps about one layer, as FSDP2 reshards after each block's forward.
 
-    None of these changes the arithmetic of a step: the same sums in the same dtypes, grouped
-    differently (the gradient norm is summed per sub-group, so its last bits may differ from a run
-    with other sizes)."""
+    None of these changes a step's arithmetic: the same elementwise sums and updates in the same
+    dtypes, grouped differently (the gradient norm is summed per sub-group, so its last bits depend
+    on the grouping; a run and its resume use the same sizes). A checkpoint's optimizer state is
+    saved per sub-group: resume with the sizes it was written with."""
     sizes = {"reduce_bucket_size": hidden * hidden}
     if stage == 3:
         sizes |= {
