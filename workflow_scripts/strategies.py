@@ -14,6 +14,7 @@ holds what they share: AdamW, the lr schedule, the clipped step.
 import contextlib
 import json
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -305,6 +306,13 @@ def zero_buffer_sizes(stage: int, hidden: int) -> dict:
     return sizes
 
 
+def quiet_deepspeed_collectives() -> None:
+    """DeepSpeed 0.19 calls torch.distributed's deprecated ``all_gather_into_tensor`` and
+    ``reduce_scatter_tensor``, and the warning repeats on every call (something in each step resets
+    Python's once-per-location registry): with layer-sized buckets, hundreds of lines a step."""
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+
 def deepspeed_config(cfg, world_size: int, hidden: int) -> dict:
     """DeepSpeed JSON from our config, on top of a user-supplied one when given; ZeRO's buffer sizes
     from the model's hidden size (zero_buffer_sizes) where that JSON does not set them."""
@@ -338,6 +346,7 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         super().__init__(cfg, device, total_steps)
+        quiet_deepspeed_collectives()
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,
             optimizer=self.make_optimizer(model.parameters()),
