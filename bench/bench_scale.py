@@ -16,6 +16,7 @@ RSS is VmRSS from /proc/self/status, split into anonymous memory (the rank's own
 (the store's pages the rank has touched: page cache shared by every rank of the host, reclaimable).
 
     .venv/bin/python bench/bench_scale.py --part load --workdir /tmp/bench_scale   # (a) + (d): model loading
+    .venv/bin/python bench/bench_scale.py --part load --workdir /tmp/bench_scale --only deepspeed-zero3  # some rows
     .venv/bin/python bench/bench_scale.py --part world --workdir /tmp/bench_scale  # (b): FSDP at 1, 2, 4 ranks
     .venv/bin/python bench/bench_scale.py --part step --workdir /tmp/bench_scale   # (e): FSDP2 vs ZeRO-3 through
                                                                                    # the first optimizer step
@@ -348,6 +349,7 @@ def load_cases() -> list[tuple[dict, int, bool]]:
     rows = [(s, 2, False) for s in strategies]
     rows += [(s | LORA, 2, False) for s in strategies[:3]]
     rows += [(s, 2, True) for s in strategies[:3]]
+    rows.append((strategies[2], 4, False))  # ZeRO-3's partitions shrink with the world size
     return rows
 
 
@@ -372,6 +374,8 @@ def model_part(cases, args, step: bool = False) -> list[dict]:
           f"{(base / 'model.safetensors').stat().st_size / 2**30:.2f} GiB", flush=True)  # fmt: skip
     rows = []
     for training, ranks, legacy in cases:
+        if args.only and label(training) + (" (before)" if legacy else "") not in args.only:
+            continue
         m = measure(base, training, ranks, legacy, workdir, step)
         rows.append({
             "run": label(training) + (" (before)" if legacy else ""), "ranks": ranks,
@@ -403,6 +407,13 @@ def model_summary(rows: list[dict]) -> None:
     if ("deepspeed-zero3", 2) in by and "first step x fp32" in by[("deepspeed-zero3", 2)]:
         zero3, fsdp = by[("deepspeed-zero3", 2)], by[("fsdp", 2)]
         print(f"first step, ZeRO-3 / FSDP2 per-rank peak = {zero3['first step GiB'] / fsdp['first step GiB']:.2f}")
+    for (run, ranks), r in by.items():
+        if run != "deepspeed-zero3":
+            continue
+        # what DeepSpeed keeps after initialize: bf16 partition, fp32 master, bf16 gradient partition (2 + 4 + 2 bytes)
+        print(f"ZeRO-3 x{ranks}: load+wrap {r['load+wrap x fp32']:.2f}x fp32, its kept state {2 / ranks:.2f}x")
+        if "first step x fp32" in r:  # + AdamW's two fp32 states; FSDP2's shard, gradient and states are as many
+            print(f"ZeRO-3 x{ranks}: first step {r['first step x fp32']:.2f}x fp32, its kept state {4 / ranks:.2f}x")
     if ("fsdp", 4) in by:
         print(f"fsdp per-rank load+wrap peak, 4 ranks / 2 ranks = "
               f"{by[('fsdp', 4)]['load+wrap GiB'] / by[('fsdp', 2)]['load+wrap GiB']:.2f}")  # fmt: skip
@@ -426,6 +437,7 @@ def main() -> None:
     p.add_argument("--legacy-tokens", type=int, default=5_000_000, help="data: the shard both loaders read")
     p.add_argument("--micro-batches", type=int, default=100)
     p.add_argument("--workdir", type=Path, default=None, help="kept: shards are reused by a later run")
+    p.add_argument("--only", nargs="+", help="load/world/step: only these runs (as the table names them)")
     a = p.parse_args()
     a.workdir = a.workdir or Path(tempfile.mkdtemp(prefix=f"bench_scale_{a.part}_"))
     a.workdir.mkdir(parents=True, exist_ok=True)

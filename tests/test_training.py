@@ -10,7 +10,7 @@ from batching import DataPlan, micro_batch_indices
 from conftest import REPO, run_trainer, tool_env
 from pipeline_io import UserError
 from settings import training_config
-from strategies import lr_lambda
+from strategies import deepspeed_config, hidden_size, lr_lambda
 
 
 def test_steps_per_epoch_halve_when_ranks_double():
@@ -47,6 +47,28 @@ def test_warmup_steps_override_the_ratio():
     )
     assert [f(s) for s in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
     assert f(52) == pytest.approx(0.5) and f(100) == pytest.approx(0.0)
+
+
+def test_deepspeed_buffer_sizes_follow_the_hidden_size_and_the_users_json_wins(tmp_path):
+    from transformers import LlavaConfig, Qwen3Config
+
+    h = hidden_size(Qwen3Config(hidden_size=1024))
+    assert h == 1024 and hidden_size(LlavaConfig(text_config={"model_type": "qwen3", "hidden_size": 512})) == 512
+    zero3 = deepspeed_config(training_config({"strategy": "deepspeed", "zero_stage": 3}), 2, h)["zero_optimization"]
+    assert zero3["reduce_bucket_size"] == h * h and zero3["stage3_prefetch_bucket_size"] == int(0.9 * h * h)
+    assert zero3["stage3_param_persistence_threshold"] == 10 * h
+    layer = {k: zero3[k] for k in ("sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance")}
+    assert set(layer.values()) == {10 * h * h}
+    zero2 = deepspeed_config(training_config({"strategy": "deepspeed", "zero_stage": 2}), 2, h)["zero_optimization"]
+    assert zero2 == {"stage": 2, "reduce_bucket_size": h * h}  # the stage3_ keys are ZeRO-3's only
+
+    user = tmp_path / "ds.json"  # a value wins, "auto" (transformers' placeholder) is filled, the JSON's stage counts
+    zero = {"stage": 3, "reduce_bucket_size": 123, "sub_group_size": "auto"}
+    user.write_text(json.dumps({"zero_optimization": zero}))
+    cfg = training_config({"strategy": "deepspeed", "zero_stage": 2, "deepspeed_config": str(user)})
+    zero = deepspeed_config(cfg, 2, h)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 123 and zero["sub_group_size"] == 10 * h * h
+    assert zero["stage3_param_persistence_threshold"] == 10 * h
 
 
 def test_unknown_training_key_is_rejected():

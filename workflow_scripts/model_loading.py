@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from pipeline_io import UserError
-from strategies import compute_dtype, deepspeed_config, offloaded, shard_fsdp
+from strategies import compute_dtype, deepspeed_config, hidden_size, offloaded, quiet_deepspeed_collectives, shard_fsdp
 
 log = logging.getLogger("train")
 
@@ -110,8 +110,9 @@ def zero3_model(config, cfg, attn: str):
     from transformers.integrations.deepspeed import prevent_arange_dtype_change
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    quiet_deepspeed_collectives()
     deepspeed.init_distributed()  # zero.Init partitions over DeepSpeed's view of the process group
-    ds_config = deepspeed_config(cfg, dist.get_world_size())
+    ds_config = deepspeed_config(cfg, dist.get_world_size(), hidden_size(config))
     _KEEP_ALIVE.append(HfDeepSpeedConfig(ds_config))  # transformers' is_deepspeed_zero3_enabled()
     config = AutoConfig.for_model(**config.to_dict() | {"attn_implementation": attn})
     default = torch.get_default_dtype()

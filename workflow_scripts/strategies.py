@@ -14,6 +14,7 @@ holds what they share: AdamW, the lr schedule, the clipped step.
 import contextlib
 import json
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -251,10 +252,75 @@ class FSDPStrategy(Strategy):
         self.load_extra_state(torch.load(folder / "scheduler.pt", weights_only=True))
 
 
-def deepspeed_config(cfg, world_size: int) -> dict:
-    """DeepSpeed JSON from our config, on top of a user-supplied one when given."""
+def hidden_size(config) -> int:
+    """The model's hidden size, found as transformers' DeepSpeed integration finds it (the largest of
+    ``hidden_sizes``, or the text model's for a multimodal config)."""
+    for c in (config, getattr(config, "text_config", None)):
+        if getattr(c, "hidden_size", None):
+            return c.hidden_size
+        if getattr(c, "hidden_sizes", None):
+            return max(c.hidden_sizes)
+    raise ValueError(f"{type(config).__name__} has no hidden_size: give ZeRO's sizes in training.deepspeed_config")
+
+
+def zero_buffer_sizes(stage: int, hidden: int) -> dict:
+    """ZeRO's buffer sizes (in elements) scaled to the model, as transformers fills DeepSpeed's "auto"
+    values, plus ZeRO-3's sub-group and reuse window. DeepSpeed's defaults are sized for big GPUs, not
+    for one layer, and on the CPU accelerator each is host memory. Per rank, h the hidden size, n the
+    parameters, N the ranks (docs/benchmarks.md measures them on a 0.6B model, 2 ranks, bf16):
+
+    - ``reduce_bucket_size`` h² (default 5e8): gradients are copied into a bucket of this many
+      elements in the compute dtype, all-reduced whole, and this rank's slices added to its gradient
+      partition; the bucket is kept for the whole run. Default: up to 5e8 x 2 bytes (1 GB) touched;
+      here 2 h² bytes (2 MB at h = 1024). A larger gradient (the embedding) is reduce-scattered alone.
+    - ``sub_group_size`` (ZeRO-3) 10 h² (default 1e9): the fp32 master partition is split into groups
+      of about this many elements and the optimizer steps one group at a time. What ``initialize``
+      and the step allocate besides the states is one group's size: the fp32 cast of the bf16
+      partition before its clone (initialize), a zeroed fp32 gradient buffer (initialize), the
+      group's gradients flattened and cast to fp32 for AdamW and AdamW's ``sqrt``/division
+      temporaries (step: 3 x 4 bytes a group element at once). With the default the whole partition
+      (n / N elements) is one group: 12 n / N bytes at once in the step, 8 n / N in initialize.
+      10 h² is about a decoder layer; a single larger tensor (the embedding) is a group of its own.
+    - ``stage3_prefetch_bucket_size`` 0.9 h² (default 5e7): parameters gathered ahead of use.
+    - ``stage3_param_persistence_threshold`` 10 h (default 1e5): tensors this small (norms, biases)
+      stay gathered on every rank.
+    - ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` 10 h² (defaults 1e9): once
+      the first step has traced the module order, a gathered parameter used again within this many
+      elements is kept gathered, and prefetching stops at this many; with 1e9, most of a model under
+      1e9 parameters stays gathered in the compute dtype (gradient checkpointing reuses every layer
+      in backward). 10 h² keeps about one layer, as FSDP2 reshards after each block's forward.
+
+    None of these changes a step's arithmetic: the same elementwise sums and updates in the same
+    dtypes, grouped differently (the gradient norm is summed per sub-group, so its last bits depend
+    on the grouping; a run and its resume use the same sizes). A checkpoint's optimizer state is
+    saved per sub-group: resume with the sizes it was written with."""
+    sizes = {"reduce_bucket_size": hidden * hidden}
+    if stage == 3:
+        sizes |= {
+            "sub_group_size": 10 * hidden * hidden,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden,
+            "stage3_max_live_parameters": 10 * hidden * hidden,
+            "stage3_max_reuse_distance": 10 * hidden * hidden,
+        }
+    return sizes
+
+
+def quiet_deepspeed_collectives() -> None:
+    """DeepSpeed 0.19 calls torch.distributed's deprecated ``all_gather_into_tensor`` and
+    ``reduce_scatter_tensor``, and the warning repeats on every call (something in each step resets
+    Python's once-per-location registry): with layer-sized buckets, hundreds of lines a step."""
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+
+def deepspeed_config(cfg, world_size: int, hidden: int) -> dict:
+    """DeepSpeed JSON from our config, on top of a user-supplied one when given; ZeRO's buffer sizes
+    from the model's hidden size (zero_buffer_sizes) where that JSON does not set them."""
     base = json.loads(Path(cfg.deepspeed_config).read_text()) if cfg.deepspeed_config else {}
     zero = {"stage": cfg.zero_stage, **base.get("zero_optimization", {})}
+    for key, size in zero_buffer_sizes(zero["stage"], hidden).items():
+        if zero.get(key, "auto") == "auto":  # unset, or transformers' "auto"
+            zero[key] = size
     if cfg.offload in ("optimizer", "all"):
         zero.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": True})
     if cfg.offload == "all" and cfg.zero_stage == 3:
@@ -280,11 +346,12 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         super().__init__(cfg, device, total_steps)
+        quiet_deepspeed_collectives()
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,
             optimizer=self.make_optimizer(model.parameters()),
             lr_scheduler=self.make_scheduler,
-            config=deepspeed_config(cfg, dist.get_world_size()),
+            config=deepspeed_config(cfg, dist.get_world_size(), hidden_size(model.config)),
         )
 
     def forward_backward(self, batch, last_micro: bool):
