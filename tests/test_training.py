@@ -10,7 +10,7 @@ from batching import DataPlan, micro_batch_indices
 from conftest import REPO, run_trainer, tool_env
 from pipeline_io import UserError
 from settings import training_config
-from strategies import deepspeed_config, hidden_size, lr_lambda
+from strategies import deepspeed_config, hidden_size, layer_parameters, lr_lambda
 
 
 def test_steps_per_epoch_halve_when_ranks_double():
@@ -49,24 +49,33 @@ def test_warmup_steps_override_the_ratio():
     assert f(52) == pytest.approx(0.5) and f(100) == pytest.approx(0.0)
 
 
-def test_deepspeed_buffer_sizes_follow_the_hidden_size_and_the_users_json_wins(tmp_path):
-    from transformers import LlavaConfig, Qwen3Config
+def test_deepspeed_buffer_sizes_follow_the_model_and_the_users_json_wins(tmp_path):
+    from transformers import GPT2Config, LlavaConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
-    h = hidden_size(Qwen3Config(hidden_size=1024))
-    assert h == 1024 and hidden_size(LlavaConfig(text_config={"model_type": "qwen3", "hidden_size": 512})) == 512
-    zero3 = deepspeed_config(training_config({"strategy": "deepspeed", "zero_stage": 3}), 2, h)["zero_optimization"]
+    qwen3 = Qwen3Config(
+        hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128
+    )  # fmt: skip  (Qwen3-0.6B's shape: 15.7M weights a layer)
+    h, layer = 1024, 1024 * 128 * (2 * 16 + 2 * 8) + 3 * 1024 * 3072
+    assert hidden_size(qwen3) == h and layer_parameters(qwen3) == layer == 15_728_640
+    assert hidden_size(LlavaConfig(text_config={"model_type": "qwen3", "hidden_size": 512})) == 512
+    assert layer_parameters(Qwen3MoeConfig()) is None and layer_parameters(GPT2Config()) is None
+    assert hidden_size(GPT2Config()) == 768 and hidden_size(PretrainedConfig()) is None
+    zero3 = deepspeed_config(training_config({"strategy": "deepspeed", "zero_stage": 3}), 2, qwen3)["zero_optimization"]
     assert zero3["reduce_bucket_size"] == h * h and zero3["stage3_prefetch_bucket_size"] == int(0.9 * h * h)
-    assert zero3["stage3_param_persistence_threshold"] == 10 * h
-    layer = {k: zero3[k] for k in ("sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance")}
-    assert set(layer.values()) == {10 * h * h}
-    zero2 = deepspeed_config(training_config({"strategy": "deepspeed", "zero_stage": 2}), 2, h)["zero_optimization"]
+    assert zero3["stage3_param_persistence_threshold"] == 10 * h and zero3["sub_group_size"] == 10 * h * h
+    assert zero3["stage3_max_live_parameters"] == zero3["stage3_max_reuse_distance"] == 2 * layer
+    moe = deepspeed_config(training_config({"strategy": "deepspeed", "zero_stage": 3}), 2, Qwen3MoeConfig())
+    assert "stage3_max_live_parameters" not in moe["zero_optimization"]  # DeepSpeed's default for another layout
+    zero2 = deepspeed_config(training_config({"strategy": "deepspeed", "zero_stage": 2}), 2, qwen3)["zero_optimization"]
     assert zero2 == {"stage": 2, "reduce_bucket_size": h * h}  # the stage3_ keys are ZeRO-3's only
+    bare = deepspeed_config(training_config({"strategy": "deepspeed", "zero_stage": 3}), 2, PretrainedConfig())
+    assert bare["zero_optimization"] == {"stage": 3}  # no hidden_size: DeepSpeed's defaults
 
     user = tmp_path / "ds.json"  # a value wins, "auto" (transformers' placeholder) is filled, the JSON's stage counts
     zero = {"stage": 3, "reduce_bucket_size": 123, "sub_group_size": "auto"}
     user.write_text(json.dumps({"zero_optimization": zero}))
     cfg = training_config({"strategy": "deepspeed", "zero_stage": 2, "deepspeed_config": str(user)})
-    zero = deepspeed_config(cfg, 2, h)["zero_optimization"]
+    zero = deepspeed_config(cfg, 2, qwen3)["zero_optimization"]
     assert zero["reduce_bucket_size"] == 123 and zero["sub_group_size"] == 10 * h * h
     assert zero["stage3_param_persistence_threshold"] == 10 * h
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from pipeline_io import UserError
-from strategies import compute_dtype, deepspeed_config, hidden_size, offloaded, quiet_deepspeed_collectives, shard_fsdp
+from strategies import compute_dtype, deepspeed_config, offloaded, quiet_deepspeed_collectives, shard_fsdp
 
 log = logging.getLogger("train")
 
@@ -112,7 +112,7 @@ def zero3_model(config, cfg, attn: str):
 
     quiet_deepspeed_collectives()
     deepspeed.init_distributed()  # zero.Init partitions over DeepSpeed's view of the process group
-    ds_config = deepspeed_config(cfg, dist.get_world_size(), hidden_size(config))
+    ds_config = deepspeed_config(cfg, dist.get_world_size(), config)
     _KEEP_ALIVE.append(HfDeepSpeedConfig(ds_config))  # transformers' is_deepspeed_zero3_enabled()
     config = AutoConfig.for_model(**config.to_dict() | {"attn_implementation": attn})
     default = torch.get_default_dtype()

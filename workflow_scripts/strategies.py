@@ -252,18 +252,31 @@ class FSDPStrategy(Strategy):
         self.load_extra_state(torch.load(folder / "scheduler.pt", weights_only=True))
 
 
-def hidden_size(config) -> int:
+def hidden_size(config) -> int | None:
     """The model's hidden size, found as transformers' DeepSpeed integration finds it (the largest of
-    ``hidden_sizes``, or the text model's for a multimodal config)."""
+    ``hidden_sizes``, or the text model's for a multimodal config); None if it has none."""
     for c in (config, getattr(config, "text_config", None)):
         if getattr(c, "hidden_size", None):
             return c.hidden_size
         if getattr(c, "hidden_sizes", None):
             return max(c.hidden_sizes)
-    raise ValueError(f"{type(config).__name__} has no hidden_size: give ZeRO's sizes in training.deepspeed_config")
+    return None
 
 
-def zero_buffer_sizes(stage: int, hidden: int) -> dict:
+def layer_parameters(config) -> int | None:
+    """One decoder layer's weights in a Llama/Qwen-style config (attention at its q and kv widths, a gated
+    MLP); None for another layout (mixture of experts, no such fields)."""
+    c = getattr(config, "text_config", None) or config
+    if getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None):
+        return None
+    h, heads, ffn = (getattr(c, k, None) for k in ("hidden_size", "num_attention_heads", "intermediate_size"))
+    if not all(isinstance(v, int) for v in (h, heads, ffn)):
+        return None
+    head, kv = getattr(c, "head_dim", None) or h // heads, getattr(c, "num_key_value_heads", None) or heads
+    return h * head * (2 * heads + 2 * kv) + 3 * h * ffn
+
+
+def zero_buffer_sizes(stage: int, config) -> dict:
     """ZeRO's buffer sizes (in elements) scaled to the model, as transformers fills DeepSpeed's "auto"
     values, plus ZeRO-3's sub-group and reuse window. DeepSpeed's defaults are sized for big GPUs, not
     for one layer, and on the CPU accelerator each is host memory. Per rank, h the hidden size, n the
@@ -284,25 +297,30 @@ def zero_buffer_sizes(stage: int, hidden: int) -> dict:
     - ``stage3_prefetch_bucket_size`` 0.9 h² (default 5e7): parameters gathered ahead of use.
     - ``stage3_param_persistence_threshold`` 10 h (default 1e5): tensors this small (norms, biases)
       stay gathered on every rank.
-    - ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` 10 h² (defaults 1e9): once
-      the first step has traced the module order, a gathered parameter used again within this many
-      elements is kept gathered, and prefetching stops at this many; with 1e9, most of a model under
-      1e9 parameters stays gathered in the compute dtype (gradient checkpointing reuses every layer
-      in backward). 10 h² keeps about one layer, as FSDP2 reshards after each block's forward.
+    - ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` two decoder layers
+      (layer_parameters; defaults 1e9, kept for other layouts): once the first step has traced the
+      module order, a gathered parameter used again within this many elements is kept gathered, and
+      prefetching stops at this many. Two layers hold the one computing and the next, and a layer's
+      recompute and backward under gradient checkpointing, as FSDP2 keeps one block unsharded at a
+      time; at 32B (487M a layer) it is about the default, while with the default a model under 1e9
+      parameters (the 0.6B proxy) stays gathered in the compute dtype after the first step.
 
     None of these changes a step's arithmetic: the same elementwise sums and updates in the same
     dtypes, grouped differently (the gradient norm is summed per sub-group, so its last bits depend
     on the grouping; a run and its resume use the same sizes). A checkpoint's optimizer state is
     saved per sub-group: resume with the sizes it was written with."""
+    hidden, layer = hidden_size(config), layer_parameters(config)
+    if hidden is None:  # DeepSpeed's defaults (training.deepspeed_config can set them)
+        return {}
     sizes = {"reduce_bucket_size": hidden * hidden}
     if stage == 3:
         sizes |= {
             "sub_group_size": 10 * hidden * hidden,
             "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
             "stage3_param_persistence_threshold": 10 * hidden,
-            "stage3_max_live_parameters": 10 * hidden * hidden,
-            "stage3_max_reuse_distance": 10 * hidden * hidden,
         }
+    if stage == 3 and layer:
+        sizes |= {"stage3_max_live_parameters": 2 * layer, "stage3_max_reuse_distance": 2 * layer}
     return sizes
 
 
@@ -313,12 +331,12 @@ def quiet_deepspeed_collectives() -> None:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
-def deepspeed_config(cfg, world_size: int, hidden: int) -> dict:
+def deepspeed_config(cfg, world_size: int, model_config) -> dict:
     """DeepSpeed JSON from our config, on top of a user-supplied one when given; ZeRO's buffer sizes
-    from the model's hidden size (zero_buffer_sizes) where that JSON does not set them."""
+    from the model's shape (zero_buffer_sizes) where that JSON does not set them."""
     base = json.loads(Path(cfg.deepspeed_config).read_text()) if cfg.deepspeed_config else {}
     zero = {"stage": cfg.zero_stage, **base.get("zero_optimization", {})}
-    for key, size in zero_buffer_sizes(zero["stage"], hidden).items():
+    for key, size in zero_buffer_sizes(zero["stage"], model_config).items():
         if zero.get(key, "auto") == "auto":  # unset, or transformers' "auto"
             zero[key] = size
     if cfg.offload in ("optimizer", "all"):
@@ -351,7 +369,7 @@ class DeepSpeedStrategy(Strategy):
             model=model,
             optimizer=self.make_optimizer(model.parameters()),
             lr_scheduler=self.make_scheduler,
-            config=deepspeed_config(cfg, dist.get_world_size(), hidden_size(model.config)),
+            config=deepspeed_config(cfg, dist.get_world_size(), model.config),
         )
 
     def forward_backward(self, batch, last_micro: bool):

@@ -13,6 +13,7 @@ preempted job keeps them and its retry resumes.
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -30,7 +31,7 @@ from model_loading import load_model
 from pipeline_io import cli, write_json
 from preemption import StopSignal
 from settings import TrainConfig
-from strategies import build_strategy
+from strategies import build_strategy, deepspeed_config
 from token_store import store_root_for
 
 log = logging.getLogger("train")
@@ -64,9 +65,17 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
 
 
 def checkpoint_folder(cfg, data: TrainingData, base_model: str, checkpoint_root: Path) -> Path:
-    """This training's checkpoints: keyed by config, data, base model content and DeepSpeed JSON content."""
+    """This training's checkpoints: keyed by config, data, base model content and DeepSpeed JSON content;
+    with DeepSpeed, also by the ZeRO section it runs with (its sub-groups lay out the optimizer state, and
+    their sizes are filled from the model: a checkpoint of other sizes is not resumed)."""
     base = model_fingerprint(base_model, cache_file_for(checkpoint_root))
-    return checkpoint_root / run_key(cfg, data.sha256, base, optional_file_sha256(cfg.deepspeed_config))
+    deepspeed = optional_file_sha256(cfg.deepspeed_config)
+    if cfg.strategy == "deepspeed":
+        from transformers import AutoConfig
+
+        zero = deepspeed_config(cfg, 1, AutoConfig.from_pretrained(base_model))["zero_optimization"]
+        deepspeed = json.dumps([deepspeed, zero], sort_keys=True)
+    return checkpoint_root / run_key(cfg, data.sha256, base, deepspeed)
 
 
 def parameter_counts(model) -> dict:
