@@ -29,10 +29,10 @@ rule copy_base_eval:
         lm_eval=LM_EVAL_RESULT,
     log:
         f"{VLOGS}/copy_base_eval/{{model}}.log",
-    conda:
-        "../envs/eval.yaml"
     wildcard_constraints:
         model="base",
+    conda:
+        "../envs/eval.yaml"
     shell:
         "(cp {input.result} {output.result} && cp {input.lm_eval} {output.lm_eval}) > {log} 2>&1"
 
