@@ -33,9 +33,7 @@ sys.path.insert(0, sys.argv[1])
 
 def main():
     import pandas as pd
-    from evaluation import heldout_tasks, light_env_info, load_model, stop_ids
-    import lm_eval.evaluator
-    from lm_eval.api.task import ConfigurableTask
+    from evaluation import HELDOUT, evaluate_model, load_model
     from lm_eval.tasks import TaskManager
 
     backend, model, data, new_tokens, batch = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
@@ -43,13 +41,8 @@ def main():
     start = time.perf_counter()
     lm = load_model(backend, model, "bf16", batch)
     loaded = time.perf_counter() - start
-    stops = stop_ids(getattr(lm, "model", None), lm.tokenizer)
-    stop = {"stop_token_ids": stops, "skip_special_tokens": True} if backend == "vllm" else {"eos_token_id": stops}
-    (generation, _), lm.pinned = heldout_tasks(frame, lm.tokenizer, new_tokens, stop)
-    lm_eval.evaluator.add_env_info = light_env_info
     start = time.perf_counter()
-    out = lm_eval.evaluator.simple_evaluate(lm, tasks=[ConfigurableTask(config=generation)],
-                                            task_manager=TaskManager(include_defaults=False))
+    out = evaluate_model(lm, frame, [], TaskManager(include_defaults=False), new_tokens, False, {}, heldout=(HELDOUT,))
     seconds = time.perf_counter() - start
     answers = [s["exact_match"][0] for s in out["samples"]["heldout"]]
     tokens = sum(len(lm.tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers)

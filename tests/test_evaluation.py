@@ -106,7 +106,7 @@ def test_multi_turn_loss_scores_every_answer_run(heldout_run):
                             "prompt_length": a.prompt_length, "response": a.response,
                             "length": a.length + b.length} for a, b in pairs])  # fmt: skip
     joined.at[0, "labels"] = [joined.at[0, "input_ids"][0], *joined.at[0, "labels"][1:]]
-    out = evaluate_model(lm, joined, [], extra_tasks([], [])[1], NEW_TOKENS, True, {}, generate=False)
+    out = evaluate_model(lm, joined, [], extra_tasks([], [])[1], NEW_TOKENS, True, {}, heldout=("heldout_loss",))
     loss, tokens = reference_loss(lm.model, joined, lm.tokenizer.pad_token_id, 16)
     scores = flat_metrics(out["results"]["heldout_loss"])
     assert scores["label_tokens"] == tokens and len(out["samples"]["heldout_loss"]) == 2 * len(joined)

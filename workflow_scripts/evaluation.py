@@ -317,9 +317,11 @@ def light_env_info(storage: dict) -> None:
     storage |= {"transformers_version": transformers.__version__, "lm_eval_version": version("lm_eval")}
 
 
-def evaluate_model(lm, frame, extra, manager, max_new_tokens, chat_template, template_kwargs, generate=True) -> dict:
-    """lm-eval's output for the held-out tasks (``generate=False``: the loss alone) and ``extra`` (loaded Task
-    objects) on ``lm``."""
+def evaluate_model(
+    lm, frame, extra, manager, max_new_tokens, chat_template, template_kwargs, heldout=(HELDOUT, HELDOUT_LOSS)
+) -> dict:
+    """lm-eval's output for the held-out tasks named in ``heldout`` and ``extra`` (loaded Task objects) on
+    ``lm``."""
     import lm_eval.evaluator
     from lm_eval.api.task import ConfigurableTask
 
@@ -329,7 +331,7 @@ def evaluate_model(lm, frame, extra, manager, max_new_tokens, chat_template, tem
     configs, lm.pinned = heldout_tasks(frame, lm.tokenizer, max_new_tokens, stop)
     lm.chat_template_args = dict(template_kwargs)
     lm_eval.evaluator.add_env_info = light_env_info
-    tasks = [ConfigurableTask(config=c) for c in configs[0 if generate else 1 :]] + extra
+    tasks = [ConfigurableTask(config=c) for c in configs if c["task"] in heldout] + extra
     return lm_eval.evaluator.simple_evaluate(
         lm, tasks=tasks, task_manager=manager, apply_chat_template=chat_template, bootstrap_iters=1000
     )
@@ -340,7 +342,7 @@ def heldout_loss(model, tokenizer, frame: pd.DataFrame) -> float:
     from lm_eval.tasks import TaskManager
 
     lm = model_class("hf")(pretrained=model, tokenizer=tokenizer, batch_size=option("eval.batch_size")["default"])
-    out = evaluate_model(lm, frame, [], TaskManager(include_defaults=False), 0, False, {}, generate=False)
+    out = evaluate_model(lm, frame, [], TaskManager(include_defaults=False), 0, False, {}, heldout=(HELDOUT_LOSS,))
     return flat_metrics(out["results"][HELDOUT_LOSS])["eval_loss"]
 
 

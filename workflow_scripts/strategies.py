@@ -293,7 +293,7 @@ def zero_buffer_sizes(stage: int, config) -> dict:
       group's gradients flattened and cast to fp32 for AdamW and AdamW's ``sqrt``/division
       temporaries (step: 3 x 4 bytes a group element at once). With the default the whole partition
       (n / N elements) is one group: 12 n / N bytes at once in the step, 8 n / N in initialize.
-      10 h² is about a decoder layer; a single larger tensor (the embedding) is a group of its own.
+      10 h² is two thirds of a Qwen3 layer; a single larger tensor (the embedding) is a group of its own.
     - ``stage3_prefetch_bucket_size`` 0.9 h² (default 5e7): parameters gathered ahead of use.
     - ``stage3_param_persistence_threshold`` 10 h (default 1e5): tensors this small (norms, biases)
       stay gathered on every rank.
@@ -308,7 +308,7 @@ def zero_buffer_sizes(stage: int, config) -> dict:
     None of these changes a step's arithmetic: the same elementwise sums and updates in the same
     dtypes, grouped differently (the gradient norm is summed per sub-group, so its last bits depend
     on the grouping; a run and its resume use the same sizes). A checkpoint's optimizer state is
-    saved per sub-group: resume with the sizes it was written with."""
+    saved per sub-group: the ZeRO section is part of the checkpoint key (train.checkpoint_folder)."""
     hidden, layer = hidden_size(config), layer_parameters(config)
     if hidden is None:  # DeepSpeed's defaults (training.deepspeed_config can set them)
         return {}
