@@ -163,8 +163,8 @@ def test_a_data_file_serves_the_task_it_is_named_after(tmp_path):
         "test",
     }
     entry.name = "other"
-    assert data_override(entry, files, include) == {
-        "dataset_kwargs": {"data_files": {"test": str(tmp_path / "tasks" / "demo_mc.jsonl")}}
+    assert data_override(entry, files, include) == {  # datasets resolves relative data_files in data_dir
+        "dataset_kwargs": {"data_dir": str(tmp_path / "tasks"), "data_files": {"test": "demo_mc.jsonl"}}
     }
 
 

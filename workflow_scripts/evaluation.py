@@ -1,14 +1,11 @@
 """evaluate_model: one model through lm-eval-harness: the held-out set and the extra tasks of eval.tasks.
 
-The held-out set is the tokenized cache training's caches come from, made into two local lm-eval tasks:
-``heldout`` generates greedily from the first ``prompt_length`` ids of each example (exact match, and
-ROUGE-L, BLEU and chrF by rouge_score and sacrebleu), ``heldout_loss`` scores its label tokens
-(token-weighted loss, perplexity). lm-eval would tokenize a prompt's text again, and move its trailing
-whitespace into the scored continuation (the "\\n" after "assistant"); the model classes here take the
-cached ids for those texts instead (PinnedIds), so the numbers are the plain forward pass's, token for token.
-Generation stops at any end-of-turn token (the EOS and the template's, e.g. ``<|im_end|>`` for a Qwen3 base
-whose EOS is ``<|endoftext|>``). Exact match compares like with like: answers are decoded without special
-tokens, and the text of every special token is taken out of both answers and references.
+The held-out set (the tokenized eval cache) becomes two local tasks: ``heldout`` generates greedily from the first
+``prompt_length`` ids of each example (exact match; ROUGE-L, BLEU and chrF by rouge_score and sacrebleu), and
+``heldout_loss`` scores each run of label tokens (token-weighted loss, perplexity). lm-eval would tokenize those
+texts again and move a prompt's trailing whitespace into the scored continuation; the model classes here take the
+cached ids instead (PinnedIds), so the numbers are the plain forward pass's, token for token. Generation stops at
+any end-of-turn token; exact match takes the text of every special token out of answers and references.
 """
 
 import argparse
@@ -16,6 +13,8 @@ import json
 import math
 import os
 import re
+from functools import partial
+from itertools import groupby
 from pathlib import Path
 
 import datasets
@@ -36,12 +35,12 @@ DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv
 
 def label_spans(labels) -> list[tuple[int, int]]:
     """[start, end) of each run of label tokens (labels other than -100)."""
-    spans, start = [], None
-    for i, y in enumerate([*labels, IGNORE]):
-        if y != IGNORE and start is None:
-            start = i
-        elif y == IGNORE and start is not None:
-            spans, start = [*spans, (start, i)], None
+    spans, start = [], 0
+    for is_label, run in groupby(labels, key=lambda y: y != IGNORE):
+        end = start + len(list(run))
+        if is_label:
+            spans.append((start, end))
+        start = end
     return spans
 
 
@@ -61,13 +60,9 @@ class PinnedIds:
         """Left-padded ids of held-out prompts as they are (never truncated)."""
         if not all(s in self.pinned for s in strings):
             return super().tok_batch_encode(strings, *args, **kwargs)
-        width = max(len(self.pinned[s]) for s in strings)
-        ids = torch.full((len(strings), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, s in enumerate(strings):
-            ids[i, width - len(self.pinned[s]) :] = torch.tensor(self.pinned[s])
-            mask[i, width - len(self.pinned[s]) :] = 1
-        return ids, mask
+        ids = {"input_ids": [self.pinned[s] for s in strings]}
+        batch = self.tokenizer.pad(ids, padding_side="left", return_tensors="pt")
+        return batch["input_ids"], batch["attention_mask"]
 
     def apply_chat_template(self, chat_history, add_generation_prompt=True):
         """A held-out text is rendered already, by training's template (extra tasks get the model's)."""
@@ -91,39 +86,27 @@ def model_class(backend: str):
     return type(f"Pinned{base.__name__}", (PinnedIds, base), {"pinned": {}})
 
 
-# lm-eval aggregations over (answer, reference) pairs, each 0-1 (sacrebleu's 0-100 divided by 100)
+# lm-eval aggregations over (answer, reference) pairs, each on 0-1
 def exact_match(pairs) -> float:
     """Answers equal to their reference, ends stripped and inner runs of whitespace taken as one space."""
-    norm = [tuple(re.sub(r"\s+", " ", t).strip() for t in pair) for pair in pairs]
-    return sum(a == r for a, r in norm) / len(norm) if norm else 0.0
+    same = [re.sub(r"\s+", " ", a).strip() == re.sub(r"\s+", " ", r).strip() for a, r in pairs]
+    return sum(same) / max(len(same), 1)
 
 
 def rouge_l(pairs) -> float:
     """Mean ROUGE-L F1 (rouge_score, no stemming)."""
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
-    return sum(scorer.score(r, a)["rougeL"].fmeasure for a, r in pairs) / len(pairs) if pairs else 0.0
+    return sum(scorer.score(r, a)["rougeL"].fmeasure for a, r in pairs) / max(len(pairs), 1)
 
 
 def corpus(score, pairs) -> float:
-    """A sacrebleu corpus score, one reference each (identical texts give 100.00000000000004: capped)."""
-    answers, references = map(list, zip(*pairs, strict=True)) if pairs else ([], [])
-    return min(score(answers, [references]).score / 100, 1.0) if pairs else 0.0
+    """A sacrebleu corpus score over 100, one reference each (identical texts give 100.00000000000004: capped)."""
+    answers, references = map(list, zip(*pairs, strict=True))
+    return min(score(answers, [references]).score / 100, 1.0)
 
 
-def bleu(pairs) -> float:
-    return corpus(sacrebleu.corpus_bleu, pairs)
-
-
-def chrf(pairs) -> float:
-    return corpus(sacrebleu.corpus_chrf, pairs)
-
-
-GENERATION_METRICS = {"exact_match": exact_match, "rouge_l": rouge_l, "bleu": bleu, "chrf": chrf}
-
-
-def token_mean(items) -> float:
-    """Token-weighted mean of (summed loss, tokens) pairs."""
-    return sum(loss for loss, _ in items) / max(sum(n for _, n in items), 1)
+BLEU, CHRF = partial(corpus, sacrebleu.corpus_bleu), partial(corpus, sacrebleu.corpus_chrf)
+GENERATION_METRICS = {"exact_match": exact_match, "rouge_l": rouge_l, "bleu": BLEU, "chrf": CHRF}
 
 
 def heldout_tasks(frame: pd.DataFrame, tokenizer, max_new_tokens: int, stop: dict):
@@ -140,9 +123,10 @@ def heldout_tasks(frame: pd.DataFrame, tokenizer, max_new_tokens: int, stop: dic
             pinned |= {context: ids[:start], context.rstrip(): ids[:start], context + target: ids[:end]}
             spans.append({"context": context, "target": target, "label_tokens": end - start})
 
-    def config(rows: list[dict]) -> dict:
+    def task(name: str, rows: list[dict], metrics: dict, **config) -> dict:
         dataset = datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
-        return {"custom_dataset": lambda **_: dataset, "test_split": "test"}
+        scores = [{"metric": k, "aggregation": f, "higher_is_better": k != "eval_loss"} for k, f in metrics.items()]
+        return dict(task=name, custom_dataset=lambda **_: dataset, test_split="test", metric_list=scores, **config)
 
     def answer_pairs(doc, results):
         """(answer, reference) with every special token's text taken out of both: a reference that kept a
@@ -153,61 +137,43 @@ def heldout_tasks(frame: pd.DataFrame, tokenizer, max_new_tokens: int, stop: dic
     def loss(doc, results):
         return {"eval_loss": (-results[0][0], doc["label_tokens"]), "label_tokens": doc["label_tokens"]}
 
-    scores = [{"metric": k, "aggregation": f, "higher_is_better": True} for k, f in GENERATION_METRICS.items()]
-    generation = config(docs) | {
-        "task": HELDOUT, "output_type": "generate_until", "doc_to_text": "prompt", "doc_to_target": "response",
-        "process_results": answer_pairs,
-        "generation_kwargs": {"until": [], "max_gen_toks": max_new_tokens, "do_sample": False, **stop},
-        "metric_list": scores,
-    }  # fmt: skip
-    scoring = config(spans) | {
-        "task": HELDOUT_LOSS, "output_type": "loglikelihood", "doc_to_text": "context", "doc_to_target": "target",
-        "process_results": loss,
-        "metric_list": [{"metric": "eval_loss", "aggregation": token_mean, "higher_is_better": False},
-                        {"metric": "label_tokens", "aggregation": sum, "higher_is_better": True}],
-    }  # fmt: skip
+    def token_mean(items) -> float:  # of (summed loss, tokens) pairs
+        return sum(loss for loss, _ in items) / max(sum(n for _, n in items), 1)
+
+    greedy = {"until": [], "max_gen_toks": max_new_tokens, "do_sample": False, **stop}
+    generation = task(HELDOUT, docs, GENERATION_METRICS, output_type="generate_until", doc_to_text="prompt",
+                      doc_to_target="response", process_results=answer_pairs, generation_kwargs=greedy)  # fmt: skip
+    scoring = task(HELDOUT_LOSS, spans, {"eval_loss": token_mean, "label_tokens": sum}, output_type="loglikelihood",
+                   doc_to_text="context", doc_to_target="target", process_results=loss)  # fmt: skip
     return [generation, scoring], pinned
 
 
 def task_sources(task_data: list[str]) -> tuple[list[str], dict[str, Path]]:
     """eval.task_data: include paths (a task YAML's folder, a folder of task YAMLs) and data files by task."""
-    include, files = [], {}
+    include, files = set(), {}
     for p in map(Path, task_data):
         if p.is_dir() or p.suffix in (".yaml", ".yml"):
-            include.append(str((p if p.is_dir() else p.parent).resolve()))
+            include.add(str((p if p.is_dir() else p.parent).resolve()))
         elif p.suffix in DATA_SUFFIXES:
-            files[p.name.removesuffix(p.suffix)] = p.resolve()
+            files[p.stem] = p.resolve()
         else:
             raise UserError(f"eval.task_data: {p} is no task YAML, folder or {'/'.join(DATA_SUFFIXES)} file")
-    return sorted(set(include)), files
+    return sorted(include), files
 
 
 def data_override(entry, files: dict[str, Path], include: list[str]) -> dict | None:
     """lm-eval config keys for a task's local data: a data file named after it serves every split it reads;
-    relative data files in a task YAML of eval.task_data are relative to the YAML's folder."""
-    if entry.name in files:
-        path = files[entry.name]
-        splits = {s: str(path) for s in ("train", "validation", "test")}
-        return {
-            "dataset_path": DATA_SUFFIXES[path.suffix],
-            "dataset_name": None,
-            "dataset_kwargs": {"data_files": splits},
-        }
-    folder = Path(entry.yaml_path).resolve().parent if entry.yaml_path else None
-    if folder is None or not any(folder.is_relative_to(d) for d in include):
-        return None
+    relative data files in a task YAML of eval.task_data are relative to the YAML's folder (datasets' data_dir)."""
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    kwargs = load_yaml(entry.yaml_path, resolve_func=False).get("dataset_kwargs") or {}
-
-    def resolve(f):
-        return str((folder / f).resolve()) if isinstance(f, str) else [resolve(x) for x in f]
-
-    if files := kwargs.get("data_files"):
-        kwargs |= {
-            "data_files": {k: resolve(v) for k, v in files.items()} if isinstance(files, dict) else resolve(files)
-        }
-    return {"dataset_kwargs": kwargs}
+    if path := files.get(entry.name):
+        splits = dict.fromkeys(("train", "validation", "test"), str(path))
+        return dict(dataset_path=DATA_SUFFIXES[path.suffix], dataset_name=None, dataset_kwargs={"data_files": splits})
+    folder = Path(entry.yaml_path or "/").resolve().parent
+    if entry.yaml_path and any(folder.is_relative_to(d) for d in include):
+        kwargs = load_yaml(entry.yaml_path, resolve_func=False).get("dataset_kwargs") or {}
+        return {"dataset_kwargs": {"data_dir": str(folder)} | kwargs} if kwargs.get("data_files") else None
+    return None
 
 
 def extra_tasks(names: list[str], task_data: list[str]):
@@ -224,16 +190,15 @@ def extra_tasks(names: list[str], task_data: list[str]):
         manager = TaskManager(include_path=include or None)
     loaded = []
     for name in names:
-        entry = manager._entry(name)  # noqa: SLF001 (the registered config, to override its data files)
-        if entry is None:
+        if (entry := manager._entry(name)) is None:  # noqa: SLF001 (the registered config, to override its data)
             raise UserError(f"eval.tasks: {name} is no lm-eval task (nor one of eval.task_data's task YAMLs)")
         try:
             overrides = data_override(entry, files, include)
             built = manager._factory.build(entry, overrides=overrides, registry=manager._index)  # noqa: SLF001
         except Exception as e:  # datasets' offline and missing-file errors, whatever their class
             reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            hint = "point eval.task_data at local files"
-            raise UserError(f"eval.tasks: {name}: its data is not available offline ({reason}); {hint}") from None
+            raise UserError(f"eval.tasks: {name}: its data is not available offline ({reason}); "
+                            "point eval.task_data at local files") from None  # fmt: skip
         loaded += built if isinstance(built, list) else [built]
     return loaded, manager
 
@@ -274,13 +239,6 @@ def result_json(name: str, path: str, frame: pd.DataFrame, out: dict, tokenizer)
     return result
 
 
-def lm_eval_json(out: dict) -> str:
-    """lm-eval's results as its EvaluationTracker writes them (no samples), JSON-safe."""
-    from lm_eval.utils import handle_non_serializable
-
-    return json.dumps({k: v for k, v in out.items() if k != "samples"}, indent=2, default=handle_non_serializable)
-
-
 def load_model(backend: str, model: str, precision: str, batch_size: int):
     """The model on every visible GPU in ``precision`` (fp32 on the CPU): hf spreads layers over several
     (parallelize), vLLM shards tensors (tensor_parallel_size). vLLM on a CPU would reserve 92% of the host's
@@ -303,34 +261,24 @@ def stop_ids(model, tokenizer) -> list[int]:
     return list(dict.fromkeys(generation_settings(tokenizer)["eos_token_id"] + own))
 
 
-def score(predictions: list[str], references: list[str]) -> dict:
-    """The held-out set's four scores of answers against references, as its lm-eval task aggregates them."""
-    pairs = list(zip(predictions, references, strict=True))
-    return {k: f(pairs) for k, f in GENERATION_METRICS.items()}
-
-
-def light_env_info(storage: dict) -> None:
-    """lm-eval's add_env_info without torch's collect_env (3-4 s a job; env/check.json records the machine)."""
-    import transformers
-    from lm_eval.loggers.utils import version
-
-    storage |= {"transformers_version": transformers.__version__, "lm_eval_version": version("lm_eval")}
-
-
 def evaluate_model(
     lm, frame, extra, manager, max_new_tokens, chat_template, template_kwargs, heldout=(HELDOUT, HELDOUT_LOSS)
 ) -> dict:
     """lm-eval's output for the held-out tasks named in ``heldout`` and ``extra`` (loaded Task objects) on
-    ``lm``."""
+    ``lm``. Environment info without torch's collect_env (3-4 s a job; env/check.json records the machine)."""
     import lm_eval.evaluator
+    import transformers
     from lm_eval.api.task import ConfigurableTask
+    from lm_eval.loggers.utils import version
 
     stops = stop_ids(getattr(lm, "model", None), lm.tokenizer)
     vllm = hasattr(lm, "tensor_parallel_size")
     stop = {"stop_token_ids": stops, "skip_special_tokens": True} if vllm else {"eos_token_id": stops}
     configs, lm.pinned = heldout_tasks(frame, lm.tokenizer, max_new_tokens, stop)
     lm.chat_template_args = dict(template_kwargs)
-    lm_eval.evaluator.add_env_info = light_env_info
+    lm_eval.evaluator.add_env_info = lambda info: info.update(
+        transformers_version=transformers.__version__, lm_eval_version=version("lm_eval")
+    )
     tasks = [ConfigurableTask(config=c) for c in configs if c["task"] in heldout] + extra
     return lm_eval.evaluator.simple_evaluate(
         lm, tasks=tasks, task_manager=manager, apply_chat_template=chat_template, bootstrap_iters=1000
@@ -366,15 +314,16 @@ def main(argv=None) -> None:
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--lm-eval-output", required=True, type=Path, help="lm-eval's own results JSON")
     a = p.parse_args(argv)
-    frame = pd.read_parquet(a.eval)
-    if a.max_samples:
-        frame = frame.iloc[: a.max_samples]
+    frame = pd.read_parquet(a.eval).iloc[: a.max_samples or None]
     extra, manager = extra_tasks(a.tasks, a.task_data)  # before the model loads: missing data stops at once
     lm = load_model(a.backend, a.model, a.precision, a.batch_size)
     out = evaluate_model(lm, frame, extra, manager, a.max_new_tokens, a.chat_template, a.template_kwargs)
     result = result_json(a.name, a.model, frame, out, lm.tokenizer)
+    from lm_eval.utils import handle_non_serializable  # lm-eval's JSON as its EvaluationTracker writes it
+
     with atomic_path(a.lm_eval_output) as tmp:
-        tmp.write_text(lm_eval_json(out))
+        own = {k: v for k, v in out.items() if k != "samples"}
+        tmp.write_text(json.dumps(own, indent=2, default=handle_non_serializable))
     write_json(a.output, result)
     scores = {k: result[k] for k in ("eval_loss", "perplexity", "exact_match")}
     scores |= {f"{t} {k}": v for t, s in result["tasks"].items() for k, v in s.items() if not k.endswith("_stderr")}
