@@ -25,6 +25,7 @@ def wait_for(predicate, seconds: float, what: str):
 def test_kill_9_ends_the_ranks_and_the_rerun_resumes(tmp_path):
     config = tiny_config("crash", max_steps=120, checkpoint_every=8, log_every=8)
     config["eval"]["max_samples"] = 16
+    config["nodes"] = 1  # a local run trains its nodes one after the other: a second node adds time, not a case
     cmd = snakemake_cmd(tmp_path, config)
     with open(tmp_path / "first.log", "w") as out:
         proc = subprocess.Popen(cmd, env=tool_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -47,8 +48,7 @@ def test_kill_9_ends_the_ranks_and_the_rerun_resumes(tmp_path):
     assert unlock.returncode == 0, unlock.stderr[-2000:]
     rerun = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=1200)
     assert rerun.returncode == 0, rerun.stderr[-3000:] + job_logs(tmp_path)
-    plans = [json.loads((tmp_path / "results/crash/train" / n / "plan.json").read_text()) for n in ("node0", "node1")]
-    assert max(p["start_step"] for p in plans) >= 8  # at least one node resumed from its checkpoint
-    for node in ("node0", "node1"):
-        lines = (tmp_path / "results/crash/train" / node / "metrics.jsonl").read_text().splitlines()
-        assert [json.loads(x)["step"] for x in lines] == list(range(8, 121, 8))  # every logged step once
+    plan = json.loads((tmp_path / "results/crash/train/node0/plan.json").read_text())
+    assert plan["start_step"] >= 8  # resumed from its checkpoint
+    lines = (tmp_path / "results/crash/train/node0/metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == list(range(8, 121, 8))  # every logged step once
