@@ -2,18 +2,45 @@
 
 import json
 
+import pytest
 import torch
 from demo_model import build_model
-from soup import average
+from model_loading import CheckpointFiles
+from pipeline_io import UserError
+from safetensors.torch import save_file
+from soup import MeanSource
 from soup import main as soup_main
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
-def test_average_is_the_elementwise_mean():
-    a = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.0])}
-    b = {"w": torch.tensor([3.0, 6.0]), "b": torch.tensor([1.0])}
-    out = average([a, b])
-    assert torch.equal(out["w"], torch.tensor([2.0, 4.0])) and torch.equal(out["b"], torch.tensor([0.5]))
+def node_files(folder, tensors: dict):
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors")
+    return CheckpointFiles(folder)
+
+
+def test_mean_source_is_the_elementwise_mean_read_tensor_by_tensor(tmp_path):
+    a = node_files(tmp_path / "a", {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.0])})
+    b = node_files(tmp_path / "b", {"w": torch.tensor([3.0, 6.0]), "b": torch.tensor([1.0])})
+    source = MeanSource([a, b])
+    assert source.shapes == {"b": torch.Size([1]), "w": torch.Size([2])}
+    out = source.read(["w"])  # only the tensors asked for
+    assert list(out) == ["w"] and torch.equal(out["w"], torch.tensor([2.0, 4.0]))
+    assert torch.equal(source.read(["b"])["b"], torch.tensor([0.5]))
+    source.close()
+    c = node_files(tmp_path / "c", {"w": torch.tensor([3.0, 6.0, 9.0]), "b": torch.tensor([1.0])})
+    with pytest.raises(UserError, match=r"^model soup: .*/c differs in architecture from .*/a$"):
+        MeanSource([CheckpointFiles(tmp_path / "a"), c])
+
+
+def test_mean_source_equals_the_stacked_mean_bit_for_bit(tmp_path):
+    """Summed in order then divided, without stacking the nodes: the same bits as torch.stack(...).mean(0)."""
+    g = torch.Generator().manual_seed(0)
+    nodes = [{"w": torch.randn(257, 33, generator=g).to(torch.bfloat16)} for _ in range(3)]
+    source = MeanSource([node_files(tmp_path / f"n{i}", t) for i, t in enumerate(nodes)])
+    expected = torch.stack([n["w"].float() for n in nodes]).mean(0)
+    assert torch.equal(source.read(["w"])["w"], expected)
+    source.close()
 
 
 def test_soups_of_node_models(tmp_path, demo_assets):

@@ -7,32 +7,67 @@
 Both are saved as Hugging Face folders and evaluated like any other model. The weights are
 averaged in fp32 and saved in the node models' dtype (consolidate.dtype); the greedy soup's
 held-out losses are those of the weights as they will be saved, computed in fp32.
+A soup is streamed tensor by tensor from the node models' safetensors (positioned reads, as
+training loads its base) to safetensors: the nodes' weights are never all in memory; the one
+whole model held is the greedy soup's fp32 candidate, which its held-out loss needs.
 """
 
 import argparse
 import json
+import math
+from contextlib import closing, suppress
 from pathlib import Path
 
 import pandas as pd
 import torch
-from consolidate import stored_dtype
+from consolidate import dtype_name, parse_size, stored_dtype, stream, write_sharded
 from evaluation import heldout_loss
+from model_loading import CheckpointFiles
 from pipeline_io import UserError, cli, write_json
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+MAX_SHARD = "2GB"  # consolidate's default
 
 
-def load_state(path: Path) -> dict:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+class MeanSource:
+    """The element-wise fp32 mean of the same tensor in every node model, read like a checkpoint
+    (consolidate.stream, a batch of tensors at a time)."""
+
+    def __init__(self, files: list[CheckpointFiles]):
+        self.files = files
+        self.shapes = {n: torch.Size(files[0].shape(n)) for n in files[0].tensors}  # the first node's order
+        for f in files[1:]:
+            if {n: torch.Size(f.shape(n)) for n in f.tensors} != self.shapes:
+                self.close()
+                raise UserError(f"model soup: {f.folder} differs in architecture from {files[0].folder}")
+
+    def read(self, names) -> dict:
+        """Summed in fp32 in the nodes' order, then divided: bit for bit torch.stack(...).mean(0), without the
+        stack (a tensor in fp32 and one node's copy in its own dtype at a time, whatever the number of nodes)."""
+
+        def tensor(f, name):
+            return f.read_flat(name, 0, math.prod(f.shape(name))).view(f.shape(name))
+
+        out = {}
+        for n in names:
+            total = tensor(self.files[0], n).float()
+            for f in self.files[1:]:
+                total.add_(tensor(f, n))
+            out[n] = total.div_(len(self.files))
+        return out
+
+    def release(self, tensors: dict) -> None:
+        tensors.clear()
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
 
 
-def average(states: list[dict]) -> dict:
-    """Element-wise mean in fp32; every state must have the same keys and shapes."""
-    keys = states[0].keys()
-    for s in states[1:]:
-        if s.keys() != keys or any(s[k].shape != states[0][k].shape for k in keys):
-            raise UserError("model soup: the node models differ in architecture")
-    return {k: torch.stack([s[k].float() for s in states]).mean(0) for k in keys}
+def soup_of(models: list[Path], members: list[str]) -> MeanSource:
+    """The mean of the node models named in ``members``, summed in that order."""
+    folders = {m.name: m for m in models}
+    return MeanSource([CheckpointFiles(folders[m]) for m in members])
 
 
 def models_dtype(models: list[Path]) -> torch.dtype:
@@ -41,22 +76,32 @@ def models_dtype(models: list[Path]) -> torch.dtype:
     return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
-def as_saved(state: dict, template: Path, dtype: torch.dtype):
-    """The model ``template`` with the fp32 weights ``state`` rounded to ``dtype``, as save writes them."""
-    model = AutoModelForCausalLM.from_pretrained(template, dtype=dtype)
-    model.load_state_dict(state)
-    return model
-
-
-def save(state: dict, template: Path, tokenizer, out: Path, members: list[str], dtype=torch.float32) -> None:
-    as_saved(state, template, dtype).save_pretrained(out)
-    tokenizer.save_pretrained(out)
+def save(source: MeanSource, template: Path, out: Path, members: list[str], dtype: torch.dtype) -> None:
+    """The soup as a Hugging Face folder: ``dtype`` safetensors, the first node's config, generation
+    config and tokenizer."""
+    out.mkdir(parents=True, exist_ok=True)
+    with closing(source):
+        write_sharded(source, source.shapes, out, parse_size(MAX_SHARD), dtype)
+    config = AutoConfig.from_pretrained(template)
+    config.dtype = dtype_name(dtype)
+    config.save_pretrained(out)
+    with suppress(OSError):  # a node model without a generation config: the soup has none either
+        GenerationConfig.from_pretrained(template).save_pretrained(out)
+    AutoTokenizer.from_pretrained(template).save_pretrained(out)
     write_json(out / "soup.json", {"members": members})
 
 
-def held_out_loss(state: dict, template: Path, frame: pd.DataFrame, tokenizer, dtype=torch.float32) -> float:
-    """evaluate_model's eval_loss of the soup as it will be saved, computed in fp32."""
-    return heldout_loss(as_saved(state, template, dtype).float().eval(), tokenizer, frame)
+@torch.no_grad()
+def held_out_loss(model, source: MeanSource, tokenizer, frame: pd.DataFrame, dtype: torch.dtype) -> float:
+    """evaluate_model's eval_loss of the soup as it will be saved (rounded to ``dtype``), computed in fp32
+    in ``model``, whose weights it overwrites."""
+    target = model.state_dict()
+    with closing(source):
+        for name, tensor in stream(source, source.shapes):
+            if name not in target:
+                raise UserError(f"model soup: {name} of the node models is no parameter of {type(model).__name__}")
+            target[name].copy_(tensor.to(dtype))
+    return heldout_loss(model.eval(), tokenizer, frame)
 
 
 @cli
@@ -70,23 +115,23 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     names = [m.name for m in a.models]
     losses = {json.loads(r.read_text())["model"]: json.loads(r.read_text())["eval_loss"] for r in a.results}
-    states = {m.name: load_state(m) for m in a.models}
     tokenizer = AutoTokenizer.from_pretrained(a.models[0])
     template, dtype = a.models[0], models_dtype(a.models)
 
-    save(average(list(states.values())), template, tokenizer, a.uniform, names, dtype)
+    save(soup_of(a.models, names), template, a.uniform, names, dtype)
 
     frame = pd.read_parquet(a.eval)
     order = sorted(names, key=lambda n: losses[n])
     members, best = [order[0]], losses[order[0]]
     trail = [{"added": order[0], "loss": best}]
+    model = AutoModelForCausalLM.from_pretrained(template, dtype=torch.float32) if len(order) > 1 else None
     for name in order[1:]:
-        soup = average([states[m] for m in [*members, name]])
-        loss = held_out_loss(soup, template, frame, tokenizer, dtype)
+        loss = held_out_loss(model, soup_of(a.models, [*members, name]), tokenizer, frame, dtype)
         trail.append({"tried": name, "loss": loss, "kept": loss < best})
         if loss < best:
             members, best = [*members, name], loss
-    save(average([states[m] for m in members]), template, tokenizer, a.greedy, members, dtype)
+    del model
+    save(soup_of(a.models, members), template, a.greedy, members, dtype)
     write_json(a.greedy / "soup.json", {"members": members, "trail": trail})
     print(f"uniform soup of {names}; greedy soup of {members} (held-out loss {best:.4f})")
 
