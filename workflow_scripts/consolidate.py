@@ -61,6 +61,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now; never loses data
 READ_BYTES = 64 * 2**20  # tensors read from a checkpoint per batch (a larger tensor is read alone)
+MAX_SHARD_SIZE = "2GB"  # safetensors files written (consolidation, soups), as Hugging Face's default
 
 
 def parse_size(text: str | int) -> int:
@@ -656,7 +657,7 @@ def tokenization_metadata(
 def consolidate(
     state: dict,
     output: Path,
-    max_shard_size: str = "2GB",
+    max_shard_size: str = MAX_SHARD_SIZE,
     peaks: PeakRSS | None = None,
     template: dict | None = None,
     dtype: str = "base",
@@ -726,7 +727,7 @@ def main(argv=None) -> None:
     p.add_argument("--state", required=True, type=Path, help="train_state.json of the node")
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--tolerance", type=float, default=1e-5)
-    p.add_argument("--max-shard-size", default="2GB", help="safetensors shard size, e.g. 2GB or 500MB")
+    p.add_argument("--max-shard-size", default=MAX_SHARD_SIZE, help="safetensors shard size, e.g. 2GB or 500MB")
     p.add_argument("--dtype", help="consolidate.dtype: the written weights' dtype", **option("consolidate.dtype"))
     p.add_argument("--chat-template", default=None, help="data.chat_template: the Jinja file training used")
     p.add_argument("--format-template", help="data.format_template", **option("data.format_template"))

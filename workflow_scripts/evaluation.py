@@ -169,11 +169,11 @@ def data_override(entry, files: dict[str, Path], include: list[str]) -> dict | N
     if path := files.get(entry.name):
         splits = dict.fromkeys(("train", "validation", "test"), str(path))
         return dict(dataset_path=DATA_SUFFIXES[path.suffix], dataset_name=None, dataset_kwargs={"data_files": splits})
-    folder = Path(entry.yaml_path or "/").resolve().parent
-    if entry.yaml_path and any(folder.is_relative_to(d) for d in include):
-        kwargs = load_yaml(entry.yaml_path, resolve_func=False).get("dataset_kwargs") or {}
-        return {"dataset_kwargs": {"data_dir": str(folder)} | kwargs} if kwargs.get("data_files") else None
-    return None
+    folder = Path(entry.yaml_path).resolve().parent if entry.yaml_path else None
+    if folder is None or not any(folder.is_relative_to(d) for d in include):
+        return None  # lm-eval's own task, or a YAML outside eval.task_data
+    kwargs = load_yaml(entry.yaml_path, resolve_func=False).get("dataset_kwargs") or {}
+    return {"dataset_kwargs": {"data_dir": str(folder)} | kwargs} if kwargs.get("data_files") else None
 
 
 def extra_tasks(names: list[str], task_data: list[str]):

@@ -20,13 +20,11 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from consolidate import dtype_name, parse_size, stored_dtype, stream, write_sharded
+from consolidate import MAX_SHARD_SIZE, dtype_name, parse_size, stored_dtype, stream, write_sharded
 from evaluation import heldout_loss
 from model_loading import CheckpointFiles
 from pipeline_io import UserError, cli, write_json
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-MAX_SHARD = "2GB"  # consolidate's default
 
 
 class MeanSource:
@@ -76,19 +74,19 @@ def models_dtype(models: list[Path]) -> torch.dtype:
     return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
-def save(source: MeanSource, template: Path, out: Path, members: list[str], dtype: torch.dtype) -> None:
+def save(source: MeanSource, template: Path, out: Path, record: dict, dtype: torch.dtype) -> None:
     """The soup as a Hugging Face folder: ``dtype`` safetensors, the first node's config, generation
-    config and tokenizer."""
+    config and tokenizer, and ``record`` (its members, the greedy trail) as soup.json."""
     out.mkdir(parents=True, exist_ok=True)
     with closing(source):
-        write_sharded(source, source.shapes, out, parse_size(MAX_SHARD), dtype)
+        write_sharded(source, source.shapes, out, parse_size(MAX_SHARD_SIZE), dtype)
     config = AutoConfig.from_pretrained(template)
     config.dtype = dtype_name(dtype)
     config.save_pretrained(out)
     with suppress(OSError):  # a node model without a generation config: the soup has none either
         GenerationConfig.from_pretrained(template).save_pretrained(out)
     AutoTokenizer.from_pretrained(template).save_pretrained(out)
-    write_json(out / "soup.json", {"members": members})
+    write_json(out / "soup.json", record)
 
 
 @torch.no_grad()
@@ -118,7 +116,7 @@ def main(argv=None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(a.models[0])
     template, dtype = a.models[0], models_dtype(a.models)
 
-    save(soup_of(a.models, names), template, a.uniform, names, dtype)
+    save(soup_of(a.models, names), template, a.uniform, {"members": names}, dtype)
 
     frame = pd.read_parquet(a.eval)
     order = sorted(names, key=lambda n: losses[n])
@@ -131,8 +129,7 @@ def main(argv=None) -> None:
         if loss < best:
             members, best = [*members, name], loss
     del model
-    save(soup_of(a.models, members), template, a.greedy, members, dtype)
-    write_json(a.greedy / "soup.json", {"members": members, "trail": trail})
+    save(soup_of(a.models, members), template, a.greedy, {"members": members, "trail": trail}, dtype)
     print(f"uniform soup of {names}; greedy soup of {members} (held-out loss {best:.4f})")
 
 
