@@ -147,3 +147,72 @@ def option(key: str) -> dict:
     for part in key.split("."):
         prop = prop["properties"][part]
     return {"default": prop.get("default")} | ({"choices": prop["enum"]} if "enum" in prop else {})
+
+
+# ---------------------------------------------------------------- typed stage configs
+
+
+def key_field(key: str):
+    """A stage config's field holding config key ``key`` (a dotted path, e.g. "data.max_seq_len")."""
+    return dataclasses.field(metadata={"key": key})
+
+
+def schema_property(key: str) -> dict:
+    """The schema of config key ``key`` (a dotted path)."""
+    prop = schema()
+    for part in key.split("."):
+        prop = prop["properties"][part]
+    return prop
+
+
+class StageConfig:
+    """Base of a stage's typed config: a frozen dataclass whose fields are the config keys that stage
+    depends on, each named by ``key_field("section.key")``. It has no defaults of its own: a key
+    missing from the values takes the schema's default, and each value is checked against its key's
+    schema. A rule passes ``to_json(config)`` (only these keys, so changing another key reruns nothing
+    here); the stage's script builds the config with ``from_json``."""
+
+    @classmethod
+    def keys(cls) -> dict[str, str]:
+        """field name -> dotted config key"""
+        return {f.name: f.metadata["key"] for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def values(cls, config: dict) -> dict:
+        """The stage's keys of a validated (whole) config, by field name."""
+        out = {}
+        for name, key in cls.keys().items():
+            value = config
+            for part in key.split("."):
+                value = value[part]
+            out[name] = value
+        return out
+
+    @classmethod
+    def to_json(cls, config: dict) -> str:
+        return json.dumps(cls.values(config), sort_keys=True)
+
+    @classmethod
+    def build(cls, values: dict | None = None):
+        """The stage config from (some of) its fields' values; the rest are the schema's defaults."""
+        from jsonschema import Draft202012Validator
+
+        values = dict(values or {})
+        keys = cls.keys()
+        unknown = sorted(set(values) - set(keys))
+        if unknown:
+            raise UserError(f"{cls.__name__}: unknown key(s) {unknown}")
+        for name, key in keys.items():
+            prop = schema_property(key)
+            if name not in values:
+                values[name] = copy.deepcopy(prop.get("default"))
+            if values[name] is None and "default" in prop and prop["default"] is None:
+                continue
+            error = next(iter(Draft202012Validator(prop).iter_errors(values[name])), None)
+            if error is not None:
+                raise UserError(f"config key {key}: {error.message}")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str):
+        return cls.build(json.loads(text))
