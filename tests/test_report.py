@@ -69,7 +69,8 @@ def test_consolidation_table_reads_each_models_self_check(tmp_path):
 
 
 def test_every_score_in_a_summary_is_on_0_1():
-    from summarize import SCORES, summary_table
+    from metrics import SCORES
+    from summarize import summary_table
 
     references = ["the cat sat on the mat today", "a quick brown fox jumps over it", "ten green bottles on the wall"]
     same = score(references, references)
