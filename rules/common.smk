@@ -188,19 +188,12 @@ TEMPLATE_ARGS = verbatim(
         template_kwargs=json.dumps(DATA["template_kwargs"]),
     )
 )
-EVAL_ARGS = verbatim(
-    cli_args(
-        batch_size=EVAL["batch_size"],
-        max_new_tokens=EVAL["max_new_tokens"],
-        max_samples=EVAL["max_samples"],
-        backend=EVAL["backend"],
-        precision=config["training"]["precision"] if EVAL["precision"] == "training" else EVAL["precision"],
-        tasks=json.dumps(EVAL["tasks"]),
-        task_data=json.dumps(EVAL["task_data"]),
-        chat_template=json.dumps(EVAL["apply_chat_template"]),
-        template_kwargs=json.dumps(DATA["template_kwargs"]),
-    )
-)
+# The typed configs of the evaluation, environment check and grid comparison: only the keys each depends on
+from settings import EnvironmentConfig, EvalConfig, GridConfig  # noqa: E402
+
+EVAL_CONFIG = verbatim(EvalConfig.to_json(config))
+ENV_CONFIG = verbatim(EnvironmentConfig.to_json(config))
+GRID_CONFIG = verbatim(GridConfig.to_json(config))
 # A node's shard must fill one micro-batch on every rank of its node, in packed bins (training.packing)
 # or examples, before a training job is queued (joint mode: asked of each shard, more than it needs).
 # A grid's shared tokenization asks for what the largest variant needs.

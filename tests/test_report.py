@@ -10,7 +10,7 @@ from conftest import REPO
 
 def score(predictions: list[str], references: list[str]) -> dict:
     """The held-out set's four scores, as its lm-eval task aggregates them."""
-    from evaluation import GENERATION_METRICS
+    from heldout import GENERATION_METRICS
 
     pairs = list(zip(predictions, references, strict=True))
     return {k: f(pairs) for k, f in GENERATION_METRICS.items()}

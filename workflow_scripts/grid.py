@@ -15,6 +15,7 @@ from pathlib import Path
 
 from metrics import LOSSES, NOT_METRICS, SCORES, direction, lower_is_better, task_scores
 from pipeline_io import UserError, atomic_path, cli
+from settings import GridConfig
 
 PREFIX = "training."
 FIRST = (*LOSSES, SCORES[0])  # the table's first metric columns (losses, exact match); the rest as they come
@@ -159,13 +160,13 @@ def result_key(path: Path, variants: dict) -> tuple[str, str]:
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--grid", required=True, help="the config's grid as JSON")
+    p.add_argument("--config", required=True, help="settings.GridConfig as JSON: the config's grid")
     p.add_argument("--base", required=True, type=Path, help="the base model's eval/base.json")
     p.add_argument("--results", nargs="+", required=True, type=Path, help="each <variant>/eval/<model>.json")
     p.add_argument("--table", required=True, type=Path)
     p.add_argument("--plot", required=True, type=Path)
     a = p.parse_args(argv)
-    variants = expand_grid(json.loads(a.grid))
+    variants = expand_grid(GridConfig.from_json(a.config).grid)
     results = {result_key(r, variants): json.loads(r.read_text()) for r in a.results}
     table = grid_table(grid_rows(variants, results, json.loads(a.base.read_text())), variants)
     with atomic_path(a.table) as tmp:
