@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from heldout import GENERATION_METRICS, evaluate_model, exact_match, flat_metrics, model_class
-from metrics import HELDOUT, HELDOUT_LOSS
+from heldout import evaluate_model, exact_match, flat_metrics, model_class
+from metrics import HELDOUT, HELDOUT_LOSS, SCORES
 from pipeline_io import UserError, atomic_path, cli, write_json
 from settings import EvalConfig
 
@@ -87,7 +87,7 @@ def result_json(name: str, path: str, frame: pd.DataFrame, out: dict, tokenizer)
     predictions, references = map(list, zip(*(s["exact_match"] for s in samples), strict=True))
     loss, tokens = scores[HELDOUT_LOSS]["eval_loss"], int(scores[HELDOUT_LOSS]["label_tokens"])
     result = {"model": name, "path": path, "examples": len(frame), "label_tokens": tokens, "eval_loss": loss,
-              "perplexity": math.exp(min(loss, 50))} | {k: scores[HELDOUT][k] for k in GENERATION_METRICS}  # fmt: skip
+              "perplexity": math.exp(min(loss, 50))} | {k: scores[HELDOUT][k] for k in SCORES}  # fmt: skip
     if frame["category"].astype(bool).any():
         categories = frame["category"].tolist()
         result["exact_match_by_category"] = exact_match_by_category(predictions, references, categories)
