@@ -33,7 +33,9 @@ sys.path.insert(0, sys.argv[1])
 
 def main():
     import pandas as pd
-    from evaluation import HELDOUT, evaluate_model, load_model
+    from evaluation import load_model
+    from heldout import evaluate_model
+    from metrics import HELDOUT
     from lm_eval.tasks import TaskManager
 
     backend, model, data, new_tokens, batch = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])

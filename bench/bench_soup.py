@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import pandas as pd, torch
 from consolidate import stored_dtype
-from evaluation import heldout_loss
+from heldout import heldout_loss
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 

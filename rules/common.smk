@@ -3,7 +3,6 @@
 import json
 import re
 import shlex
-import string
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from fingerprint import check_model, local_model_folder  # noqa: E402
 from chat_format import has_chat_template, no_template_message, parse_format  # noqa: E402
 from settings import check_grid, validated  # noqa: E402
 from grid import expand_grid, variant_training  # noqa: E402
+from layout import patterns  # noqa: E402
 
 # The rules call `python` and `torchrun` by name: .venv/bin/snakemake works without activating .venv.
 interpreter_first_on_path()
@@ -39,12 +39,12 @@ except UserError as e:
 GRID = bool(VARIANTS)
 
 RUN = config["run"]
-R = f"results/{RUN}"
-LOGS = f"logs/{RUN}"
-# A grid's variants each plan, train, consolidate, evaluate and summarize under results/<run>/<variant>/
-# (logs under logs/<run>/<variant>/); without a grid those paths are results/<run>/ itself, as always.
-V = f"{R}/{{variant}}" if GRID else R
-VLOGS = f"{LOGS}/{{variant}}" if GRID else LOGS
+# Every path under results/<run>/ (workflow_scripts/layout.py, which status.py reads them by), as the rules
+# name them: R, LOGS; V, VLOGS (a grid variant's prefixes, results/<run>/<variant>/ and logs/<run>/<variant>/;
+# without a grid results/<run>/ itself); ENV_CHECK, MANIFEST, SPLIT, ..., TRAIN_DIR, ..., GRID_PLOT. expand()
+# fills them for lists, and .format() fills one wildcard or renames it (train_node reads {shard} as {node}).
+# The variant's paths (layout.VARIANT_FILES: PLAN to PROVENANCE) hold {variant}: expand those with allow_missing=True.
+globals().update(patterns(RUN, GRID))
 NODES = [f"node{i}" for i in range(config["nodes"])]  # the data shards, one per node
 JOINT = config["training"]["mode"] == "joint"
 if JOINT and config["nodes"] < 2:
@@ -60,58 +60,6 @@ except UserError as e:
     fail(e)
 DEMO = PRESET is not None  # the base model is built by build_demo_model
 
-
-class Pattern(str):
-    """A path pattern whose .format() fills the wildcards it is given and keeps the others as they are
-    (a grid variant's paths hold {variant}, which the job's wildcards fill)."""
-
-    class Keep(dict):
-        def __missing__(self, key):
-            return f"{{{key}}}"
-
-    def format(self, *args, **kwargs):
-        return Pattern(string.Formatter().vformat(self, args, self.Keep(kwargs)))
-
-
-# Every path under results/<run>/, defined once: rules name these patterns, expand() fills them
-# for lists, and .format() fills one wildcard or renames it (train_node reads {shard} as {node}).
-# The paths from PLAN to PROVENANCE are a grid variant's (V); expand() those with allow_missing=True.
-DEMO_MODEL = f"{R}/base_model"  # written by build_demo_model
-ENV_CHECK = f"{R}/env/check.json"
-MANIFEST = f"{R}/data/manifest.json"
-SPLIT = f"{R}/data/splits/{{shard}}.parquet"
-EVAL_SPLIT = f"{R}/data/eval.parquet"
-REJECTS = f"{R}/data/rejects.parquet"
-TOKENIZED = f"{R}/data/tokenized/{{shard}}.parquet"  # shard: node0.. or eval
-PACKING = f"{R}/data/tokenized/{{shard}}.packing.parquet"
-TOKEN_STATS = f"{R}/data/tokenized/{{shard}}.json"
-TOKEN_REJECTS = f"{R}/data/tokenized/{{shard}}.rejects.parquet"  # examples tokenization left out
-DATA_REPORT = f"{R}/data/report.json"
-DATA_PLOT = f"{R}/data/overview.png"
-PLAN = Pattern(f"{V}/plan/memory.json")
-PLAN_TABLE = Pattern(f"{V}/plan/memory.csv")
-TRAIN_DIR = Pattern(f"{V}/train/{{node}}")  # node: node0.. or joint
-TRAIN_METRICS = Pattern(f"{TRAIN_DIR}/metrics.jsonl")
-TRAIN_STATE = Pattern(f"{TRAIN_DIR}/train_state.json")
-CHECKPOINTS = Pattern(f"{V}/checkpoints/{{node}}")
-MODEL_DIR = Pattern(f"{V}/models/{{model}}")  # model: a trained node, joint or a soup (base is BASE_MODEL)
-EVAL_RESULT = Pattern(f"{V}/eval/{{model}}.json")
-LM_EVAL_RESULT = Pattern(f"{V}/eval/lm_eval/{{model}}.json")  # lm-eval's own results JSON (results, configs...)
-SUMMARY = Pattern(f"{V}/eval/summary.csv")
-TASKS = Pattern(f"{V}/eval/tasks.csv")  # one row per model x task x metric, the held-out set as task "heldout"
-TASKS_PLOT = Pattern(f"{V}/eval/tasks.png")
-LOSS_CURVES = Pattern(f"{V}/eval/loss_curves.png")
-THROUGHPUT = Pattern(f"{V}/eval/throughput.png")
-LEADERBOARD = Pattern(f"{V}/eval/leaderboard.png")
-LEADERBOARD_TEXT = Pattern(f"{V}/eval/leaderboard.txt")
-CATEGORIES = Pattern(f"{V}/eval/categories.png")
-SAMPLES = Pattern(f"{V}/eval/samples.csv")
-CONSOLIDATION = Pattern(f"{V}/eval/consolidation.csv")
-PROVENANCE = Pattern(f"{V}/provenance.json")
-BASE_EVAL = Pattern(f"{R}/eval/{{model}}.json")  # model: base; shared by a grid's variants (evaluate_base)
-BASE_LM_EVAL = Pattern(f"{R}/eval/lm_eval/{{model}}.json")
-GRID_TABLE = f"{R}/eval/grid.csv"  # compare_grid: every variant's models against base
-GRID_PLOT = f"{R}/eval/grid.png"
 
 # The base model, one name per use:
 # what from_pretrained loads (the demo build, a local path or a hub id),
@@ -240,19 +188,12 @@ TEMPLATE_ARGS = verbatim(
         template_kwargs=json.dumps(DATA["template_kwargs"]),
     )
 )
-EVAL_ARGS = verbatim(
-    cli_args(
-        batch_size=EVAL["batch_size"],
-        max_new_tokens=EVAL["max_new_tokens"],
-        max_samples=EVAL["max_samples"],
-        backend=EVAL["backend"],
-        precision=config["training"]["precision"] if EVAL["precision"] == "training" else EVAL["precision"],
-        tasks=json.dumps(EVAL["tasks"]),
-        task_data=json.dumps(EVAL["task_data"]),
-        chat_template=json.dumps(EVAL["apply_chat_template"]),
-        template_kwargs=json.dumps(DATA["template_kwargs"]),
-    )
-)
+# The typed configs of the evaluation, environment check and grid comparison: only the keys each depends on
+from settings import EnvironmentConfig, EvalConfig, GridConfig  # noqa: E402
+
+EVAL_CONFIG = verbatim(EvalConfig.to_json(config))
+ENV_CONFIG = verbatim(EnvironmentConfig.to_json(config))
+GRID_CONFIG = verbatim(GridConfig.to_json(config))
 # A node's shard must fill one micro-batch on every rank of its node, in packed bins (training.packing)
 # or examples, before a training job is queued (joint mode: asked of each shard, more than it needs).
 # A grid's shared tokenization asks for what the largest variant needs.

@@ -11,11 +11,6 @@ rule check_environment:
         "../envs/train.yaml"
     params:
         script=script_path("environment.py"),
-        strategy=config["training"]["strategy"],
-        peft=config["training"]["peft"],
-        procs=config["training"]["procs_per_node"],
-        precision=config["training"]["precision"],
+        config=ENV_CONFIG,
     shell:
-        "python {params.script} --strategy {params.strategy} --peft {params.peft}"
-        " --procs-per-node {params.procs} --precision {params.precision}"
-        " --output {output} > {log} 2>&1"
+        "python {params.script} --config {params.config:q} --output {output} > {log} 2>&1"

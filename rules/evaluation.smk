@@ -14,8 +14,8 @@ rule evaluate_model:
         python=EVAL_PYTHON,
         script=script_path("evaluation.py"),
         model=get_model,
-        args=EVAL_ARGS,
+        config=EVAL_CONFIG,
     shell:
         "{params.python} {params.script} --model {params.model} --name {wildcards.model}"
-        " --eval {input.eval} {params.args}"
+        " --eval {input.eval} --config {params.config:q}"
         " --output {output.result} --lm-eval-output {output.lm_eval} > {log} 2>&1"

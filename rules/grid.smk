@@ -50,7 +50,7 @@ rule compare_grid:
         "../envs/eval.yaml"
     params:
         script=script_path("grid.py"),
-        grid=verbatim(json.dumps(config["grid"])),
+        config=GRID_CONFIG,
     shell:
-        "python {params.script} --grid {params.grid:q} --base {input.base} --results {input.results}"
+        "python {params.script} --config {params.config:q} --base {input.base} --results {input.results}"
         " --table {output.table} --plot {output.plot} > {log} 2>&1"

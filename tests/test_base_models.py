@@ -252,7 +252,7 @@ def test_special_texts_are_the_tokenizers_special_tokens(llama2_base, qwen3_base
 
 def test_exact_match_compares_like_with_like(llama2_base):
     """The held-out task's process_results takes every special token's text out of answers and references."""
-    from evaluation import heldout_tasks
+    from heldout import heldout_tasks
 
     frame = pd.DataFrame({"input_ids": [[1, 5]], "labels": [[-100, 5]], "prompt_length": [1], "response": ["x"]})
     (generation, _), _ = heldout_tasks(frame, llama2_base, 4, {})
@@ -266,13 +266,13 @@ def test_exact_match_compares_like_with_like(llama2_base):
 
 def test_evaluation_without_a_pad_token(tmp_path, base_dir, tokenized):
     from evaluation import main as evaluate_main
-    from evaluation import stop_ids
+    from heldout import stop_ids
 
     tok = AutoTokenizer.from_pretrained(base_dir)
     assert tok.pad_token_id is None
     evaluate_main(
         ["--model", str(base_dir), "--name", "base", "--eval", str(tokenized / "eval.tok.parquet"),
-         "--batch-size", "3", "--max-new-tokens", "4",
+         "--config", json.dumps({"batch_size": 3, "max_new_tokens": 4}),
          "--output", str(tmp_path / "base.json"), "--lm-eval-output", str(tmp_path / "lm_eval.json")]
     )  # fmt: skip
     result = json.loads((tmp_path / "base.json").read_text())
@@ -283,7 +283,7 @@ def test_evaluation_without_a_pad_token(tmp_path, base_dir, tokenized):
 
 
 def test_generation_stops_at_the_templates_end_of_turn(qwen3_base):
-    from evaluation import stop_ids
+    from heldout import stop_ids
 
     eot, eos = qwen3_base.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     model = tiny_llama(qwen3_base)

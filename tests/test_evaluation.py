@@ -13,15 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import BIN, REPO, snakemake, tiny_config, tool_env
-from evaluation import (
-    HELDOUT,
-    evaluate_model,
-    extra_tasks,
-    flat_metrics,
-    label_spans,
-    model_class,
-    result_json,
-)
+from evaluation import extra_tasks, result_json
+from heldout import evaluate_model, flat_metrics, label_spans, model_class
+from metrics import HELDOUT
 from pipeline_io import UserError
 
 DEMO_MC = REPO / "resources" / "demo" / "tasks" / "demo_mc.yaml"
@@ -177,9 +171,9 @@ def test_hub_data_offline_stops_with_one_line_no_traceback(demo_assets, tmp_path
     yaml_file.write_text(DEMO_MC.read_text().replace("task: demo_mc", "task: hubby").replace("dataset_path: json", hub))
     proc = subprocess.run(
         [str(BIN / "python"), str(REPO / "workflow_scripts" / "evaluation.py"), "--model", str(demo_assets["base"]),
-         "--name", "base", "--eval", str(demo_assets["eval"]), "--tasks", '["hubby"]',
-         "--task-data", json.dumps([str(yaml_file)]), "--output", str(tmp_path / "r.json"),
-         "--lm-eval-output", str(tmp_path / "l.json")],
+         "--name", "base", "--eval", str(demo_assets["eval"]),
+         "--config", json.dumps({"tasks": ["hubby"], "task_data": [str(yaml_file)]}),
+         "--output", str(tmp_path / "r.json"), "--lm-eval-output", str(tmp_path / "l.json")],
         capture_output=True, text=True, env=tool_env() | {"HF_DATASETS_OFFLINE": "1"}, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -247,8 +241,9 @@ def test_hf_and_vllm_give_the_same_greedy_answers(demo_assets, tmp_path):
     for backend, python in (("hf", str(BIN / "python")), ("vllm", VLLM_PYTHON)):
         proc = subprocess.run(
             [python, str(REPO / "workflow_scripts" / "evaluation.py"), "--model", model,
-             "--name", "base", "--eval", str(demo_assets["eval"]), "--backend", backend, "--batch-size", "32",
-             "--max-new-tokens", str(NEW_TOKENS), "--output", str(tmp_path / f"{backend}.json"),
+             "--name", "base", "--eval", str(demo_assets["eval"]),
+             "--config", json.dumps({"backend": backend, "batch_size": 32, "max_new_tokens": NEW_TOKENS}),
+             "--output", str(tmp_path / f"{backend}.json"),
              "--lm-eval-output", str(tmp_path / f"{backend}.lm_eval.json")],
             capture_output=True, text=True, env=tool_env(), timeout=900,
         )  # fmt: skip

@@ -10,7 +10,7 @@ from conftest import REPO
 
 def score(predictions: list[str], references: list[str]) -> dict:
     """The held-out set's four scores, as its lm-eval task aggregates them."""
-    from evaluation import GENERATION_METRICS
+    from heldout import GENERATION_METRICS
 
     pairs = list(zip(predictions, references, strict=True))
     return {k: f(pairs) for k, f in GENERATION_METRICS.items()}
@@ -69,7 +69,8 @@ def test_consolidation_table_reads_each_models_self_check(tmp_path):
 
 
 def test_every_score_in_a_summary_is_on_0_1():
-    from summarize import SCORES, summary_table
+    from metrics import SCORES
+    from summarize import summary_table
 
     references = ["the cat sat on the mat today", "a quick brown fox jumps over it", "ten green bottles on the wall"]
     same = score(references, references)

@@ -4,13 +4,16 @@ test_crash.py, test_slurm.py and test_workflow.py)."""
 
 import json
 import os
+import re
 import time
 
 import pytest
+from conftest import snakemake, tiny_config
 from pipeline_io import UserError
 from status import (
     Job,
     eta_seconds,
+    headline,
     is_stalled,
     job_comment_matches,
     last_checkpoint,
@@ -21,6 +24,7 @@ from status import (
     read_metrics,
     render_plain,
     run_status,
+    stages,
     train_folders,
 )
 
@@ -254,6 +258,39 @@ def test_plain_rendering_of_a_running_and_a_finished_run(tmp_path):
     assert "node1: done at step 8, final loss 4.9200, trained 4s, eval loss 1.250" in text
     assert "evaluated node0, node1" in text
     assert text.rstrip().endswith("Best model: node0 (lowest eval loss)\n  eval loss 1.25")
+
+
+@pytest.mark.parametrize("grid", [{}, {"training.lr": [1e-3, 3e-3]}])
+def test_status_finds_what_the_rules_write(tmp_path, grid):
+    """The rules and status.py take the results tree from one place (layout.py): every file a dry run's jobs
+    would write, created empty, is where status looks for it (training folders, checkpoints, models, eval
+    results, the stages), so a folder renamed for one side only fails here."""
+    text = snakemake(tmp_path, tiny_config("r") | {"grid": grid}, "-n", "-p").stdout
+    outputs = [p.strip() for line in text.splitlines() if line.strip().startswith("output:")
+               for p in line.split("output:", 1)[1].split(",")]  # fmt: skip
+    for path in map(tmp_path.joinpath, outputs):
+        if path.suffix:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(record(12)) + "\n" if path.suffix == ".jsonl" else '{"eval_loss": 1.5}')
+        else:  # directory() outputs: the models (and the demo base model)
+            (path / "config.json").parent.mkdir(parents=True, exist_ok=True)
+            (path / "config.json").write_text("{}")
+    for root in re.findall(r"--checkpoint-root (\S+)", text):
+        (tmp_path / root / "key" / "step-12").mkdir(parents=True)
+        (tmp_path / root / "key" / "step-12" / "COMPLETE").write_text(json.dumps({"step": 12, "time": NOW}))
+    nodes = run_status(tmp_path, "r", now=NOW, scheduler=False)
+    variants = [f"lr-{lr:g}" for lr in grid.get("training.lr", [])] or [""]
+    assert [(n.variant, n.node) for n in nodes] == [(v, node) for v in variants for node in ("node0", "node1")]
+    assert all(n.state == "done" and n.step == 12 and n.checkpoint["step"] == 12 for n in nodes)
+    assert all(n.model and n.eval_loss == 1.5 for n in nodes)
+    results = tmp_path / "results" / "r"
+    picture = stages(results)
+    assert picture["split"] and picture["tokenized"] == ["eval", "node0", "node1"]
+    assert picture["evaluated"] == (["base"] if grid else ["base", "node0", "node1"])
+    assert (picture["summary"], picture["grid"]) == (not grid, bool(grid))
+    assert headline(nodes, results) == "finished"
+    if grid:
+        assert all(stages(results / v)["evaluated"] == ["base", "node0", "node1"] for v in variants)
 
 
 def test_cli_errors_in_one_line(tmp_path, capsys):

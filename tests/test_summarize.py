@@ -169,7 +169,7 @@ def test_cli_writes_tasks_csv_and_plot(tmp_path, tasks):
 
 
 def test_lm_eval_keys_with_filters():
-    from summarize import task_scores
+    from metrics import task_scores
 
     raw = {"alias": "demo_mc", "acc,none": 0.41, "acc_stderr,none": 0.03, "exact_match,strict-match": 0.2,
            "exact_match_stderr,strict-match": "N/A"}  # fmt: skip

@@ -124,7 +124,7 @@ def test_evaluation_is_deterministic(ddp_run):
     cmd = [
         sys.executable, str(REPO / "workflow_scripts/evaluation.py"), "--model", str(root / "models" / "node0"),
         "--name", "node0", "--eval", str(root / "data" / "tokenized" / "eval.parquet"),
-        "--batch-size", "32", "--max-new-tokens", "8", "--max-samples", "48",
+        "--config", json.dumps({"batch_size": 32, "max_new_tokens": 8, "max_samples": 48}),
         "--output", str(again), "--lm-eval-output", str(workdir / "again.lm_eval.json"),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), cwd=workdir)

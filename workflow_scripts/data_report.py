@@ -10,12 +10,9 @@ import argparse
 import json
 from pathlib import Path
 
-import matplotlib
 import pyarrow.parquet as pq
-from pipeline_io import atomic_path, cli, write_json
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from pipeline_io import cli, write_json
+from plotting import plt, save_png
 
 
 def collect(manifest: dict, stats: dict[str, dict], lengths: dict[str, list[int]]) -> dict:
@@ -123,10 +120,7 @@ def plot(report: dict, lengths: dict[str, list[int]], path: Path, before: bool =
     ax_tok.set(title="Tokens per shard", ylabel="tokens")
     for ax in (ax_len, ax_fun, ax_tok):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 @cli

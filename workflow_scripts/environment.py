@@ -5,7 +5,7 @@ communication before long runs"): matmul throughput of every rank's device (bf16
 fp16 on one without bf16, fp32 GFLOP/s on the CPU) and all-reduce bus bandwidth across the ranks
 (NCCL on GPUs, gloo on CPU).
 
-    python environment.py --strategy ddp --procs-per-node 2 --output env/check.json
+    python environment.py --config '{"strategy": "ddp", "procs_per_node": 2}' --output env/check.json
 """
 
 import argparse
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from pipeline_io import UserError, cli, write_json
-from settings import option
+from settings import EnvironmentConfig
 
 PACKAGES = ["torch", "transformers", "deepspeed", "peft", "accelerate", "pandas", "pyarrow", "evaluate", "tensorboard"]
 
@@ -245,10 +245,7 @@ def benchmark_summary(bench: dict) -> str:
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--strategy", **option("training.strategy"))
-    p.add_argument("--peft", **option("training.peft"))
-    p.add_argument("--procs-per-node", type=int, **option("training.procs_per_node"))
-    p.add_argument("--precision", **option("training.precision"))
+    p.add_argument("--config", help="settings.EnvironmentConfig as JSON (a key left out: its default)")
     p.add_argument("--output", type=Path)
     p.add_argument("--no-benchmark", action="store_true", help="only the checks")
     p.add_argument("--bench-rank", type=Path, help=argparse.SUPPRESS)  # one torchrun rank of the benchmark
@@ -256,10 +253,11 @@ def main(argv=None) -> None:
     if a.bench_rank:
         bench_rank(a.bench_rank)
         return
-    if a.output is None or a.strategy is None:
-        raise UserError("--strategy and --output are required")
+    if a.output is None or a.config is None:
+        raise UserError("--config and --output are required")
+    c = EnvironmentConfig.from_json(a.config)
     report = collect()
-    found = problems(report, a.strategy, a.peft, a.procs_per_node, a.precision)
+    found = problems(report, c.strategy, c.peft, c.procs_per_node, c.precision)
     report["ok"], report["problems"] = not found, found
     if found:
         raise UserError("; ".join(found))
@@ -269,7 +267,7 @@ def main(argv=None) -> None:
     )
     if not a.no_benchmark:
         a.output.parent.mkdir(parents=True, exist_ok=True)
-        report["benchmark"] = run_benchmark(a.procs_per_node, a.output.parent)
+        report["benchmark"] = run_benchmark(c.procs_per_node, a.output.parent)
         print(benchmark_summary(report["benchmark"]))
     write_json(a.output, report)
 

@@ -13,11 +13,12 @@ import math
 import re
 from pathlib import Path
 
+from metrics import LOSSES, NOT_METRICS, SCORES, direction, lower_is_better, task_scores
 from pipeline_io import UserError, atomic_path, cli
+from settings import GridConfig
 
 PREFIX = "training."
-FIRST = ("eval_loss", "perplexity", "exact_match")  # the table's first metric columns; the rest as they come
-NOT_METRICS = {"examples", "label_tokens"}  # numeric keys of a result that describe the eval set, not the model
+FIRST = (*LOSSES, SCORES[0])  # the table's first metric columns (losses, exact match); the rest as they come
 
 
 def value_text(value) -> str:
@@ -73,8 +74,6 @@ def metrics_of(result: dict) -> dict:
     """A result JSON's numeric metrics: its top-level numbers (eval_loss, perplexity, exact_match, ...; not
     their stderr) and, when it has one, its `tasks` as `<task>.<metric>`, read as summarize reads them
     (lm-eval's "acc,none" is acc; "exact_match,strict-match" is exact_match/strict-match)."""
-    from summarize import task_scores  # pandas and matplotlib: not imported when the Snakefile imports this
-
     out = {
         k: float(v)
         for k, v in result.items()
@@ -83,13 +82,6 @@ def metrics_of(result: dict) -> dict:
     for task, scores in task_scores(result).items():
         out |= {f"{task}.{metric}": value for metric, (value, _) in scores.items()}
     return out
-
-
-def lower_is_better(metric: str) -> bool:
-    """As summarize ranks metrics (imported here, not at the top: see metrics_of)."""
-    from summarize import lower_is_better as by_name
-
-    return by_name(metric)
 
 
 def grid_rows(variants: dict[str, dict], results: dict[tuple[str, str], dict], base: dict) -> list[dict]:
@@ -138,10 +130,7 @@ def grid_table(rows: list[dict], variants: dict[str, dict]):
 
 def plot_grid(table, path: Path, metrics=("eval_loss", "exact_match")) -> None:
     """One panel per metric: a bar per variant x model, the base model's value as a dashed line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from plotting import plt, save_png  # matplotlib: not imported when the Snakefile imports this
 
     metrics = [m for m in metrics if m in table]
     trained = table[table["variant"] != "base"]
@@ -156,11 +145,8 @@ def plot_grid(table, path: Path, metrics=("eval_loss", "exact_match")) -> None:
             ax.axhline(float(base.iloc[0]), color="tab:red", linestyle="--", label="base")
             ax.legend()
         ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
-        ax.set_title(f"{metric} ({'lower' if lower_is_better(metric) else 'higher'} is better)")
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+        ax.set_title(f"{metric} ({direction(metric)})")
+    save_png(fig, path)
 
 
 def result_key(path: Path, variants: dict) -> tuple[str, str]:
@@ -174,13 +160,13 @@ def result_key(path: Path, variants: dict) -> tuple[str, str]:
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--grid", required=True, help="the config's grid as JSON")
+    p.add_argument("--config", required=True, help="settings.GridConfig as JSON: the config's grid")
     p.add_argument("--base", required=True, type=Path, help="the base model's eval/base.json")
     p.add_argument("--results", nargs="+", required=True, type=Path, help="each <variant>/eval/<model>.json")
     p.add_argument("--table", required=True, type=Path)
     p.add_argument("--plot", required=True, type=Path)
     a = p.parse_args(argv)
-    variants = expand_grid(json.loads(a.grid))
+    variants = expand_grid(GridConfig.from_json(a.config).grid)
     results = {result_key(r, variants): json.loads(r.read_text()) for r in a.results}
     table = grid_table(grid_rows(variants, results, json.loads(a.base.read_text())), variants)
     with atomic_path(a.table) as tmp:

@@ -216,3 +216,53 @@ class StageConfig:
     @classmethod
     def from_json(cls, text: str):
         return cls.build(json.loads(text))
+
+
+# ---------------------------------------------------------------- layout: the evaluation and summary stages' configs
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig(StageConfig):
+    """What evaluate_model depends on: the eval section but eval.soup (make_soup's), and data.template_kwargs
+    (the held-out prompts' template arguments). eval.precision "training" comes resolved to training.precision
+    (values): changing training.precision reruns evaluation only where eval.precision follows it."""
+
+    batch_size: int = key_field("eval.batch_size")
+    max_new_tokens: int = key_field("eval.max_new_tokens")
+    max_samples: int = key_field("eval.max_samples")  # 0: the whole eval set
+    backend: str = key_field("eval.backend")
+    precision: str = key_field("eval.precision")
+    tasks: list = key_field("eval.tasks")
+    task_data: list = key_field("eval.task_data")
+    apply_chat_template: bool = key_field("eval.apply_chat_template")
+    template_kwargs: dict = key_field("data.template_kwargs")
+
+    @classmethod
+    def values(cls, config: dict) -> dict:
+        values = super().values(config)
+        if values["precision"] == "training":
+            values["precision"] = config["training"]["precision"]
+        return values
+
+    @property
+    def dtype(self) -> str:
+        """The precision a GPU evaluates in: eval.precision, or training.precision's default where it is still
+        "training" (a config given by hand, not resolved by the workflow)."""
+        return schema_property("training.precision")["default"] if self.precision == "training" else self.precision
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvironmentConfig(StageConfig):
+    """What check_environment checks the machine against."""
+
+    strategy: str = key_field("training.strategy")
+    peft: str = key_field("training.peft")
+    procs_per_node: int = key_field("training.procs_per_node")
+    precision: str = key_field("training.precision")
+
+
+@dataclasses.dataclass(frozen=True)
+class GridConfig(StageConfig):
+    """What compare_grid depends on: the grid (its variants' names and values)."""
+
+    grid: dict = key_field("grid")

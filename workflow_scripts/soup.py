@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 from consolidate import MAX_SHARD_SIZE, dtype_name, parse_size, stored_dtype, stream, write_sharded
-from evaluation import heldout_loss
+from heldout import heldout_loss
 from model_loading import CheckpointFiles
 from pipeline_io import UserError, cli, write_json
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig

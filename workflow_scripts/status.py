@@ -1,8 +1,9 @@
 """status: where each training job of a run is, how fast it goes, when it ends, and whether it is stuck.
 
 Reads only what the workflow writes (train/<node>/metrics.jsonl, plan.json, train_state.json, the
-checkpoints' COMPLETE markers, models/, eval/) plus the scheduler: squeue (sacct when the cluster keeps
-accounting) or, outside SLURM, the local torchrun/train.py processes. A finished run gets a summary.
+checkpoints' COMPLETE markers, models/, eval/; where layout.py puts them, as the rules do) plus the
+scheduler: squeue (sacct when the cluster keeps accounting) or, outside SLURM, the local torchrun/train.py
+processes. A finished run gets a summary.
 
     python workflow_scripts/status.py --run demo [--root DIR] [--watch [SECONDS]] [--plain]
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from layout import VARIANT_FILES, file, matching
 from pipeline_io import UserError, cli, duration
 
 RECENT = 10  # step intervals the ETA and the stall rule take the median of
@@ -116,29 +118,16 @@ def checkpoint_in_progress(root: Path) -> int | None:
     return max((int(p.name.split("-")[1]) for p in partial), default=None)
 
 
-# folders that hold no training folder, and may hold many files: not walked
-NOT_WALKED = {"checkpoints", "data", "models", "eval", "base_model", "env", "plan", ".cache"}
+def train_folders(results: Path) -> list[Path]:
+    """Every training folder of a run (layout's TRAIN_DIR): results/<run>/train/<node>/, or with a grid
+    results/<run>/<variant>/train/<node>/ for each variant."""
+    prefixes = [results, *sorted(p for p in results.iterdir() if p.is_dir())]
+    return [p for prefix in prefixes for p in matching(prefix, "TRAIN_DIR", node="*") if p.is_dir()]
 
 
-def train_folders(results: Path, depth: int = 4) -> list[Path]:
-    """Every training folder of a run: results/<run>/train/<node>/, or results/<run>/<variant>/train/<node>/
-    with a grid; found at any depth (up to ``depth`` folders above train/) so that the layout can change."""
-    found, level = [], [results]
-    for _ in range(depth):
-        below = []
-        for folder in level:
-            for child in sorted(p for p in folder.iterdir() if p.is_dir() and p.name not in NOT_WALKED):
-                if child.name == "train":
-                    found += sorted(p for p in child.iterdir() if p.is_dir())
-                else:
-                    below.append(child)
-        level = below
-    return found
-
-
-def variant_of(folder: Path, results: Path) -> str:
-    """The part of the path between results/<run>/ and train/: a grid's variant, '' without a grid."""
-    return "/".join(folder.relative_to(results).parts[:-2])
+def variant_folder(folder: Path) -> Path:
+    """The results/<run>/ or results/<run>/<variant>/ that holds training folder ``folder``."""
+    return folder.parents[len(Path(VARIANT_FILES["TRAIN_DIR"]).parts) - 1]
 
 
 # ---------------------------------------------------------------- the scheduler and local processes
@@ -321,20 +310,20 @@ def find_job(folder: Path, node: str, variant: str, root: Path, known: list[str]
 def node_status(folder: Path, results: Path, root: Path, jobs: dict[str, Job], processes, now: float,
                 factor: float = STALL_FACTOR, recent: int = RECENT) -> NodeStatus:  # fmt: skip
     """Everything `status` says about one training folder (train/<node>/)."""
-    node, variant = folder.name, variant_of(folder, results)
-    records = read_metrics(folder / "metrics.jsonl")
-    plan = read_json(folder / "plan.json") or {}
-    state_file = read_json(folder / "train_state.json")
+    prefix, node = variant_folder(folder), folder.name  # prefix: results/<run>/ or results/<run>/<variant>/
+    variant = "/".join(prefix.relative_to(results).parts)  # '' without a grid
+    metrics_path = file(prefix, "TRAIN_METRICS", node=node)
+    records = read_metrics(metrics_path)
+    plan = read_json(file(prefix, "TRAIN_PLAN", node=node)) or {}
+    state_file = read_json(file(prefix, "TRAIN_STATE", node=node))
     last = records[-1] if records else {}
     total = plan.get("total_steps") or (state_file or {}).get("step")
-    prefix = folder.parent.parent  # results/<run>/ or results/<run>/<variant>/
-    ckpt_root = Path(plan["checkpoints"]) if plan.get("checkpoints") else prefix / "checkpoints" / node
+    ckpt_root = Path(plan["checkpoints"]) if plan.get("checkpoints") else file(prefix, "CHECKPOINTS", node=node)
     if not ckpt_root.is_absolute():
         ckpt_root = root / ckpt_root
     if not ckpt_root.exists():
-        ckpt_root = prefix / "checkpoints" / node
-    eval_record = read_json(prefix / "eval" / f"{node}.json") or {}
-    metrics_path = folder / "metrics.jsonl"
+        ckpt_root = file(prefix, "CHECKPOINTS", node=node)
+    eval_record = read_json(file(prefix, "EVAL_RESULT", model=node)) or {}
     last_update = last.get("time") or (metrics_path.stat().st_mtime if records else None)
     s = NodeStatus(
         variant=variant, node=node, state="waiting", step=last.get("step"), total=total, epoch=last.get("epoch"),
@@ -344,7 +333,7 @@ def node_status(folder: Path, results: Path, root: Path, jobs: dict[str, Job], p
         # the start step alone when it did not (a crash: the newest periodic checkpoint)
         resumed_after=plan.get("resumed_after") or ({"step": plan["start_step"]} if plan.get("start_step") else None),
         last_update=last_update, train_seconds=train_seconds(records),
-        model=(prefix / "models" / node / "config.json").exists(), eval_loss=eval_record.get("eval_loss"),
+        model=(file(prefix, "MODEL_DIR", model=node) / "config.json").exists(), eval_loss=eval_record.get("eval_loss"),
     )  # fmt: skip
     known = [str(x) for x in (*(r.get("slurm_job_id") for r in records), plan.get("slurm_job_id")) if x]
     known = list(dict.fromkeys(known))
@@ -394,8 +383,10 @@ def run_status(root: Path, run: str, now: float | None = None, factor: float = S
     folders = train_folders(results)
     known = set()
     for folder in folders:
-        plan = read_json(folder / "plan.json") or {}
-        known |= {str(r["slurm_job_id"]) for r in read_metrics(folder / "metrics.jsonl") if r.get("slurm_job_id")}
+        prefix, node = variant_folder(folder), folder.name
+        plan = read_json(file(prefix, "TRAIN_PLAN", node=node)) or {}
+        records = read_metrics(file(prefix, "TRAIN_METRICS", node=node))
+        known |= {str(r["slurm_job_id"]) for r in records if r.get("slurm_job_id")}
         if plan.get("slurm_job_id"):
             known.add(str(plan["slurm_job_id"]))
     jobs = slurm_jobs(known) if scheduler else {}
@@ -406,19 +397,19 @@ def run_status(root: Path, run: str, now: float | None = None, factor: float = S
 def stages(results: Path) -> dict:
     """The stage-level picture from files alone: data split and tokenized, models consolidated and evaluated."""
     return {
-        "split": (results / "data" / "manifest.json").exists(),
-        "tokenized": sorted(p.stem for p in (results / "data" / "tokenized").glob("*.json")),
-        "evaluated": sorted(p.stem for p in (results / "eval").glob("*.json")),
-        "summary": (results / "eval" / "summary.csv").exists(),
-        "grid": (results / "eval" / "grid.csv").exists(),  # a grid's comparison (summaries are per variant)
-        "report": (results / "report.html").exists(),
+        "split": file(results, "MANIFEST").exists(),
+        "tokenized": sorted(p.stem for p in matching(results, "TOKEN_STATS", shard="*")),
+        "evaluated": sorted(p.stem for p in matching(results, "EVAL_RESULT", model="*")),
+        "summary": file(results, "SUMMARY").exists(),
+        "grid": file(results, "GRID_TABLE").exists(),  # a grid's comparison (summaries are per variant)
+        "report": file(results, "REPORT").exists(),
     }
 
 
 def leaderboard_head(results: Path) -> list[str]:
     """The best-model lines of eval/leaderboard.txt (up to its first blank line)."""
     try:
-        text = (results / "eval" / "leaderboard.txt").read_text()
+        text = file(results, "LEADERBOARD_TEXT").read_text()
     except OSError:
         return []
     return text.split("\n\n", 1)[0].strip().splitlines()
@@ -490,7 +481,7 @@ def stage_line(picture: dict) -> str:
 def headline(nodes: list[NodeStatus], results: Path) -> str:
     if not nodes or any(s.state != "done" for s in nodes):
         return f"{len(nodes)} training job(s)"
-    compared = any((results / "eval" / name).exists() for name in ("summary.csv", "grid.csv"))  # grid.csv: a grid's
+    compared = any(file(results, name).exists() for name in ("SUMMARY", "GRID_TABLE"))  # GRID_TABLE: a grid's
     return "finished" if compared else "training finished"
 
 

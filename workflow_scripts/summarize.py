@@ -5,54 +5,18 @@ import json
 import math
 from pathlib import Path
 
-import matplotlib
 import pandas as pd
+from metrics import HELDOUT, LOSSES, SCORES, direction, lower_is_better, number, task_scores
 from pipeline_io import atomic_path, cli
+from plotting import plt, save_png
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-COLUMNS = ["model", "eval_loss", "perplexity", "exact_match", "rouge_l", "bleu", "chrf"]
-SCORES = ["exact_match", "rouge_l", "bleu", "chrf"]  # all on 0-1, higher is better
-HELDOUT = "heldout"  # the task name of the held-out set in tasks.csv
-LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte")  # metric names containing these; higher is better otherwise
+COLUMNS = ["model", *LOSSES, *SCORES]  # summary.csv's first columns; HELDOUT is the held-out set's task in tasks.csv
 TASK_COLUMNS = ["model", "task", "metric", "value", "stderr", "base_value", "delta_to_base"]
 
 
 def model_rank(model: str) -> int:
     """The order every table uses: base first, then the trained models, then the soups."""
     return -1 if model == "base" else int(model.startswith("soup"))
-
-
-def number(value) -> float:
-    """A metric's value as a float; NaN for anything else (lm-eval writes "N/A" for a stderr it cannot compute)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def metric_key(key: str) -> tuple[str, bool]:
-    """A task's result key as (metric, is its stderr): "acc" and lm-eval's own "acc,none" are ("acc", False),
-    "acc_stderr" and "acc_stderr,none" ("acc", True); a filter other than none stays in the name, as
-    "exact_match/strict-match"."""
-    name, _, filtered = key.partition(",")
-    stderr = name.endswith("_stderr")
-    name = name.removesuffix("_stderr")
-    return (name if filtered in ("", "none") else f"{name}/{filtered}"), stderr
-
-
-def task_scores(result: dict) -> dict[str, dict[str, tuple[float, float]]]:
-    """A result's extra lm-eval tasks as {task: {metric: (value, stderr)}}; metrics in the order written,
-    entries that are not numbers (an lm-eval "alias") left out. {} when the result has no "tasks"."""
-    tasks = {}
-    for task, metrics in (result.get("tasks") or {}).items():
-        values, errors = {}, {}
-        for key, value in metrics.items():
-            metric, stderr = metric_key(key)
-            (errors if stderr else values)[metric] = number(value)
-        tasks[task] = {m: (v, errors.get(m, math.nan)) for m, v in values.items() if not math.isnan(v)}
-    return tasks
 
 
 def task_metrics(results: list[dict]) -> dict[str, list[str]]:
@@ -101,11 +65,6 @@ def tasks_table(results: list[dict]) -> pd.DataFrame:
     table["base_value"] = [base.get((t, m), math.nan) for t, m in zip(table["task"], table["metric"], strict=True)]
     table["delta_to_base"] = table["value"] - table["base_value"]
     return table
-
-
-def lower_is_better(metric: str) -> bool:
-    """By the metric's name (a `<task>.<metric>` column by its metric part): losses and perplexities."""
-    return any(word in metric.split(".")[-1] for word in LOWER_IS_BETTER)
 
 
 def task_lines(tasks: pd.DataFrame, best_model: str) -> list[str]:
@@ -157,7 +116,7 @@ def leaderboard_text(table: pd.DataFrame, tasks: pd.DataFrame | None = None) -> 
     columns = [c for c in ("model", "eval_loss", *SCORES) if c in table]
     lines += [
         "",
-        "eval_loss: lower is better; exact_match, rouge_l, bleu, chrf: 0-1, higher is better",
+        f"{LOSSES[0]}: {direction(LOSSES[0])}; {', '.join(SCORES)}: 0-1, {direction(SCORES[0])}",
         table[columns].to_string(index=False, float_format="{:.3f}".format),
     ]
     return "\n".join(lines) + "\n"
@@ -199,10 +158,7 @@ def plot_curves(curves: dict[str, pd.DataFrame], path: Path) -> None:
     for ax in (ax_loss, ax_lr):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
 
 
 def median_throughput(curves: dict[str, pd.DataFrame]) -> dict[str, float]:
@@ -225,10 +181,7 @@ def plot_throughput(curves: dict[str, pd.DataFrame], path: Path) -> dict[str, fl
     ax.grid(alpha=0.3)
     if medians:
         ax.legend()
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
     return medians
 
 
@@ -245,10 +198,7 @@ def plot_leaderboard(table: pd.DataFrame, path: Path) -> str:
     vs_base = f", {best['eval_loss_vs_base']:.2f}x the base model's loss" if "eval_loss_vs_base" in best else ""
     ax.set_title(f"Best model: {best['model']} (eval loss {best['eval_loss']:.3f}{vs_base})", fontweight="bold")
     ax.set_xlabel("held-out loss (lower is better)")
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+    save_png(fig, path)
     return str(best["model"])
 
 
@@ -260,10 +210,7 @@ def plot_categories(results: list[dict], path: Path) -> None:
         table.plot.bar(ax=ax, rot=0)
     ax.set(title="Exact match per category", ylabel="exact match", ylim=(0, 1))
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def task_panels(tasks: pd.DataFrame) -> dict[str, pd.DataFrame]:
@@ -313,10 +260,7 @@ def plot_tasks(tasks: pd.DataFrame, path: Path) -> list[str]:
         ax.grid(alpha=0.3, axis="y")
     if panels:
         axes[0, 0].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+    save_png(fig, path)
     return list(panels)
 
 
