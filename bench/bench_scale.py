@@ -265,8 +265,7 @@ def status(key):
             return int(line.split()[1]) * 1024
 import torch, torch.distributed as dist, transformers, deepspeed, peft  # everything a rank imports
 from settings import training_config
-from strategies import build_strategy
-from model_loading import load_model
+from parallel import build_strategy, load_model
 dist.init_process_group("gloo")
 imports = status("VmRSS:")
 base, config, legacy, out = sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]

@@ -33,7 +33,7 @@ import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import pandas as pd, torch
-from consolidate import stored_dtype
+from weights import stored_dtype
 from evaluation import heldout_loss
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

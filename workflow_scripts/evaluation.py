@@ -26,10 +26,10 @@ from pipeline_io import UserError, atomic_path, cli, write_json
 from rouge_score import rouge_scorer
 from settings import option
 from tokenization import generation_settings
+from weights import DTYPES, dtype_name
 
 IGNORE = -100
 HELDOUT, HELDOUT_LOSS = "heldout", "heldout_loss"
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -244,7 +244,7 @@ def load_model(backend: str, model: str, precision: str, batch_size: int):
     (parallelize), vLLM shards tensors (tensor_parallel_size). vLLM on a CPU would reserve 92% of the host's
     memory for its KV cache: it gets VLLM_CPU_KVCACHE_SPACE GiB, 2 unless set."""
     gpus = torch.cuda.device_count()
-    dtype = DTYPES[precision] if gpus else "float32"
+    dtype = dtype_name(DTYPES[precision]) if gpus else "float32"
     if backend == "vllm":
         cache = {} if gpus else {"kv_cache_memory_bytes": int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 2) << 30}
         return model_class("vllm")(

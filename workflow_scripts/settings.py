@@ -216,3 +216,13 @@ class StageConfig:
     @classmethod
     def from_json(cls, text: str):
         return cls.build(json.loads(text))
+
+
+# ---------------------------------------------------------------- part "parallel": consolidation
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsolidateConfig(StageConfig):
+    """consolidate_node's keys (the template training used comes as its own options)."""
+
+    dtype: str = key_field("consolidate.dtype")
