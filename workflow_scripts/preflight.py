@@ -56,6 +56,9 @@ The peak of the two is compared with the training job's host memory: the train_n
 job's ``mem_mb`` resource (profiles/slurm sets it from TRAIN_MEM_MB; SLURM reads it in MiB, per
 node), passed as ``--host-memory-mb``; without it there is no limit to check. GB here are GiB.
 On a CPU run (the demo) the GPU column's weights and states are on the host as well.
+
+Each strategy's terms are its own (workflow_scripts/parallel/: ``shards``, ``host_load_bytes``,
+``offloaded_bytes``, ``gpu_tips``, ``sharded_alternative``); this module holds the shared arithmetic.
 """
 
 import argparse

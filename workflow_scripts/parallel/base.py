@@ -23,9 +23,9 @@ import math
 from pathlib import Path
 
 import torch
-from model_loading import CheckpointFiles, add_lora, attention_implementation, materialize
+from model_loading import add_lora, attention_implementation, materialize
 from torch.optim.lr_scheduler import LambdaLR
-from weights import DTYPES
+from weights import DTYPES, CheckpointFiles
 
 log = logging.getLogger("train")
 
@@ -105,6 +105,11 @@ class Strategy:
 
     def __init__(self, cfg, device, total_steps: int):
         self.cfg, self.device, self.total_steps = cfg, device, total_steps
+
+    @classmethod
+    def unmet(cls, report: dict) -> list[str]:
+        """What keeps this strategy from running on a machine (check_environment's report), one line each."""
+        return []
 
     # ------------------------------------------------------------ load plan
 

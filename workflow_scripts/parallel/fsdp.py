@@ -63,6 +63,12 @@ class FSDPStrategy(Strategy):
         self.scaler = loss_scaler(cfg, device, sharded=True)
 
     @classmethod
+    def unmet(cls, report: dict) -> list[str]:
+        if not report.get("fsdp2_available"):
+            return ["training.strategy is fsdp but torch.distributed.fsdp.fully_shard is missing (torch >= 2.6)"]
+        return []
+
+    @classmethod
     def sharded_load(cls, cfg) -> str | None:
         return "meta"
 

@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from host_memory import page_out, trim
-from model_loading import READ_BYTES, source_key
+from model_loading import source_key
 from pipeline_io import UserError
+from weights import READ_BYTES
 
 from parallel.base import SHARDED_LOAD, Footprint, Strategy, compute_dtype
 
@@ -141,6 +142,12 @@ def deepspeed_config(cfg, world_size: int, model_config) -> dict:
 
 class DeepSpeedStrategy(Strategy):
     hard_exit = True  # DeepSpeed's CPU backend can abort in interpreter teardown (a finished job would fail)
+
+    @classmethod
+    def unmet(cls, report: dict) -> list[str]:
+        if report["packages"].get("deepspeed") is None:
+            return ["training.strategy is deepspeed but deepspeed is not installed"]
+        return []
 
     # ------------------------------------------------------------ load plan
 
