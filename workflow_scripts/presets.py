@@ -5,24 +5,25 @@ from pipeline_io import UserError
 
 # From-scratch presets (seed 001's table), Qwen3 layout: GQA, RoPE, SwiGLU, RMSNorm.
 # "demo" is the smallest: a few million parameters that train on a CPU in minutes.
-PRESETS = {
-    "demo": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64),
-    "350m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
-                 num_key_value_heads=4, head_dim=64),
-    "1b": dict(hidden_size=2048, intermediate_size=5120, num_hidden_layers=24, num_attention_heads=16,
-               num_key_value_heads=4, head_dim=128),
-    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-               num_key_value_heads=8, head_dim=128),
-    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128),
-    "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-                num_key_value_heads=8, head_dim=128),
-    "30b": dict(hidden_size=6656, intermediate_size=17920, num_hidden_layers=60, num_attention_heads=52,
-                num_key_value_heads=4, head_dim=128),
-    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                num_key_value_heads=8, head_dim=128),
-}  # fmt: skip
+SHAPE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+SHAPES = {
+    "demo": (256, 768, 4, 4, 2, 64),
+    "350m": (1024, 2816, 24, 16, 4, 64),
+    "1b": (2048, 5120, 24, 16, 4, 128),
+    "3b": (3072, 8192, 28, 24, 8, 128),
+    "7b": (4096, 11008, 32, 32, 8, 128),
+    "13b": (5120, 13824, 40, 40, 8, 128),
+    "30b": (6656, 17920, 60, 52, 4, 128),
+    "70b": (8192, 28672, 80, 64, 8, 128),
+}
+PRESETS = {name: dict(zip(SHAPE_KEYS, shape, strict=True)) for name, shape in SHAPES.items()}
 PRESET_NAMES = tuple(PRESETS)
 
 
