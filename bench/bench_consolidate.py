@@ -49,9 +49,8 @@ from pathlib import Path
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from checkpoint import Checkpointer
-from strategies import build_strategy
+from parallel import build_strategy, load_model
 from settings import TrainConfig
-from train import load_model
 cfg, base, root, steps = TrainConfig.from_json(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5])
 dist.init_process_group("gloo")
 torch.manual_seed(0)

@@ -24,7 +24,7 @@ RSS is VmRSS from /proc/self/status, split into anonymous memory (the rank's own
 Parts load and world (issue 13, bench parts a, b and d): a Qwen3-0.6B-shaped checkpoint (28 layers,
 hidden 1024, vocab 151936, untied head: 751.6M parameters) built once with random weights and saved in
 bf16 (1.4 GiB; 2.8 GiB in fp32) under --workdir. Each row is one `torchrun --nproc_per_node N` run of the
-trainer's own model_loading.load_model + strategies.build_strategy (gloo, one thread per rank,
+trainer's own parallel.load_model + parallel.build_strategy (gloo, one thread per rank,
 training.precision bf16, gradient checkpointing): every rank reports its resident set after imports,
 its peak (VmHWM) after load, and after load + wrap; the table shows the largest rank's peaks above
 imports and their ratio to the model's fp32 bytes (4 x parameters). "before" rows load as the trainer
@@ -265,8 +265,7 @@ def status(key):
             return int(line.split()[1]) * 1024
 import torch, torch.distributed as dist, transformers, deepspeed, peft  # everything a rank imports
 from settings import training_config
-from strategies import build_strategy
-from model_loading import load_model
+from parallel import build_strategy, load_model
 dist.init_process_group("gloo")
 imports = status("VmRSS:")
 base, config, legacy, out = sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]

@@ -33,8 +33,8 @@ import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import pandas as pd, torch
-from consolidate import stored_dtype
 from heldout import heldout_loss
+from weights import stored_dtype
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 

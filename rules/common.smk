@@ -15,6 +15,7 @@ from data_formats import check_columns, delimiter_arg, resolve_paths  # noqa: E4
 from fingerprint import check_model, local_model_folder  # noqa: E402
 from chat_format import has_chat_template, no_template_message, parse_format  # noqa: E402
 from settings import check_grid, validated  # noqa: E402
+from settings import ConsolidateConfig  # noqa: E402
 from grid import expand_grid, variant_training  # noqa: E402
 from layout import patterns  # noqa: E402
 
@@ -188,6 +189,8 @@ TEMPLATE_ARGS = verbatim(
         template_kwargs=json.dumps(DATA["template_kwargs"]),
     )
 )
+# consolidate_node's keys (settings.ConsolidateConfig), a params function: the JSON holds braces
+CONSOLIDATE_CONFIG = verbatim(ConsolidateConfig.to_json(config))
 # The typed configs of the evaluation, environment check and grid comparison: only the keys each depends on
 from settings import EnvironmentConfig, EvalConfig, GridConfig  # noqa: E402
 

@@ -10,7 +10,7 @@ rule consolidate_node:
     params:
         script=script_path("consolidate.py"),
         template=TEMPLATE_ARGS,
-        dtype=config["consolidate"]["dtype"],
+        config=CONSOLIDATE_CONFIG,
     shell:
-        "python {params.script} --state {input.state} --output {output.model} --dtype {params.dtype}"
+        "python {params.script} --state {input.state} --output {output.model} --config {params.config:q}"
         " {params.template} > {log} 2>&1"

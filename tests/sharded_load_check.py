@@ -15,9 +15,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from model_loading import add_lora, is_adapter  # noqa: E402
+from parallel import build_strategy, load_model  # noqa: E402
 from settings import training_config  # noqa: E402
-from strategies import build_strategy  # noqa: E402
-from train import load_model  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 

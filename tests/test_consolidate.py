@@ -94,7 +94,7 @@ def run(state, output, dtype="base", **kw):
 
 
 def test_stored_dtype_reads_the_config_then_the_safetensors(tmp_path, bf16_base):
-    from consolidate import stored_dtype
+    from weights import stored_dtype
 
     assert stored_dtype(str(bf16_base)) == torch.bfloat16
     assert json.loads((bf16_base / "config.json").read_text())["dtype"] == "bfloat16"
@@ -116,7 +116,7 @@ def test_stored_dtype_reads_the_config_then_the_safetensors(tmp_path, bf16_base)
 
 def test_demo_and_preset_bases_are_fp32(demo_assets):
     """The from-scratch models are built and saved in fp32, so their consolidated models stay fp32."""
-    from consolidate import stored_dtype
+    from weights import stored_dtype
 
     assert stored_dtype(str(demo_assets["base"])) == torch.float32
 
@@ -237,7 +237,7 @@ def test_cli_takes_consolidate_dtype(tmp_path, bf16_checkpoint):
     path = tmp_path / "train_state.json"
     path.write_text(json.dumps(state))
     cmd = [sys.executable, str(REPO / "workflow_scripts/consolidate.py"), "--state", str(path),
-           "--output", str(tmp_path / "out"), "--dtype", "fp32"]  # fmt: skip
+           "--output", str(tmp_path / "out"), "--config", json.dumps({"dtype": "fp32"})]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "consolidation.json").read_text())

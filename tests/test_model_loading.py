@@ -1,10 +1,12 @@
-"""model_loading's pure parts: which dtype each strategy keeps, checkpoint key mapping, LoRA init."""
+"""The load plans' pure parts: which dtype each strategy keeps, checkpoint key mapping, LoRA init."""
 
 import pytest
 import torch
-from model_loading import CheckpointFiles, checkpoint_name, load_dtype, lora_init, sharded_load
+from model_loading import lora_init
+from parallel import strategy_for
 from pipeline_io import UserError
 from settings import training_config
+from weights import CheckpointFiles, checkpoint_name
 
 
 @pytest.mark.parametrize(
@@ -20,8 +22,9 @@ from settings import training_config
 )
 def test_each_strategy_loads_in_the_dtype_it_trains(training, dtype, how):
     cfg = training_config(training)
-    assert load_dtype(cfg) == dtype
-    assert sharded_load(cfg) == how
+    strategy = strategy_for(cfg.strategy)
+    assert strategy.load_dtype(cfg) == dtype
+    assert strategy.sharded_load(cfg) == how
 
 
 def test_peft_names_map_to_checkpoint_keys():

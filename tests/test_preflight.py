@@ -98,8 +98,8 @@ def test_host_in_training_counts_what_offload_keeps_there():
 
 
 def test_fp16_weighs_like_bf16_on_the_gpu():
-    from demo_model import preset_config
     from preflight import estimate
+    from presets import preset_config
 
     config = preset_config("1b", 32000, 2048)
     t = training(strategy="ddp", offload="none", gradient_checkpointing=False)

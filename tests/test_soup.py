@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 from demo_model import build_model
-from model_loading import CheckpointFiles
 from pipeline_io import UserError
 from safetensors.torch import save_file
 from soup import MeanSource
 from soup import main as soup_main
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from weights import CheckpointFiles
 
 
 def node_files(folder, tensors: dict):

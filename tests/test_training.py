@@ -8,9 +8,10 @@ import pytest
 import torch
 from batching import DataPlan, micro_batch_indices
 from conftest import REPO, run_trainer, tool_env
+from parallel.base import lr_lambda
+from parallel.zero import deepspeed_config, hidden_size, layer_parameters
 from pipeline_io import UserError
 from settings import training_config
-from strategies import deepspeed_config, hidden_size, layer_parameters, lr_lambda
 
 
 def test_steps_per_epoch_halve_when_ranks_double():
@@ -150,7 +151,7 @@ def test_deepspeed_full_finetune_consolidates_sharded_with_equal_logits(tmp_path
 
 
 def test_shard_plan_keeps_order_and_limit():
-    from consolidate import parse_size, plan_shards, shard_files
+    from weights import parse_size, plan_shards, shard_files
 
     assert parse_size("2GB") == 2 * 10**9 and parse_size("500MiB") == 500 * 2**20 and parse_size("4mb") == 4 * 10**6
     with pytest.raises(Exception, match="max shard size"):
@@ -164,8 +165,9 @@ def test_shard_plan_keeps_order_and_limit():
 
 def test_streamed_safetensors_are_what_save_file_would_hold(tmp_path):
     """write_safetensors writes the header first and then one tensor at a time; safetensors reads it back."""
-    from consolidate import ModelSource, stream, write_sharded
+    from consolidate import ModelSource
     from safetensors import safe_open
+    from weights import stream, write_sharded
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3, bias=False))
@@ -189,8 +191,9 @@ def test_streamed_safetensors_are_what_save_file_would_hold(tmp_path):
 
 def test_training_side_model_uses_the_checkpoint_tensors_without_copying(demo_assets):
     """The rebuilt model's parameters are the checkpoint's tensors; tied weights stay tied; same logits."""
-    from consolidate import ModelSource, assign, empty_model, hf_tensors, logits_on, stream
+    from consolidate import ModelSource, assign, empty_model, hf_tensors, logits_on
     from transformers import AutoModelForCausalLM
+    from weights import stream
 
     base = AutoModelForCausalLM.from_pretrained(demo_assets["base"], dtype=torch.float32)
     shapes, _ = hf_tensors(base.config)
@@ -213,8 +216,8 @@ def test_zero2_lazy_reader_matches_deepspeeds_merge(world):
     with alignment paddings and parameters that straddle two ranks' partitions."""
     from collections import OrderedDict
 
-    from consolidate import DeepSpeedSource, zero2_state_dict
     from deepspeed.utils.zero_to_fp32 import _get_fp32_state_dict_from_zero2_checkpoint, zero_model_state
+    from parallel.zero import DeepSpeedSource, zero2_state_dict
 
     shapes = [
         {"a": torch.Size([3, 5]), "b": torch.Size([7]), "c": torch.Size([2, 2])},
@@ -261,8 +264,7 @@ def test_truncated_checkpoint_fails_consolidation_with_one_line(tmp_path, demo_a
     "size,billions", [("350m", 0.35), ("1b", 1), ("3b", 3), ("7b", 7), ("13b", 13), ("30b", 30), ("70b", 70)]
 )
 def test_from_scratch_presets_have_their_size(size, billions):
-    from demo_model import PRESETS, preset_config
-    from presets import PRESET_NAMES
+    from presets import PRESET_NAMES, PRESETS, preset_config
     from transformers import AutoModelForCausalLM
 
     assert set(PRESETS) == set(PRESET_NAMES)
@@ -283,8 +285,8 @@ def memory_config(**kw):
 
 
 def test_preflight_estimate_orders_the_strategies():
-    from demo_model import preset_config
     from preflight import estimate
+    from presets import preset_config
 
     config = preset_config("7b", 32000, 4096)
     n = 6_500_000_000

@@ -1,8 +1,8 @@
 """consolidate_node: turn a node's final training checkpoint into a Hugging Face model folder.
 
-DDP ``state.pt`` (memory-mapped), FSDP2 torch.distributed.checkpoint folders and
-DeepSpeed ZeRO 1-3 checkpoints (DeepSpeed's ``zero_to_fp32`` in lazy mode) are each
-read through their own APIs. The weights are written in ``--dtype``: ``base`` (the
+Each strategy's checkpoint is read through its own export reader (parallel/: DDP's
+``state.pt`` memory-mapped, FSDP2's torch.distributed.checkpoint folder, DeepSpeed's
+``zero_to_fp32`` lazily). The weights are written in consolidate.dtype: ``base`` (the
 default) is the base model's own dtype (``stored_dtype``: bf16 for most hub models, fp32
 for the demo and from-scratch presets), or fp32/bf16/fp16. The training-side model is
 rebuilt without weights (on the meta device) and its parameters are the checkpoint's
@@ -41,94 +41,26 @@ render and stop as training did.
 
 import argparse
 import contextlib
-import ctypes
-import functools
-import gc
 import json
-import math
-import os
-import re
-import struct
-import sys
 from pathlib import Path
 
 import torch
-from pipeline_io import UserError, atomic_path, cli, json_object, write_json
-from settings import option
-from strategies import DTYPES
+from host_memory import PeakRSS, map_large_allocations, page_out
+from parallel import strategy_for
+from pipeline_io import UserError, cli, json_object, write_json
+from settings import ConsolidateConfig, option
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now; never loses data
-READ_BYTES = 64 * 2**20  # tensors read from a checkpoint per batch (a larger tensor is read alone)
-MAX_SHARD_SIZE = "2GB"  # safetensors files written (consolidation, soups), as Hugging Face's default
-
-
-def parse_size(text: str | int) -> int:
-    """'2GB' -> 2*10**9 bytes, '500MiB' -> 500*2**20, as Hugging Face's max_shard_size reads them."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", text.upper())
-    if not m:
-        raise UserError(f"max shard size {text!r}: expected a number and a unit, e.g. 2GB or 500MB")
-    power = "_KMGT".index(m.group(2) or "_")
-    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
-
-
-def plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    """Consecutive names grouped into shards of at most ``max_bytes`` (a larger tensor gets its own)."""
-    shards, current, used = [], [], 0
-    for name, size in sizes.items():
-        if current and used + size > max_bytes:
-            shards.append(current)
-            current, used = [], 0
-        current.append(name)
-        used += size
-    return shards + [current] if current else shards
-
-
-def shard_files(n: int) -> list[str]:
-    if n == 1:
-        return ["model.safetensors"]
-    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-
-
-# ---------------------------------------------------------------- dtypes
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def header_dtypes(folder: Path) -> dict[str, int]:
-    """Bytes per safetensors dtype code ("BF16", "F32", ...) over every safetensors file in ``folder``."""
-    total: dict[str, int] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                start, end = entry["data_offsets"]
-                total[entry["dtype"]] = total.get(entry["dtype"], 0) + end - start
-    return total
-
-
-def stored_dtype(name_or_path: str) -> torch.dtype:
-    """The dtype a model's weights are stored in: its config.json's ``dtype`` (``torch_dtype`` in files
-    written before transformers 4.56), else the floating dtype holding most bytes in its safetensors;
-    fp32 when neither tells, or when it is none of fp32, bf16, fp16 (fp64, quantized formats)."""
-    from fingerprint import local_model_folder
-
-    folder = local_model_folder(name_or_path)
-    config = json.loads((folder / "config.json").read_text())
-    name = config.get("dtype") or config.get("torch_dtype")
-    by_name = {dtype_name(d): d for d in SAFETENSORS_DTYPES}
-    if isinstance(name, str) and name != "auto":
-        return by_name.get(name, torch.float32)
-    by_code = {code: d for d, code in SAFETENSORS_DTYPES.items()}
-    floating = {code: n for code, n in header_dtypes(folder).items() if code in by_code}
-    return by_code[max(floating, key=floating.get)] if floating else torch.float32
+from weights import (
+    DTYPES,
+    MAX_SHARD_SIZE,
+    SAFETENSORS_CODES,
+    dtype_name,
+    header_dtypes,
+    parse_size,
+    stored_dtype,
+    stream,
+    write_sharded,
+)
 
 
 @contextlib.contextmanager
@@ -167,240 +99,7 @@ def fp32_compute(model):
             h.remove()
 
 
-# ---------------------------------------------------------------- memory
-
-
-def _libc():
-    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
-
-def page_out(tensors) -> None:
-    """Hand the resident pages behind memory-mapped tensors back to the kernel.
-
-    They are re-read from the file if touched again. MADV_PAGEOUT cannot lose data:
-    on anonymous memory without swap it does nothing. A no-op off Linux.
-    """
-    libc = _libc()
-    if libc is None:
-        return
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page = os.sysconf("SC_PAGE_SIZE")
-    for t in tensors:
-        ptr, size = t.data_ptr(), t.numel() * t.element_size()
-        start, end = -(-ptr // page) * page, (ptr + size) // page * page
-        if end > start:
-            libc.madvise(start, end - start, MADV_PAGEOUT)
-
-
-def map_large_allocations(threshold: int = 2**20) -> None:
-    """Give every allocation over ``threshold`` bytes its own mapping, returned to the kernel when freed.
-
-    glibc otherwise raises its mmap threshold after the first large free, up to 32 MB, and
-    serves tensors below it from a heap that keeps freed memory: DeepSpeed's reader for ZeRO 1/2
-    loads the model-states file whole and frees it just before merging the fp32 partitions,
-    which without this costs a second copy of the weights.
-    """
-    libc = _libc()
-    with contextlib.suppress(AttributeError):
-        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
-
-
-def trim() -> None:
-    """Return freed heap memory to the kernel (glibc keeps it otherwise)."""
-    gc.collect()
-    libc = _libc()
-    with contextlib.suppress(AttributeError):
-        libc.malloc_trim(0)
-
-
-class PeakRSS:
-    """Peak resident memory (MB) of each phase: /proc's high-water mark, reset between phases (Linux).
-
-    The reset also lowers what getrusage reports for the process afterwards: the whole run's
-    peak is the largest phase's (everything before the first phase is imports and metadata).
-    """
-
-    def __init__(self):
-        self.phases: dict[str, int] = {}
-
-    @staticmethod
-    def _hwm() -> int | None:
-        with contextlib.suppress(OSError):
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) // 1024
-        return None
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        trim()
-        with contextlib.suppress(OSError):
-            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-        yield
-        if (peak := self._hwm()) is not None:
-            self.phases[name] = peak
-
-
 # ---------------------------------------------------------------- checkpoint readers
-# Each reader has ``names`` (every tensor in the checkpoint), ``read(names) -> {name: tensor}``
-# and ``release(tensors)``, which hands back the file pages a read mapped in.
-
-
-class DDPSource:
-    """Rank 0's ``state.pt``, memory-mapped: tensors are read from the file only when used."""
-
-    def __init__(self, folder: Path):
-        self.path = folder / "state.pt"
-        try:
-            self.tensors = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)["model"]
-        except (FileNotFoundError, RuntimeError, EOFError, KeyError, ValueError) as e:
-            raise UserError(f"{self.path}: unreadable checkpoint ({type(e).__name__}: {str(e)[:120]})") from None
-        self.names = set(self.tensors)
-
-    def read(self, names) -> dict:
-        return {n: self.tensors[n] for n in names}
-
-    def release(self, tensors: dict) -> None:
-        page_out(tensors.values())
-
-
-class FSDPSource:
-    """A torch.distributed.checkpoint folder, read a batch of keys at a time without a process group."""
-
-    def __init__(self, folder: Path, shapes: dict[str, torch.Size]):
-        from torch.distributed.checkpoint import FileSystemReader
-
-        self.path, self.shapes = folder / "dcp", shapes
-        try:
-            meta = FileSystemReader(str(self.path)).read_metadata()
-        except Exception as e:  # DCP wraps reader errors in its own exception types
-            raise UserError(f"{self.path}: unreadable checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
-        self.names = {k.removeprefix("model.") for k in meta.state_dict_metadata if k.startswith("model.")}
-
-    def read(self, names) -> dict:
-        import torch.distributed.checkpoint as dcp
-
-        state = {"model": {n: torch.empty(self.shapes[n], dtype=torch.float32) for n in names}}
-        try:
-            dcp.load(state, checkpoint_id=str(self.path), no_dist=True)
-        except Exception as e:
-            raise UserError(f"{self.path}: unreadable checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
-        return state["model"]
-
-    def release(self, tensors: dict) -> None:
-        pass  # read into fresh tensors
-
-
-class DeepSpeedSource:
-    """DeepSpeed's own checkpoint parsers (``deepspeed.utils.zero_to_fp32``); every parameter is read
-    lazily from the ranks' memory-mapped fp32 partitions. ZeRO-3 through DeepSpeed's lazy mode
-    (``GatheredTensor``); ZeRO 1/2 through ``Zero2Param``, because DeepSpeed's lazy mode for them
-    first concatenates each group's partitions into one vector, a second copy of the weights."""
-
-    def __init__(self, folder: Path, exclude_frozen: bool):
-        from deepspeed.utils import zero_to_fp32 as z
-
-        self.folder, where = folder, str(folder)
-        try:
-            # no_grad: the saved partitions require grad, and an autograd graph from a gathered
-            # tensor back to them would keep every memory-mapped partition file resident
-            with torch.no_grad(), contextlib.redirect_stdout(sys.stderr), mapped_loads():  # they print progress
-                models = z.parse_model_states(z.get_model_state_files(where))
-                stage, _, flat_groups, paddings = z.parse_optim_states(z.get_optim_files(where), where)
-                if stage <= 2:
-                    self.tensors = zero2_state_dict(flat_groups, models, paddings, exclude_frozen)
-                else:  # DeepSpeed's public lazy mode parses the (memory-mapped) files again: a second or two
-                    self.tensors = z.get_fp32_state_dict_from_zero_checkpoint(
-                        str(folder.parent), tag=folder.name, exclude_frozen_parameters=exclude_frozen, lazy_mode=True
-                    )
-        except UserError:
-            raise
-        except Exception as e:  # the parsers raise bare exceptions on missing or short files
-            raise UserError(f"{folder}: unreadable DeepSpeed checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
-        self.names = set(self.tensors)
-        trim()
-
-    @torch.no_grad()
-    def read(self, names) -> dict:
-        try:
-            return {n: self.tensors[n].contiguous() for n in names}
-        except Exception as e:
-            raise UserError(f"{self.folder}: unreadable DeepSpeed checkpoint ({type(e).__name__}: {e})") from None
-
-    def release(self, tensors: dict) -> None:
-        page_out(chunk for n in tensors for chunk in partition_slices(self.tensors[n]))
-
-
-@contextlib.contextmanager
-def mapped_loads():
-    """``torch.load`` memory-maps what it reads. DeepSpeed's ``parse_model_states`` loads each
-    model-states file whole to find the buffers and shapes; for ZeRO 1/2 that file holds every weight
-    again, in fp32: read whole it was a transient copy of the fp32 weights, twice the bf16 model."""
-    load = torch.load
-    torch.load = functools.partial(load, mmap=True)
-    try:
-        yield
-    finally:
-        torch.load = load
-
-
-class Zero2Param:
-    """A ZeRO 1/2 parameter: ``shape.numel()`` elements from ``start`` of its group's fp32 vector,
-    which is the ranks' partitions back to back (memory-mapped; read when ``contiguous()`` is called)."""
-
-    def __init__(self, partitions: list[torch.Tensor], start: int, shape: torch.Size):
-        self.partitions, self.start, self.shape = partitions, start, torch.Size(shape)
-
-    def slices(self):
-        lo, hi, base = self.start, self.start + self.shape.numel(), 0
-        for part in self.partitions:
-            a, b = max(lo, base), min(hi, base + part.numel())
-            if a < b:
-                yield part[a - base : b - base]
-            base += part.numel()
-
-    def contiguous(self) -> torch.Tensor:
-        return torch.cat(list(self.slices())).view(self.shape)
-
-
-def zero2_state_dict(flat_groups, models, paddings, exclude_frozen: bool) -> dict:
-    """ZeRO 1/2's state dict with the layout of DeepSpeed's ``_zero2_merge_trainable_params``, without
-    concatenating the partitions: each group holds its parameters in order, each followed by its
-    alignment padding, and the group's total is aligned to 2 x world size."""
-    first = models[0]
-    state = dict(first.buffers)
-    if not exclude_frozen:
-        state |= {name: first.frozen_param_fragments[name] for name in first.frozen_param_shapes or {}}
-    align = 2 * len(flat_groups)
-    for g, shapes in enumerate(first.param_shapes):
-        parts = [rank[g] for rank in flat_groups]
-        offset = 0
-        for i, (name, shape) in enumerate(shapes.items()):
-            state[name] = Zero2Param(parts, offset, shape)
-            offset += math.prod(shape) + (paddings[g][i] if paddings is not None else 0)
-        available = sum(p.numel() for p in parts)
-        if -(-offset // align) != -(-available // align):
-            raise UserError(f"parameter group {g} needs {offset} elements, the partitions hold {available}")
-    for target, source in first.shared_params:
-        if source in state:
-            state[target] = state[source]
-    return state
-
-
-def partition_slices(t):
-    """The slices of memory-mapped partitions a lazy DeepSpeed tensor reads (none for a real tensor)."""
-    if isinstance(t, Zero2Param):
-        yield from t.slices()
-        return
-    groups, bounds = getattr(t, "flat_groups", None), getattr(t, "flat_groups_offset", None)
-    if groups is None:
-        return
-    start, end = t.offset, t.offset + t.partitioned_numel  # DeepSpeed's GatheredTensor (ZeRO-3)
-    for rank in groups:
-        for g, flat in enumerate(rank):
-            lo, hi = max(start, int(bounds[g])), min(end, int(bounds[g + 1]))
-            if lo < hi:
-                yield flat[lo - int(bounds[g]) : hi - int(bounds[g])]
 
 
 class ModelSource:
@@ -418,23 +117,8 @@ class ModelSource:
 
 
 def open_source(state: dict, folder: Path, shapes: dict[str, torch.Size]):
-    if state["strategy"] == "ddp":
-        return DDPSource(folder)
-    if state["strategy"] == "fsdp":
-        return FSDPSource(folder, shapes)
-    return DeepSpeedSource(folder, exclude_frozen=state["peft"] == "lora")
-
-
-def stream(source, shapes: dict[str, torch.Size], batch_bytes: int = READ_BYTES):
-    """Yield (name, tensor) in ``shapes`` order, a batch of reads at a time, releasing each batch."""
-    for names in plan_shards({n: 4 * math.prod(s) for n, s in shapes.items()}, batch_bytes):
-        tensors = source.read(names)
-        for name in names:
-            got, want = tuple(tensors[name].shape), tuple(shapes[name])
-            if got != want:
-                raise UserError(f"{name}: checkpoint has shape {got}, model {want}")
-            yield name, tensors[name]
-        source.release(tensors)
+    """The reader of the strategy that wrote the checkpoint (parallel/: Strategy.export_source)."""
+    return strategy_for(state["strategy"]).export_source(folder, shapes, exclude_frozen=state["peft"] == "lora")
 
 
 # ---------------------------------------------------------------- models
@@ -547,48 +231,6 @@ def copy_in(model, tensors) -> None:
     target = model.state_dict()
     for name, t in tensors:
         target[name].copy_(t)
-
-
-def nbytes(shape, dtype: torch.dtype) -> int:
-    return dtype.itemsize * math.prod(shape)
-
-
-def write_safetensors(path: Path, shapes: dict[str, torch.Size], tensors, dtype: torch.dtype = torch.float32) -> None:
-    """One safetensors file of ``dtype`` tensors written tensor by tensor: the header (names, shapes,
-    offsets) is known up front from ``shapes``, so no more than one tensor is ever held for writing."""
-    header, offset, code = {}, 0, SAFETENSORS_DTYPES[dtype]
-    for name, shape in shapes.items():
-        size = nbytes(shape, dtype)
-        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    header["__metadata__"] = {"format": "pt"}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for _, t in tensors:
-            t = t.detach().to(dtype).contiguous()
-            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # numpy has no bf16: the bytes
-        if f.tell() != 8 + len(raw) + offset:
-            raise UserError(f"{path}: wrote {f.tell()} bytes, expected {8 + len(raw) + offset}")
-
-
-def write_sharded(
-    source, shapes: dict[str, torch.Size], output: Path, max_bytes: int, dtype: torch.dtype = torch.float32
-) -> list[str]:
-    """``dtype`` safetensors streamed from ``source``; an index when there are several files. Returns the files."""
-    shards = plan_shards({n: nbytes(s, dtype) for n, s in shapes.items()}, max_bytes)
-    files = shard_files(len(shards))
-    for file, names in zip(files, shards, strict=True):
-        part = {n: shapes[n] for n in names}
-        write_safetensors(output / file, part, stream(source, part), dtype)
-    if len(files) > 1:
-        index = {
-            "metadata": {"total_size": sum(nbytes(s, dtype) for s in shapes.values())},
-            "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names},
-        }
-        write_json(output / "model.safetensors.index.json", index)
-    return files
 
 
 def check_lora(model) -> int:
@@ -709,7 +351,7 @@ def verify(output: Path, ids: torch.Tensor, expected: torch.Tensor, tolerance: f
     see the module's docstring), and a short generation runs."""
     dtype = AutoConfig.from_pretrained(output).dtype or torch.float32
     codes = sorted(header_dtypes(output))
-    if codes != [SAFETENSORS_DTYPES[dtype]]:
+    if codes != [SAFETENSORS_CODES[dtype]]:
         raise UserError(f"{output}: safetensors hold {', '.join(codes)}; config.json says {dtype_name(dtype)}")
     reloaded = AutoModelForCausalLM.from_pretrained(output, dtype=dtype)
     diff = (logits_on(reloaded, ids) - expected).abs().max().item()
@@ -728,17 +370,18 @@ def main(argv=None) -> None:
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--tolerance", type=float, default=1e-5)
     p.add_argument("--max-shard-size", default=MAX_SHARD_SIZE, help="safetensors shard size, e.g. 2GB or 500MB")
-    p.add_argument("--dtype", help="consolidate.dtype: the written weights' dtype", **option("consolidate.dtype"))
+    p.add_argument("--config", default="{}", help="the consolidate keys as JSON (settings.ConsolidateConfig)")
     p.add_argument("--chat-template", default=None, help="data.chat_template: the Jinja file training used")
     p.add_argument("--format-template", help="data.format_template", **option("data.format_template"))
     p.add_argument("--template-kwargs", type=json_object, **option("data.template_kwargs"))
     a = p.parse_args(argv)
+    cfg = ConsolidateConfig.from_json(a.config)
     map_large_allocations()
     state = json.loads(a.state.read_text())
     peaks = PeakRSS()
     template = {"chat_template": a.chat_template, "format_template": a.format_template}
     template |= {"template_kwargs": a.template_kwargs}
-    report, ids, expected = consolidate(state, a.output, a.max_shard_size, peaks, template, a.dtype)
+    report, ids, expected = consolidate(state, a.output, a.max_shard_size, peaks, template, cfg.dtype)
     with peaks.phase("reload_check"):  # one model in memory at a time: the training side is gone
         report |= verify(a.output, ids, expected, a.tolerance)
     report["peak_rss_mb"] = peaks.phases

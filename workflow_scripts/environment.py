@@ -72,12 +72,12 @@ def problems(report: dict, strategy: str, peft: str, procs_per_node: int, precis
     pkgs = report["packages"]
     if pkgs.get("torch") is None:
         out.append("torch is not installed")
-    if strategy == "deepspeed" and pkgs.get("deepspeed") is None:
-        out.append("training.strategy is deepspeed but deepspeed is not installed")
+    else:  # what the strategy itself needs besides torch
+        from parallel import strategy_for
+
+        out += strategy_for(strategy).unmet(report)
     if peft == "lora" and pkgs.get("peft") is None:
         out.append("training.peft is lora but peft is not installed")
-    if strategy == "fsdp" and not report.get("fsdp2_available"):
-        out.append("training.strategy is fsdp but torch.distributed.fsdp.fully_shard is missing (torch >= 2.6)")
     gpu = report["gpu"]
     if gpu["cuda_available"] and procs_per_node > gpu["gpu_count"]:
         out.append(f"training.procs_per_node is {procs_per_node} but this node has {gpu['gpu_count']} GPU(s)")

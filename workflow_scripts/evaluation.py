@@ -14,8 +14,8 @@ from heldout import evaluate_model, exact_match, flat_metrics, model_class
 from metrics import HELDOUT, HELDOUT_LOSS, SCORES
 from pipeline_io import UserError, atomic_path, cli, write_json
 from settings import EvalConfig
+from weights import DTYPES, dtype_name
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -104,7 +104,7 @@ def load_model(backend: str, model: str, precision: str, batch_size: int):
     (parallelize), vLLM shards tensors (tensor_parallel_size). vLLM on a CPU would reserve 92% of the host's
     memory for its KV cache: it gets VLLM_CPU_KVCACHE_SPACE GiB, 2 unless set."""
     gpus = torch.cuda.device_count()
-    dtype = DTYPES[precision] if gpus else "float32"
+    dtype = dtype_name(DTYPES[precision]) if gpus else "float32"
     if backend == "vllm":
         cache = {} if gpus else {"kv_cache_memory_bytes": int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 2) << 30}
         return model_class("vllm")(

@@ -56,6 +56,9 @@ The peak of the two is compared with the training job's host memory: the train_n
 job's ``mem_mb`` resource (profiles/slurm sets it from TRAIN_MEM_MB; SLURM reads it in MiB, per
 node), passed as ``--host-memory-mb``; without it there is no limit to check. GB here are GiB.
 On a CPU run (the demo) the GPU column's weights and states are on the host as well.
+
+Each strategy's terms are its own (workflow_scripts/parallel/: ``shards``, ``host_load_bytes``,
+``offloaded_bytes``, ``gpu_tips``, ``sharded_alternative``); this module holds the shared arithmetic.
 """
 
 import argparse
@@ -63,6 +66,8 @@ import json
 import math
 from pathlib import Path
 
+from parallel import strategy_for
+from parallel.base import Footprint, compute_bytes
 from pipeline_io import UserError, cli, write_json
 from settings import option
 from transformers import AutoConfig
@@ -70,7 +75,6 @@ from transformers import AutoConfig
 GB = 2**30  # the plan's GB are GiB, as SLURM's and nvidia-smi's
 OVERHEAD_GB = 1.5
 HOST_OVERHEAD_GB = 1.5  # per rank: Python with torch and transformers (0.4 GB), the CUDA context's host side
-DS_BUFFER = 1.5  # DeepSpeed's additional_buffer_factor
 HUB_SHARD_BYTES = 5 * 10**9  # hub checkpoints: files of at most 5 GB (transformers 4's max_shard_size)
 SAVE_SHARD_BYTES = 50 * 10**9  # save_pretrained's max_shard_size (transformers 5): build_demo_model's files
 
@@ -110,19 +114,12 @@ def trainable_parameters(config, n_params: int, t: dict) -> int:
     return n_params
 
 
-def compute_bytes(t: dict) -> int:
-    """Bytes per weight in the compute dtype: 2 in bf16 and fp16, 4 in fp32."""
-    return 2 if t["precision"] in ("bf16", "fp16") else 4
-
-
 def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
     """Per-GPU memory in GB, by component, for the training config ``t``."""
     half = compute_bytes(t) == 2
-    strategy, stage, offload = t["strategy"], t.get("zero_stage", 0), t["offload"]
+    offload = t["offload"]
     trainable = trainable_parameters(config, n_params, t)
-    shard_params = strategy == "fsdp" or (strategy == "deepspeed" and stage == 3)
-    shard_grads = shard_params or (strategy == "deepspeed" and stage >= 2)
-    shard_optim = strategy == "fsdp" or strategy == "deepspeed"
+    shard_params, shard_grads, shard_optim = strategy_for(t["strategy"]).shards(t)
     w = compute_bytes(t)
     weights = n_params * w / (world if shard_params else 1) * (0 if offload == "all" else 1)
     master = trainable * (4 if half else 0)
@@ -156,44 +153,24 @@ def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
     }
 
 
+def footprint(n_params: int, trainable: int, largest_layer: int, t: dict, world: int) -> Footprint:
+    return Footprint(n_params, trainable, largest_layer, compute_bytes(t), t["procs_per_node"], world)
+
+
 def offloaded_bytes(n_params: int, trainable: int, largest_layer: int, t: dict, world: int) -> float:
     """Host bytes per node that CPU offload holds in training (see the module docstring)."""
-    procs, c = t["procs_per_node"], compute_bytes(t)
-    nodes = world // procs
-    frozen = n_params - trainable
-    strategy, stage, offload = t["strategy"], t.get("zero_stage", 0), t["offload"]
-    if strategy == "deepspeed" and stage == 3:
-        if offload == "none":
-            return largest_layer * 4 * procs * DS_BUFFER
-        params = offload == "all"  # offload_param: the parameters' partitions live on the host too
-        return (trainable * (16 + c * params) + frozen * c * params) / nodes * DS_BUFFER
-    if strategy == "deepspeed":
-        return trainable * 16 / nodes * DS_BUFFER if offload != "none" else 0.0
-    if strategy == "fsdp" and offload != "none":
-        return (trainable * 16 + frozen * c) / nodes
-    return 0.0
+    return strategy_for(t["strategy"]).offloaded_bytes(t, footprint(n_params, trainable, largest_layer, t, world))
 
 
 def host_estimate(n_params: int, trainable: int, largest_layer: int, t: dict, world: int, largest_file: int) -> dict:
     """Host RAM per node in GB at load and in training, for the training config ``t`` (module docstring)."""
-    procs, c = t["procs_per_node"], compute_bytes(t)
-    nodes = world // procs
-    frozen = n_params - trainable
-    strategy, stage, offload = t["strategy"], t.get("zero_stage", 0), t["offload"]
-    if strategy == "fsdp":
-        shard = (trainable * 4 + frozen * c) / world
-        load = largest_file + procs * shard
-    elif strategy == "deepspeed" and stage == 3:
-        load = largest_file + (n_params * c / nodes if offload == "all" else 0)
-    else:  # a full replica per rank
-        replica = frozen * c + trainable * (c if strategy == "deepspeed" else 4)
-        load = procs * replica
-    overhead = procs * HOST_OVERHEAD_GB
-    at_load = load / GB + overhead
-    in_training = offloaded_bytes(n_params, trainable, largest_layer, t, world) / GB + overhead
+    strategy, f = strategy_for(t["strategy"]), footprint(n_params, trainable, largest_layer, t, world)
+    overhead = f.procs * HOST_OVERHEAD_GB
+    at_load = strategy.host_load_bytes(t, f, largest_file) / GB + overhead
+    in_training = strategy.offloaded_bytes(t, f) / GB + overhead
     return {
-        "nodes": nodes,
-        "ranks_per_node": procs,
+        "nodes": f.nodes,
+        "ranks_per_node": f.procs,
         "largest_checkpoint_file_gb": largest_file / GB,
         "at_load_gb": at_load,
         "in_training_gb": in_training,
@@ -228,11 +205,9 @@ def advice(t: dict, est: dict) -> str:
     tips = []
     if not t["gradient_checkpointing"] and gb["activations"] > 1:
         tips.append("training.gradient_checkpointing: true")
-    if t["strategy"] == "ddp" and gb["weights"] + gb["optimizer_states"] + gb["gradients"] > 4:
-        tips.append("training.strategy: fsdp (or deepspeed with zero_stage: 3)")
-    if t["strategy"] == "deepspeed" and t["zero_stage"] < 3:
-        tips.append("training.zero_stage: 3")
-    if t["offload"] == "none" and t["strategy"] != "ddp":
+    strategy = strategy_for(t["strategy"])
+    tips += strategy.gpu_tips(t, gb)
+    if t["offload"] == "none" and strategy.offloads:
         tips.append("training.offload: optimizer")
     if t["peft"] == "none":
         tips.append("training.peft: lora")
@@ -254,10 +229,9 @@ def host_advice(t: dict, host: dict, peak) -> str:
         tips.append(f"{where} on {more} nodes ({peak(t, more * procs):.0f} GB per node; one model over them)")
         if t["offload"] == "all":
             tips.append(f"training.offload: optimizer ({peak(t | {'offload': 'optimizer'}, world):.0f} GB)")
-    elif t["strategy"] == "ddp" or (t["strategy"] == "deepspeed" and t.get("zero_stage", 0) < 3):
-        alt = t | {"strategy": "deepspeed", "zero_stage": 3}
-        tips.append(f"training.strategy: deepspeed with zero_stage: 3 ({peak(alt, world):.0f} GB; it loads partitions, "
-                    "not a replica per rank)")  # fmt: skip
+    elif (sharded := strategy_for(t["strategy"]).sharded_alternative(t)) is not None:
+        keys = " with ".join(f"{k}: {v}" for k, v in sharded.items())
+        tips.append(f"training.{keys} ({peak(t | sharded, world):.0f} GB; it loads partitions, not a replica per rank)")
     if t["peft"] == "none":
         tips.append(f"training.peft: lora ({peak(t | {'peft': 'lora'}, world):.0f} GB)")
     return "; ".join(tips)
@@ -283,8 +257,7 @@ def main(argv=None) -> None:
     p.add_argument("--table", required=True, type=Path)
     a = p.parse_args(argv)
     t = json.loads(a.training)
-    from demo_model import preset_config
-    from presets import preset_name
+    from presets import preset_config, preset_name
 
     preset = preset_name(a.model)
     if preset:  # the from-scratch shape, before the (possibly huge) model is built

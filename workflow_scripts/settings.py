@@ -266,3 +266,13 @@ class GridConfig(StageConfig):
     """What compare_grid depends on: the grid (its variants' names and values)."""
 
     grid: dict = key_field("grid")
+
+
+# ---------------------------------------------------------------- part "parallel": consolidation
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsolidateConfig(StageConfig):
+    """consolidate_node's keys (the template training used comes as its own options)."""
+
+    dtype: str = key_field("consolidate.dtype")

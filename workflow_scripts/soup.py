@@ -20,16 +20,15 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from consolidate import MAX_SHARD_SIZE, dtype_name, parse_size, stored_dtype, stream, write_sharded
 from heldout import heldout_loss
-from model_loading import CheckpointFiles
 from pipeline_io import UserError, cli, write_json
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from weights import MAX_SHARD_SIZE, CheckpointFiles, dtype_name, parse_size, stored_dtype, stream, write_sharded
 
 
 class MeanSource:
     """The element-wise fp32 mean of the same tensor in every node model, read like a checkpoint
-    (consolidate.stream, a batch of tensors at a time)."""
+    (weights.stream, a batch of tensors at a time)."""
 
     def __init__(self, files: list[CheckpointFiles]):
         self.files = files

@@ -13,7 +13,6 @@ preempted job keeps them and its retry resumes.
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import socket
@@ -25,13 +24,12 @@ import torch
 import torch.distributed as dist
 from batching import TrainingData
 from checkpoint import Checkpointer, run_key, superseded
-from fingerprint import cache_file_for, model_fingerprint, optional_file_sha256
+from fingerprint import cache_file_for, model_fingerprint
 from metrics_logger import MetricsLogger, flops_per_sequence_fn
-from model_loading import load_model
+from parallel import build_strategy, load_model
 from pipeline_io import cli, write_json
 from preemption import StopSignal
 from settings import TrainConfig
-from strategies import build_strategy, deepspeed_config
 from token_store import store_root_for
 
 log = logging.getLogger("train")
@@ -64,18 +62,11 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
     return device
 
 
-def checkpoint_folder(cfg, data: TrainingData, base_model: str, checkpoint_root: Path) -> Path:
-    """This training's checkpoints: keyed by config, data, base model content and DeepSpeed JSON content;
-    with DeepSpeed, also by the ZeRO section it runs with (its sub-groups lay out the optimizer state, and
-    their sizes are filled from the model: a checkpoint of other sizes is not resumed)."""
+def checkpoint_folder(strategy, data: TrainingData, base_model: str, checkpoint_root: Path) -> Path:
+    """This training's checkpoints: keyed by config, data, base model content and what the strategy
+    adds (Strategy.key_extra: the DeepSpeed JSON's content; with DeepSpeed, the ZeRO section it runs with)."""
     base = model_fingerprint(base_model, cache_file_for(checkpoint_root))
-    deepspeed = optional_file_sha256(cfg.deepspeed_config)
-    if cfg.strategy == "deepspeed":
-        from transformers import AutoConfig
-
-        zero = deepspeed_config(cfg, 1, AutoConfig.from_pretrained(base_model))["zero_optimization"]
-        deepspeed = json.dumps([deepspeed, zero], sort_keys=True)
-    return checkpoint_root / run_key(cfg, data.sha256, base, deepspeed)
+    return checkpoint_root / run_key(strategy.cfg, data.sha256, base, strategy.key_extra(base_model))
 
 
 def parameter_counts(model) -> dict:
@@ -147,7 +138,7 @@ def main(argv=None) -> None:
     data.bind(pad_id=model.config.pad_token_id or 0, one_row=attn == "flash_attention_2")
     strategy = build_strategy(cfg, model, device, data.plan.total_steps)
 
-    root = checkpoint_folder(cfg, data, a.base_model, a.checkpoint_root)
+    root = checkpoint_folder(strategy, data, a.base_model, a.checkpoint_root)
     ckpt = Checkpointer(root, strategy, rank, cfg.keep_checkpoints, cfg.checkpoint_every, a.log_dir / "metrics.jsonl")
     start_step = ckpt.resume(data.plan.total_steps)
     run_record = describe_run(cfg, data, sizes, attn, start_step, stop.resumed_after(start_step))
@@ -160,11 +151,12 @@ def main(argv=None) -> None:
     train(strategy, data, metrics, ckpt, stop, start_step)
     final = ckpt.save(data.plan.total_steps)
     metrics.close()
-    finish(cfg, a, final, run_record)
+    finish(strategy, a, final, run_record)
 
 
-def finish(cfg: TrainConfig, a: argparse.Namespace, final: Path, run_record: dict) -> None:
+def finish(strategy, a: argparse.Namespace, final: Path, run_record: dict) -> None:
     """train_state.json (what consolidate_node reads), then a clean exit on every rank."""
+    cfg = strategy.cfg
     if dist.get_rank() == 0:
         write_json(a.state, {
             "checkpoint": str(final), "step": run_record["total_steps"], "strategy": cfg.strategy,
@@ -173,7 +165,7 @@ def finish(cfg: TrainConfig, a: argparse.Namespace, final: Path, run_record: dic
         })  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
-    if cfg.strategy == "deepspeed":
+    if strategy.hard_exit:
         # Everything is on disk. DeepSpeed's CPU backend can abort in interpreter teardown
         # ("terminate called without an active exception"), which would fail a finished job.
         logging.shutdown()

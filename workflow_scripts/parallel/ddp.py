@@ -1,0 +1,93 @@
+"""``ddp``: DistributedDataParallel. Every rank holds a full replica, read once directly in the dtype
+training keeps (fp32 master weights for a full fine-tuning, the compute dtype for a LoRA's frozen
+base; autocast computes in the compute dtype). Rank 0 writes ``state.pt``: the trainable tensors, the
+optimizer, the schedule; consolidation reads it memory-mapped. Nothing is sharded or offloaded."""
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from host_memory import page_out
+from pipeline_io import UserError
+
+from parallel.base import SHARDED_LOAD, Strategy, compute_dtype, loss_scaler
+
+
+def trainable_state_dict(model) -> dict:
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+class DDPStrategy(Strategy):
+    offloads = False
+
+    def __init__(self, cfg, model, device, total_steps):
+        from torch.nn.parallel import DistributedDataParallel
+
+        super().__init__(cfg, device, total_steps)
+        self.inner = model.to(device)
+        self.model = DistributedDataParallel(self.inner, device_ids=[device.index] if device.type == "cuda" else None)
+        self.optimizer = self.make_optimizer(self.inner.parameters())
+        self.scheduler = self.make_scheduler(self.optimizer)
+        self.autocast = torch.autocast(device.type, dtype=compute_dtype(cfg), enabled=cfg.precision != "fp32")
+        self.scaler = loss_scaler(cfg, device, sharded=False)
+
+    def forward_backward(self, batch, last_micro: bool):
+        sync = contextlib.nullcontext() if last_micro else self.model.no_sync()
+        with sync:
+            with self.autocast:
+                loss = self.model(**batch).loss
+            self.backward(loss)
+        return loss
+
+    def save(self, folder: Path) -> None:
+        if dist.get_rank() == 0:
+            state = {
+                "model": trainable_state_dict(self.inner),
+                "optimizer": self.optimizer.state_dict(),
+                **self.extra_state(),
+            }
+            torch.save(state, folder / "state.pt")
+
+    def load(self, folder: Path) -> None:
+        state = torch.load(folder / "state.pt", map_location=self.device, weights_only=True)
+        # only trainable tensors are saved; tied weights appear once in named_parameters
+        needed = {n for n, p in self.inner.named_parameters() if p.requires_grad}
+        _, unexpected = self.inner.load_state_dict(state["model"], strict=False)
+        lacking = sorted(needed - set(state["model"]))
+        if unexpected or lacking:
+            raise RuntimeError(f"{folder / 'state.pt'}: does not match the model ({unexpected[:2]} {lacking[:2]})")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_extra_state(state)
+
+    @classmethod
+    def export_source(cls, folder: Path, shapes, exclude_frozen: bool):
+        return DDPSource(folder)
+
+    @classmethod
+    def gpu_tips(cls, t: dict, gb: dict) -> list[str]:
+        if gb["weights"] + gb["optimizer_states"] + gb["gradients"] > 4:
+            return ["training.strategy: fsdp (or deepspeed with zero_stage: 3)"]
+        return []
+
+    @classmethod
+    def sharded_alternative(cls, t: dict) -> dict | None:
+        return SHARDED_LOAD
+
+
+class DDPSource:
+    """Rank 0's ``state.pt``, memory-mapped: tensors are read from the file only when used."""
+
+    def __init__(self, folder: Path):
+        self.path = folder / "state.pt"
+        try:
+            self.tensors = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)["model"]
+        except (FileNotFoundError, RuntimeError, EOFError, KeyError, ValueError) as e:
+            raise UserError(f"{self.path}: unreadable checkpoint ({type(e).__name__}: {str(e)[:120]})") from None
+        self.names = set(self.tensors)
+
+    def read(self, names) -> dict:
+        return {n: self.tensors[n] for n in names}
+
+    def release(self, tensors: dict) -> None:
+        page_out(tensors.values())

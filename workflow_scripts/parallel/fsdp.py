@@ -1,0 +1,164 @@
+"""``fsdp``: FSDP2, ``fully_shard`` per decoder layer and on the root. The model is built on the meta
+device (no memory), sharded, given storage with ``to_empty`` and each rank copies only its own slices
+out of the safetensors files. Checkpoints are torch.distributed.checkpoint folders (``dcp/``) plus the
+schedule (``scheduler.pt``); consolidation reads them without a process group. Weights, gradients
+and optimizer states are sharded over the world; CPU offload (CPUOffloadPolicy) keeps each rank's
+shard of all three on the host."""
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from model_loading import materialize
+from pipeline_io import UserError
+
+from parallel.base import Footprint, Strategy, compute_dtype, loss_scaler
+
+
+def offloaded(cfg, device: torch.device) -> bool:
+    """FSDP2 CPU offload; on a CPU run there is nothing to offload to."""
+    return cfg.offload != "none" and device.type == "cuda"
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The transformer blocks, found by the class names transformers marks as unsplittable."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise RuntimeError(f"no decoder layers found in {type(base).__name__} (looked for {sorted(names)})")
+    return layers
+
+
+def fsdp_kwargs(cfg, device) -> dict:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    return {
+        "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype(cfg), reduce_dtype=torch.float32),
+        "offload_policy": CPUOffloadPolicy() if offloaded(cfg, device) else OffloadPolicy(),
+    }
+
+
+def shard_fsdp(model, cfg, device) -> None:
+    """FSDP2: ``fully_shard`` each decoder block, then the root. A model on the meta device stays
+    there (``place`` fills it); a materialized one moves to the device one block at a time."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = fsdp_kwargs(cfg, device)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+class FSDPStrategy(Strategy):
+    def __init__(self, cfg, model, device, total_steps):
+        from torch.distributed.fsdp import FSDPModule
+
+        super().__init__(cfg, device, total_steps)
+        if not isinstance(model, FSDPModule):  # load_model shards while loading; tests pass whole models
+            shard_fsdp(model, cfg, device)
+        self.model = model
+        self.optimizer = self.make_optimizer(model.parameters())
+        self.scheduler = self.make_scheduler(self.optimizer)
+        self.scaler = loss_scaler(cfg, device, sharded=True)
+
+    @classmethod
+    def unmet(cls, report: dict) -> list[str]:
+        if not report.get("fsdp2_available"):
+            return ["training.strategy is fsdp but torch.distributed.fsdp.fully_shard is missing (torch >= 2.6)"]
+        return []
+
+    @classmethod
+    def sharded_load(cls, cfg) -> str | None:
+        return "meta"
+
+    @classmethod
+    def place(cls, model, files, cfg, device: torch.device) -> None:
+        shard_fsdp(model, cfg, device)
+        materialize(model, files, cfg.seed, torch.device("cpu") if offloaded(cfg, device) else device, tie=False)
+
+    def forward_backward(self, batch, last_micro: bool):
+        self.model.set_requires_gradient_sync(last_micro)
+        loss = self.model(**batch).loss
+        self.backward(loss)
+        return loss
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self.cfg.peft != "none")
+
+    def save(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(folder / "dcp"))
+        if dist.get_rank() == 0:
+            torch.save(self.extra_state(), folder / "scheduler.pt")
+
+    def load(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=str(folder / "dcp"))
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=self._options(),
+        )
+        self.load_extra_state(torch.load(folder / "scheduler.pt", weights_only=True))
+
+    @classmethod
+    def export_source(cls, folder: Path, shapes, exclude_frozen: bool):
+        return FSDPSource(folder, shapes)
+
+    # ------------------------------------------------------------ memory terms
+
+    @classmethod
+    def shards(cls, t: dict) -> tuple[bool, bool, bool]:
+        return True, True, True
+
+    @classmethod
+    def host_load_bytes(cls, t: dict, f: Footprint, largest_file: int) -> float:
+        """The largest checkpoint file (its pages are shared by the node's ranks) plus every rank's shard."""
+        shard = (f.trainable * 4 + f.frozen * f.c) / f.world
+        return largest_file + f.procs * shard
+
+    @classmethod
+    def offloaded_bytes(cls, t: dict, f: Footprint) -> float:
+        """CPUOffloadPolicy: each rank's shard of parameters, gradients and Adam's states, 4 + 4 + 8."""
+        if t["offload"] != "none":
+            return (f.trainable * 16 + f.frozen * f.c) / f.nodes
+        return 0.0
+
+
+class FSDPSource:
+    """A torch.distributed.checkpoint folder, read a batch of keys at a time without a process group."""
+
+    def __init__(self, folder: Path, shapes: dict[str, torch.Size]):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.path, self.shapes = folder / "dcp", shapes
+        try:
+            meta = FileSystemReader(str(self.path)).read_metadata()
+        except Exception as e:  # DCP wraps reader errors in its own exception types
+            raise UserError(f"{self.path}: unreadable checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
+        self.names = {k.removeprefix("model.") for k in meta.state_dict_metadata if k.startswith("model.")}
+
+    def read(self, names) -> dict:
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": {n: torch.empty(self.shapes[n], dtype=torch.float32) for n in names}}
+        try:
+            dcp.load(state, checkpoint_id=str(self.path), no_dist=True)
+        except Exception as e:
+            raise UserError(f"{self.path}: unreadable checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
+        return state["model"]
+
+    def release(self, tensors: dict) -> None:
+        pass  # read into fresh tensors

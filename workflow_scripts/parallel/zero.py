@@ -1,0 +1,454 @@
+"""``deepspeed``: DeepSpeed ZeRO 1-3 (training.zero_stage) with optional CPU offload.
+
+- Load plan: ZeRO-1/2 keep a full replica on every rank by design, read once in the compute dtype
+  (the optimizer keeps the fp32 master partitions). ZeRO-3 creates the model under
+  ``deepspeed.zero.Init`` (which transformers enables while an ``HfDeepSpeedConfig`` is alive), so
+  parameters are partitioned as they are created, and each rank copies its own partition from the
+  safetensors files.
+- Training: the engine scales, clips and steps at the accumulation boundary; its ZeRO buffers are
+  sized to the model (``zero_buffer_sizes``), and that ZeRO section keys the checkpoints.
+- Checkpoints: DeepSpeed's own; consolidation reads them with DeepSpeed's ``zero_to_fp32`` parsers,
+  lazily (``DeepSpeedSource``).
+- Memory terms: DeepSpeed's own estimators (see preflight's docstring).
+"""
+
+import contextlib
+import functools
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from host_memory import page_out, trim
+from model_loading import source_key
+from pipeline_io import UserError
+from weights import READ_BYTES
+
+from parallel.base import SHARDED_LOAD, Footprint, Strategy, compute_dtype
+
+DS_BUFFER = 1.5  # DeepSpeed's additional_buffer_factor (its memory estimators)
+_KEEP_ALIVE = []  # HfDeepSpeedConfig: transformers holds it by weak reference until deepspeed.initialize
+
+
+def hidden_size(config) -> int | None:
+    """The model's hidden size, found as transformers' DeepSpeed integration finds it (the largest of
+    ``hidden_sizes``, or the text model's for a multimodal config); None if it has none."""
+    for c in (config, getattr(config, "text_config", None)):
+        if getattr(c, "hidden_size", None):
+            return c.hidden_size
+        if getattr(c, "hidden_sizes", None):
+            return max(c.hidden_sizes)
+    return None
+
+
+def layer_parameters(config) -> int | None:
+    """One decoder layer's weights in a Llama/Qwen-style config (attention at its q and kv widths, a gated
+    MLP); None for another layout (mixture of experts, no such fields)."""
+    c = getattr(config, "text_config", None) or config
+    if getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None):
+        return None
+    h, heads, ffn = (getattr(c, k, None) for k in ("hidden_size", "num_attention_heads", "intermediate_size"))
+    if not all(isinstance(v, int) for v in (h, heads, ffn)):
+        return None
+    head, kv = getattr(c, "head_dim", None) or h // heads, getattr(c, "num_key_value_heads", None) or heads
+    return h * head * (2 * heads + 2 * kv) + 3 * h * ffn
+
+
+def zero_buffer_sizes(stage: int, config) -> dict:
+    """ZeRO's buffer sizes (in elements) scaled to the model, as transformers fills DeepSpeed's "auto"
+    values, plus ZeRO-3's sub-group and reuse window. DeepSpeed's defaults are sized for big GPUs, not
+    for one layer, and on the CPU accelerator each is host memory. Per rank, h the hidden size, n the
+    parameters, N the ranks (docs/benchmarks.md measures them on a 0.6B model, 2 ranks, bf16):
+
+    - ``reduce_bucket_size`` h² (default 5e8): gradients are copied into a bucket of this many
+      elements in the compute dtype, all-reduced whole, and this rank's slices added to its gradient
+      partition; the bucket is kept for the whole run. Default: up to 5e8 x 2 bytes (1 GB) touched;
+      here 2 h² bytes (2 MB at h = 1024). A larger gradient (the embedding) is reduce-scattered alone.
+    - ``sub_group_size`` (ZeRO-3) 10 h² (default 1e9): the fp32 master partition is split into groups
+      of about this many elements and the optimizer steps one group at a time. What ``initialize``
+      and the step allocate besides the states is one group's size: the fp32 cast of the bf16
+      partition before its clone (initialize), a zeroed fp32 gradient buffer (initialize), the
+      group's gradients flattened and cast to fp32 for AdamW and AdamW's ``sqrt``/division
+      temporaries (step: 3 x 4 bytes a group element at once). With the default the whole partition
+      (n / N elements) is one group: 12 n / N bytes at once in the step, 8 n / N in initialize.
+      10 h² is two thirds of a Qwen3 layer; a single larger tensor (the embedding) is a group of its own.
+    - ``stage3_prefetch_bucket_size`` 0.9 h² (default 5e7): parameters gathered ahead of use.
+    - ``stage3_param_persistence_threshold`` 10 h (default 1e5): tensors this small (norms, biases)
+      stay gathered on every rank.
+    - ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` two decoder layers
+      (layer_parameters; defaults 1e9, kept for other layouts): once the first step has traced the
+      module order, a gathered parameter used again within this many elements is kept gathered, and
+      prefetching stops at this many. Two layers hold the one computing and the next, and a layer's
+      recompute and backward under gradient checkpointing, as FSDP2 keeps one block unsharded at a
+      time; at 32B (487M a layer) it is about the default, while with the default a model under 1e9
+      parameters (the 0.6B proxy) stays gathered in the compute dtype after the first step.
+
+    None of these changes a step's arithmetic: the same elementwise sums and updates in the same
+    dtypes, grouped differently (the gradient norm is summed per sub-group, so its last bits depend
+    on the grouping; a run and its resume use the same sizes). A checkpoint's optimizer state is
+    saved per sub-group: the ZeRO section is part of the checkpoint key (train.checkpoint_folder)."""
+    hidden, layer = hidden_size(config), layer_parameters(config)
+    if hidden is None:  # DeepSpeed's defaults (training.deepspeed_config can set them)
+        return {}
+    sizes = {"reduce_bucket_size": hidden * hidden}
+    if stage == 3:
+        sizes |= {
+            "sub_group_size": 10 * hidden * hidden,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden,
+        }
+    if stage == 3 and layer:
+        sizes |= {"stage3_max_live_parameters": 2 * layer, "stage3_max_reuse_distance": 2 * layer}
+    return sizes
+
+
+def quiet_deepspeed_collectives() -> None:
+    """DeepSpeed 0.19 calls torch.distributed's deprecated ``all_gather_into_tensor`` and
+    ``reduce_scatter_tensor``, and the warning repeats on every call (something in each step resets
+    Python's once-per-location registry): with layer-sized buckets, hundreds of lines a step."""
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+
+def deepspeed_config(cfg, world_size: int, model_config) -> dict:
+    """DeepSpeed JSON from our config, on top of a user-supplied one when given; ZeRO's buffer sizes
+    from the model's shape (zero_buffer_sizes) where that JSON does not set them."""
+    base = json.loads(Path(cfg.deepspeed_config).read_text()) if cfg.deepspeed_config else {}
+    zero = {"stage": cfg.zero_stage, **base.get("zero_optimization", {})}
+    for key, size in zero_buffer_sizes(zero["stage"], model_config).items():
+        if zero.get(key, "auto") == "auto":  # unset, or transformers' "auto"
+            zero[key] = size
+    if cfg.offload in ("optimizer", "all"):
+        zero.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": True})
+    if cfg.offload == "all" and cfg.zero_stage == 3:
+        zero.setdefault("offload_param", {"device": "cpu", "pin_memory": True})
+    return base | {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * world_size,
+        "gradient_clipping": cfg.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        # dynamic loss scaling (loss_scale 0), as torch's GradScaler: start at 2^16, halve on overflow
+        "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedStrategy(Strategy):
+    hard_exit = True  # DeepSpeed's CPU backend can abort in interpreter teardown (a finished job would fail)
+
+    @classmethod
+    def unmet(cls, report: dict) -> list[str]:
+        if report["packages"].get("deepspeed") is None:
+            return ["training.strategy is deepspeed but deepspeed is not installed"]
+        return []
+
+    # ------------------------------------------------------------ load plan
+
+    @classmethod
+    def load_dtype(cls, cfg) -> torch.dtype:
+        return compute_dtype(cfg)  # the optimizer keeps the fp32 master partitions
+
+    @classmethod
+    def sharded_load(cls, cfg) -> str | None:
+        return "zero3" if cfg.zero_stage == 3 else None
+
+    @classmethod
+    def filled_on_creation(cls, cfg) -> bool:
+        return cfg.zero_stage == 3
+
+    @classmethod
+    def create(cls, config, cfg, attn: str, files):
+        if cfg.zero_stage != 3:
+            return super().create(config, cfg, attn, files)
+        model = zero3_model(config, cfg, attn)
+        fill_partitions(model, files)
+        return model
+
+    @classmethod
+    def place(cls, model, files, cfg, device: torch.device) -> None:
+        if cfg.zero_stage != 3:  # ZeRO-3's partitions were filled as the model was created
+            super().place(model, files, cfg, device)
+
+    # ------------------------------------------------------------ training
+
+    def __init__(self, cfg, model, device, total_steps):
+        import deepspeed
+
+        super().__init__(cfg, device, total_steps)
+        quiet_deepspeed_collectives()
+        self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=self.make_optimizer(model.parameters()),
+            lr_scheduler=self.make_scheduler,
+            config=deepspeed_config(cfg, dist.get_world_size(), model.config),
+        )
+
+    def forward_backward(self, batch, last_micro: bool):
+        # the engine scales by gradient_accumulation_steps and steps at the boundary
+        loss = self.model(**batch).loss
+        self.model.backward(loss)
+        self.model.step()
+        return loss
+
+    def step(self) -> float:
+        """The engine clipped and stepped at the last micro-batch's boundary; its norm."""
+        norm = self.model.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def loss_scale_stats(self) -> dict:
+        if self.cfg.precision != "fp16":
+            return {}
+        return {"loss_scale": float(self.optimizer.cur_scale), "skipped_steps": int(self.model.skipped_steps)}
+
+    def save(self, folder: Path) -> None:
+        self.model.save_checkpoint(
+            str(folder.parent), tag=folder.name, exclude_frozen_parameters=self.cfg.peft != "none"
+        )
+
+    def load(self, folder: Path) -> None:
+        path, _ = self.model.load_checkpoint(
+            str(folder.parent), tag=folder.name, load_module_strict=self.cfg.peft == "none"
+        )
+        if path is None:
+            raise RuntimeError(f"{folder}: DeepSpeed could not load this checkpoint")
+
+    def key_extra(self, base_model: str) -> str | None:
+        """Also the ZeRO section this runs with: its sub-groups lay out the optimizer state, and their
+        sizes are filled from the model, so a checkpoint of other sizes is not resumed."""
+        from transformers import AutoConfig
+
+        zero = deepspeed_config(self.cfg, 1, AutoConfig.from_pretrained(base_model))["zero_optimization"]
+        return json.dumps([super().key_extra(base_model), zero], sort_keys=True)
+
+    @classmethod
+    def export_source(cls, folder: Path, shapes, exclude_frozen: bool):
+        return DeepSpeedSource(folder, exclude_frozen)
+
+    # ------------------------------------------------------------ memory terms
+
+    @classmethod
+    def shards(cls, t: dict) -> tuple[bool, bool, bool]:
+        stage = t.get("zero_stage", 0)
+        return stage == 3, stage >= 2, True
+
+    @classmethod
+    def replica_bytes(cls, f: Footprint) -> float:
+        return f.frozen * f.c + f.trainable * f.c  # the fp32 master copy is made later, partitioned
+
+    @classmethod
+    def host_load_bytes(cls, t: dict, f: Footprint, largest_file: int) -> float:
+        """ZeRO-3: transformers reads one safetensors file at a time, plus the node's partitions when
+        ``offload: all`` keeps them on the host; ZeRO-1/2: a replica per rank."""
+        if t.get("zero_stage", 0) == 3:
+            return largest_file + (f.params * f.c / f.nodes if t["offload"] == "all" else 0)
+        return super().host_load_bytes(t, f, largest_file)
+
+    @classmethod
+    def offloaded_bytes(cls, t: dict, f: Footprint) -> float:
+        """DeepSpeed's estimate_zero3_model_states_mem_needs (zero_init=True) and
+        estimate_zero2_model_states_mem_needs, over the trainable parameters (preflight's docstring)."""
+        offload = t["offload"]
+        if t.get("zero_stage", 0) == 3:
+            if offload == "none":
+                return f.largest_layer * 4 * f.procs * DS_BUFFER
+            params = offload == "all"  # offload_param: the parameters' partitions live on the host too
+            return (f.trainable * (16 + f.c * params) + f.frozen * f.c * params) / f.nodes * DS_BUFFER
+        return f.trainable * 16 / f.nodes * DS_BUFFER if offload != "none" else 0.0
+
+    @classmethod
+    def gpu_tips(cls, t: dict, gb: dict) -> list[str]:
+        return ["training.zero_stage: 3"] if t["zero_stage"] < 3 else []
+
+    @classmethod
+    def sharded_alternative(cls, t: dict) -> dict | None:
+        return SHARDED_LOAD if t.get("zero_stage", 0) < 3 else None
+
+
+# ---------------------------------------------------------------- ZeRO-3 load plan
+
+
+def zero3_model(config, cfg, attn: str):
+    """The model created under zero.Init: each parameter is partitioned over the ranks as its module
+    is created, in the load dtype, and not initialized (the checkpoint fills every partition).
+
+    The model class is instantiated directly, in the contexts transformers' from_pretrained uses for
+    ZeRO-3: from_config would also gather every module once to initialize its weights (a transient
+    that measured 0.4x the fp32 model bytes per rank on a 0.6B model)."""
+    import deepspeed
+    from transformers import AutoConfig
+    from transformers.initialization import no_init_weights
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    quiet_deepspeed_collectives()
+    deepspeed.init_distributed()  # zero.Init partitions over DeepSpeed's view of the process group
+    ds_config = deepspeed_config(cfg, dist.get_world_size(), config)
+    _KEEP_ALIVE.append(HfDeepSpeedConfig(ds_config))  # transformers' is_deepspeed_zero3_enabled()
+    config = AutoConfig.for_model(**config.to_dict() | {"attn_implementation": attn})
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(compute_dtype(cfg))
+    try:
+        zero_init = deepspeed.zero.Init(config_dict_or_path=ds_config)
+        with no_init_weights(), prevent_arange_dtype_change(), no_init_broadcast(), zero_init:
+            model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+    finally:
+        torch.set_default_dtype(default)
+    model.tie_weights()  # as from_config does after construction: tied embeddings are one parameter
+    return model
+
+
+@contextlib.contextmanager
+def no_init_broadcast():
+    """zero.Init broadcasts every new parameter from rank 0 before partitioning it, so that random
+    inits agree; ours are filled from the checkpoint afterwards, and the broadcast only costs each
+    other rank a full-size receive buffer of every tensor (the embedding: 0.15x this 0.6B model's
+    fp32 bytes). DeepSpeed 0.19's Init._zero_init_param, without the broadcast."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    original = Init._zero_init_param
+
+    def partition_only(self, param):
+        self._convert_to_deepspeed_param(param)
+        param.partition()
+
+    Init._zero_init_param = partition_only
+    try:
+        yield
+    finally:
+        Init._zero_init_param = original
+
+
+def fill_partitions(model, files) -> None:
+    """ZeRO-3: each rank copies its own partition (a range of the flattened tensor) from the files."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            key = source_key(files, name, param.ds_shape, model)
+            part = param.ds_tensor
+            start = part.ds_numel * dist.get_rank(group=param.ds_process_group)
+            count = max(0, min(part.ds_numel, param.ds_numel - start))
+            for at in range(start, start + count, READ_BYTES // part.element_size()):
+                end = min(at + READ_BYTES // part.element_size(), start + count)
+                part.data[at - start : end - start].copy_(files.read_flat(key, at, end - at))
+
+
+# ---------------------------------------------------------------- export reader
+
+
+class DeepSpeedSource:
+    """DeepSpeed's own checkpoint parsers (``deepspeed.utils.zero_to_fp32``); every parameter is read
+    lazily from the ranks' memory-mapped fp32 partitions. ZeRO-3 through DeepSpeed's lazy mode
+    (``GatheredTensor``); ZeRO 1/2 through ``Zero2Param``, because DeepSpeed's lazy mode for them
+    first concatenates each group's partitions into one vector, a second copy of the weights."""
+
+    def __init__(self, folder: Path, exclude_frozen: bool):
+        from deepspeed.utils import zero_to_fp32 as z
+
+        self.folder, where = folder, str(folder)
+        try:
+            # no_grad: the saved partitions require grad, and an autograd graph from a gathered
+            # tensor back to them would keep every memory-mapped partition file resident
+            with torch.no_grad(), contextlib.redirect_stdout(sys.stderr), mapped_loads():  # they print progress
+                models = z.parse_model_states(z.get_model_state_files(where))
+                stage, _, flat_groups, paddings = z.parse_optim_states(z.get_optim_files(where), where)
+                if stage <= 2:
+                    self.tensors = zero2_state_dict(flat_groups, models, paddings, exclude_frozen)
+                else:  # DeepSpeed's public lazy mode parses the (memory-mapped) files again: a second or two
+                    self.tensors = z.get_fp32_state_dict_from_zero_checkpoint(
+                        str(folder.parent), tag=folder.name, exclude_frozen_parameters=exclude_frozen, lazy_mode=True
+                    )
+        except UserError:
+            raise
+        except Exception as e:  # the parsers raise bare exceptions on missing or short files
+            raise UserError(f"{folder}: unreadable DeepSpeed checkpoint ({type(e).__name__}: {str(e)[:160]})") from None
+        self.names = set(self.tensors)
+        trim()
+
+    @torch.no_grad()
+    def read(self, names) -> dict:
+        try:
+            return {n: self.tensors[n].contiguous() for n in names}
+        except Exception as e:
+            raise UserError(f"{self.folder}: unreadable DeepSpeed checkpoint ({type(e).__name__}: {e})") from None
+
+    def release(self, tensors: dict) -> None:
+        page_out(chunk for n in tensors for chunk in partition_slices(self.tensors[n]))
+
+
+@contextlib.contextmanager
+def mapped_loads():
+    """``torch.load`` memory-maps what it reads. DeepSpeed's ``parse_model_states`` loads each
+    model-states file whole to find the buffers and shapes; for ZeRO 1/2 that file holds every weight
+    again, in fp32: read whole it was a transient copy of the fp32 weights, twice the bf16 model."""
+    load = torch.load
+    torch.load = functools.partial(load, mmap=True)
+    try:
+        yield
+    finally:
+        torch.load = load
+
+
+class Zero2Param:
+    """A ZeRO 1/2 parameter: ``shape.numel()`` elements from ``start`` of its group's fp32 vector,
+    which is the ranks' partitions back to back (memory-mapped; read when ``contiguous()`` is called)."""
+
+    def __init__(self, partitions: list[torch.Tensor], start: int, shape: torch.Size):
+        self.partitions, self.start, self.shape = partitions, start, torch.Size(shape)
+
+    def slices(self):
+        lo, hi, base = self.start, self.start + self.shape.numel(), 0
+        for part in self.partitions:
+            a, b = max(lo, base), min(hi, base + part.numel())
+            if a < b:
+                yield part[a - base : b - base]
+            base += part.numel()
+
+    def contiguous(self) -> torch.Tensor:
+        return torch.cat(list(self.slices())).view(self.shape)
+
+
+def zero2_state_dict(flat_groups, models, paddings, exclude_frozen: bool) -> dict:
+    """ZeRO 1/2's state dict with the layout of DeepSpeed's ``_zero2_merge_trainable_params``, without
+    concatenating the partitions: each group holds its parameters in order, each followed by its
+    alignment padding, and the group's total is aligned to 2 x world size."""
+    first = models[0]
+    state = dict(first.buffers)
+    if not exclude_frozen:
+        state |= {name: first.frozen_param_fragments[name] for name in first.frozen_param_shapes or {}}
+    align = 2 * len(flat_groups)
+    for g, shapes in enumerate(first.param_shapes):
+        parts = [rank[g] for rank in flat_groups]
+        offset = 0
+        for i, (name, shape) in enumerate(shapes.items()):
+            state[name] = Zero2Param(parts, offset, shape)
+            offset += math.prod(shape) + (paddings[g][i] if paddings is not None else 0)
+        available = sum(p.numel() for p in parts)
+        if -(-offset // align) != -(-available // align):
+            raise UserError(f"parameter group {g} needs {offset} elements, the partitions hold {available}")
+    for target, source in first.shared_params:
+        if source in state:
+            state[target] = state[source]
+    return state
+
+
+def partition_slices(t):
+    """The slices of memory-mapped partitions a lazy DeepSpeed tensor reads (none for a real tensor)."""
+    if isinstance(t, Zero2Param):
+        yield from t.slices()
+        return
+    groups, bounds = getattr(t, "flat_groups", None), getattr(t, "flat_groups_offset", None)
+    if groups is None:
+        return
+    start, end = t.offset, t.offset + t.partitioned_numel  # DeepSpeed's GatheredTensor (ZeRO-3)
+    for rank in groups:
+        for g, flat in enumerate(rank):
+            lo, hi = max(start, int(bounds[g])), min(end, int(bounds[g + 1]))
+            if lo < hi:
+                yield flat[lo - int(bounds[g]) : hi - int(bounds[g])]
