@@ -10,10 +10,16 @@ folder or a glob). Mappings turn a record into a conversation — a list of
 - ``chat``: a ``messages`` list of ``{role, content}`` turns (multi-turn, optional system).
 - ``nested``: one ``instruction`` with a list of ``instances`` ``{input, output}``,
   one example per instance (the self-instruct format of ../shared/data).
+
+A conversation's identity is a hash of its normalized text (``content_hash``); which rows are held
+out for evaluation, and which node a row goes to, are pure functions of that hash and a seed
+(``is_eval``, ``node_by_hash``), so the split and the demo data generator agree on them.
 """
 
 import glob
+import hashlib
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -373,6 +379,36 @@ def _chat(messages, column: str):
 def conversation_text(messages: list[dict]) -> str:
     """Stable text of a conversation, for hashing."""
     return json.dumps([[t["role"], t["content"]] for t in messages], ensure_ascii=False)
+
+
+# ---------------------------------------------------------------- identity and assignment
+
+
+def normalize(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def content_hash(messages: list[dict]) -> str:
+    """Hash of the normalized conversation; equal for rows that differ only in whitespace."""
+    norm = [{"role": t["role"], "content": normalize(t["content"])} for t in messages]
+    return hashlib.sha256(conversation_text(norm).encode("utf-8")).hexdigest()
+
+
+def prompt_hash(messages: list[dict]) -> str:
+    """Hash of all but the final answer: one question never straddles train and eval."""
+    return content_hash(messages[:-1])
+
+
+def unit(key: str, seed: int, salt: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{salt}:{key}".encode()).digest()[:8], "big")
+
+
+def is_eval(phash: str, seed: int, eval_fraction: float) -> bool:
+    return unit(phash, seed, "eval") / 2**64 < eval_fraction
+
+
+def node_by_hash(chash: str, seed: int, nodes: int) -> int:
+    return unit(chash, seed, "node") % nodes
 
 
 def delimiter_arg(value: str | None) -> str | None:

@@ -22,12 +22,12 @@ import pandas as pd
 import sacrebleu
 import torch
 from chat_format import remove_special_text, special_texts
+from chat_render import generation_settings
+from contracts import IGNORE
 from pipeline_io import UserError, atomic_path, cli, write_json
 from rouge_score import rouge_scorer
 from settings import option
-from tokenization import generation_settings
 
-IGNORE = -100
 HELDOUT, HELDOUT_LOSS = "heldout", "heldout_loss"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

@@ -216,3 +216,57 @@ class StageConfig:
     @classmethod
     def from_json(cls, text: str):
         return cls.build(json.loads(text))
+
+
+# ---------------------------------------------------------------- data stage configs (part: data)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitConfig(StageConfig):
+    """split_dataset's keys: reading, validating and assigning rows. The template keys are here because
+    the split checks that the tokenizer has a template and, under ``balance: tokens``, measures rows
+    with it; the length policy is tokenization's alone."""
+
+    path: str = key_field("data.path")
+    eval_path: str | None = key_field("data.eval_path")
+    format: str = key_field("data.format")
+    delimiter: str | None = key_field("data.delimiter")
+    mapping: str = key_field("data.mapping")
+    columns: dict = key_field("data.columns")
+    category_column: str | None = key_field("data.category_column")
+    nodes: int = key_field("nodes")
+    eval_fraction: float = key_field("data.eval_fraction")
+    seed: int = key_field("data.seed")
+    balance: str = key_field("data.balance")
+    special_text: str = key_field("data.special_text")
+    max_reject_fraction: float = key_field("data.max_reject_fraction")
+    chat_template: str | None = key_field("data.chat_template")
+    format_template: str | None = key_field("data.format_template")
+    template_kwargs: dict = key_field("data.template_kwargs")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizeConfig(StageConfig):
+    """tokenize_shard's keys: the template, the labels, the length policy, the cache and its guard."""
+
+    chat_template: str | None = key_field("data.chat_template")
+    format_template: str | None = key_field("data.format_template")
+    template_kwargs: dict = key_field("data.template_kwargs")
+    train_on: str = key_field("data.train_on")
+    max_seq_len: int = key_field("data.max_seq_len")
+    overlength: str = key_field("data.overlength")
+    cache_dir: str = key_field("data.cache_dir")
+    max_reject_fraction: float = key_field("data.max_reject_fraction")
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoModelConfig(StageConfig):
+    """build_demo_model's keys: the data its tokenizer is trained on, the vocabulary, the context, the seed."""
+
+    path: str = key_field("data.path")
+    format: str = key_field("data.format")
+    mapping: str = key_field("data.mapping")
+    columns: dict = key_field("data.columns")
+    vocab_size: int = key_field("model.demo_vocab_size")
+    max_seq_len: int = key_field("data.max_seq_len")
+    seed: int = key_field("model.seed")
