@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import functools
 import json
+import operator
 from pathlib import Path
 
 import yaml
@@ -220,53 +221,43 @@ class StageConfig:
 
 # ---------------------------------------------------------------- data stage configs (part: data)
 
-
-@dataclasses.dataclass(frozen=True)
-class SplitConfig(StageConfig):
-    """split_dataset's keys: reading, validating and assigning rows. The template keys are here because
-    the split checks that the tokenizer has a template and, under ``balance: tokens``, measures rows
-    with it; the length policy is tokenization's alone."""
-
-    path: str = key_field("data.path")
-    eval_path: str | None = key_field("data.eval_path")
-    format: str = key_field("data.format")
-    delimiter: str | None = key_field("data.delimiter")
-    mapping: str = key_field("data.mapping")
-    columns: dict = key_field("data.columns")
-    category_column: str | None = key_field("data.category_column")
-    nodes: int = key_field("nodes")
-    eval_fraction: float = key_field("data.eval_fraction")
-    seed: int = key_field("data.seed")
-    balance: str = key_field("data.balance")
-    special_text: str = key_field("data.special_text")
-    max_reject_fraction: float = key_field("data.max_reject_fraction")
-    chat_template: str | None = key_field("data.chat_template")
-    format_template: str | None = key_field("data.format_template")
-    template_kwargs: dict = key_field("data.template_kwargs")
+SCHEMA_TYPES = {"string": str, "integer": int, "number": float, "boolean": bool, "object": dict, "array": list}
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenizeConfig(StageConfig):
-    """tokenize_shard's keys: the template, the labels, the length policy, the cache and its guard."""
-
-    chat_template: str | None = key_field("data.chat_template")
-    format_template: str | None = key_field("data.format_template")
-    template_kwargs: dict = key_field("data.template_kwargs")
-    train_on: str = key_field("data.train_on")
-    max_seq_len: int = key_field("data.max_seq_len")
-    overlength: str = key_field("data.overlength")
-    cache_dir: str = key_field("data.cache_dir")
-    max_reject_fraction: float = key_field("data.max_reject_fraction")
+def schema_type(key: str):
+    """The Python type of config key ``key``, from its schema (``[string, "null"]`` -> ``str | None``)."""
+    types = schema_property(key)["type"]
+    types = [types] if isinstance(types, str) else types
+    py = functools.reduce(operator.or_, (SCHEMA_TYPES[t] for t in types if t != "null"))
+    return py | None if "null" in types else py
 
 
-@dataclasses.dataclass(frozen=True)
-class DemoModelConfig(StageConfig):
-    """build_demo_model's keys: the data its tokenizer is trained on, the vocabulary, the context, the seed."""
+def stage_config(name: str, doc: str, *keys: str) -> type:
+    """A StageConfig class: a frozen dataclass with a field for each config key (a dotted path), named by the
+    key's last part and typed by its schema, so the schema stays the one source of a key's type and default."""
+    fields = [(key.rsplit(".", 1)[-1], schema_type(key), key_field(key)) for key in keys]
+    return dataclasses.make_dataclass(name, fields, bases=(StageConfig,), frozen=True, namespace={"__doc__": doc})
 
-    path: str = key_field("data.path")
-    format: str = key_field("data.format")
-    mapping: str = key_field("data.mapping")
-    columns: dict = key_field("data.columns")
-    vocab_size: int = key_field("model.demo_vocab_size")
-    max_seq_len: int = key_field("data.max_seq_len")
-    seed: int = key_field("model.seed")
+
+# How the input's rows become conversations (the split; the demo model's tokenizer training), and how a
+# conversation is rendered (tokenization; the split checks the template and, for balance: tokens, measures rows)
+SOURCE_KEYS = ("data.path", "data.format", "data.mapping", "data.columns")
+TEMPLATE_KEYS = ("data.chat_template", "data.format_template", "data.template_kwargs")
+SplitConfig = stage_config(
+    "SplitConfig",
+    "split_dataset's keys: reading, validating and assigning rows (never the length policy: tokenization's).",
+    *SOURCE_KEYS, *TEMPLATE_KEYS, "data.eval_path", "data.delimiter", "data.category_column", "nodes",
+    "data.eval_fraction", "data.seed", "data.balance", "data.special_text", "data.max_reject_fraction",
+)  # fmt: skip
+TokenizeConfig = stage_config(
+    "TokenizeConfig",
+    "tokenize_shard's keys: the template, the labels, the length policy, the cache and its guard.",
+    *TEMPLATE_KEYS, "data.train_on", "data.max_seq_len", "data.overlength", "data.cache_dir",
+    "data.max_reject_fraction",
+)  # fmt: skip
+DemoModelConfig = stage_config(
+    "DemoModelConfig",
+    "build_demo_model's keys: the data its tokenizer is trained on, the vocabulary, the context length and "
+    "the seed (its size, the preset, comes from model.name_or_path as the rule's --preset).",
+    *SOURCE_KEYS, "model.demo_vocab_size", "data.max_seq_len", "model.seed",
+)  # fmt: skip
