@@ -85,9 +85,12 @@ class ChatRenderer:
     """The tokenizer's chat template, compiled once and rendered directly, with ``template_kwargs``.
 
     ``apply_chat_template`` re-validates its arguments on every call, which costs more
-    than the rendering itself; the output is the same (a test checks it). The renderer
-    also knows what closes an assistant turn (``end_of_turn``) and whether the model
-    family wants a BOS token the template does not write (``bos``).
+    than the rendering itself; the output is the same (a test checks it). Jinja's own
+    ``render`` builds each call's context from the template's globals, a ChainMap read key
+    by key, which costs as much again: the globals and the fixed variables are merged into
+    a plain dict once (``base``) and each call's context starts from a copy of it. The
+    renderer also knows what closes an assistant turn (``end_of_turn``) and whether the
+    model family wants a BOS token the template does not write (``bos``).
     """
 
     def __init__(self, tokenizer, template_kwargs: dict | None = None):
@@ -101,6 +104,9 @@ class ChatRenderer:
             self.compiled = _compile_jinja_template(tokenizer.chat_template)
         except (ImportError, AttributeError):  # a transformers without the helper: the slow path
             self.compiled = None
+        else:  # Template.render's context, less the per-call merge: globals, then the variables
+            self.globals = dict(self.compiled.globals)
+            self.base = self.globals | self.variables
         self.end_of_turn = end_of_turn_tokens(tokenizer)
         self.end_of_turn_ids = [tokenizer.convert_tokens_to_ids(t) for t in self.end_of_turn]
         # BOS: prepended where the template does not write it (see wants_bos)
@@ -112,9 +118,11 @@ class ChatRenderer:
             return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False, **self.template_kwargs
             )
-        return self.compiled.render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.variables
-        )
+        t = self.compiled
+        parent = self.base | {"messages": messages, "tools": None, "documents": None}
+        parent["add_generation_prompt"] = add_generation_prompt
+        context = t.environment.context_class(t.environment, parent, t.name, t.blocks, globals=self.globals)
+        return t.environment.concat(t.root_render_func(context))
 
     def bos_ids(self, text: str) -> list[int]:
         """The BOS id to put before ``text``'s tokens, if the family wants one and the template wrote none."""

@@ -33,9 +33,10 @@ from chat_format import KNOWN_MARKERS, SpecialText, special_texts
 from chat_render import ChatRenderer, render_lengths, use_template
 from contracts import REJECT_SCHEMA, SPLIT_SCHEMA
 from data_formats import (
+    JSON_TEXT,
     check_columns,
     column_names,
-    content_hash,
+    conversation_hashes,
     delimiter_arg,
     estimate_rows,
     is_eval,
@@ -98,7 +99,7 @@ class Splitter:
                     candidates.append((rec, messages, "" if category is None else str(category)))
         by_tokens = []  # (row, conversation) still to be given a node by their tokens
         for rec, messages, category in candidates:
-            chash, phash = content_hash(messages), prompt_hash(messages)
+            chash, phash = conversation_hashes(messages)
             if not force_eval and self.eval_prompts is not None and phash in self.eval_prompts:
                 rejects.append(reject(rec, "eval_overlap", "its prompt is in the eval set", messages, chash))
                 continue
@@ -108,7 +109,7 @@ class Splitter:
                 continue
             self.seen.add(chash)
             row = {
-                "messages": json.dumps(messages, ensure_ascii=False),
+                "messages": JSON_TEXT.encode(messages),
                 "response": messages[-1]["content"],
                 "content_hash": chash,
                 "source_file": rec.source_file,
@@ -148,7 +149,7 @@ def reject(rec, reason: str, detail: str, messages: list | None = None, chash: s
         "reason": reason,
         "detail": detail,
         "content_hash": chash,
-        "messages": json.dumps(messages, ensure_ascii=False) if messages is not None else None,
+        "messages": JSON_TEXT.encode(messages) if messages is not None else None,
         "record": record,
     }
 
@@ -170,7 +171,8 @@ class Outputs:
         for row in kept:
             groups.setdefault(nodes if row["dest"] == "eval" else row["dest"], []).append(row)
         for idx, rows in groups.items():
-            self.writers[idx].write_table(pa.Table.from_pylist(rows, schema=SPLIT_SCHEMA))
+            columns = {name: [r[name] for r in rows] for name in SPLIT_SCHEMA.names}
+            self.writers[idx].write_table(pa.Table.from_pydict(columns, schema=SPLIT_SCHEMA))
             self.rows[idx] += len(rows)
         if rejects:
             self.writers[-1].write_table(pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA))

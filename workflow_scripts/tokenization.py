@@ -62,7 +62,7 @@ def length_reject(example: dict, fitted: dict | None, max_len: int, policy: str)
         return "too_long", f"{n} tokens > data.max_seq_len {max_len} (data.overlength: drop)"
     if fitted is None:
         return "prompt_too_long", f"the prompt alone has {p} tokens: data.max_seq_len {max_len} leaves no answer token"
-    if all(x == IGNORE for x in fitted["labels"]):
+    if max(fitted["labels"], default=IGNORE) == IGNORE:  # labels are IGNORE or token ids (>= 0)
         return "no_labels", "every label is masked: nothing of the answer is trained"
     return None
 
