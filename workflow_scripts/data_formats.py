@@ -101,6 +101,14 @@ def _decode(value, column: str):
         raise ValueError(f"column {column!r}: invalid UTF-8 at byte {e.start}") from None
 
 
+def _utf8_batch(batch: pa.RecordBatch) -> pa.RecordBatch | None:
+    """The batch's binary cells as text, when every one is valid UTF-8 (else None: decode row by row)."""
+    try:
+        return pa.RecordBatch.from_arrays([c.cast(pa.string()) for c in batch.columns], names=batch.schema.names)
+    except pa.ArrowInvalid:
+        return None
+
+
 def _csv_batches(path: Path, delimiter: str, batch_bytes: int) -> Iterator[list[dict | tuple]]:
     parse = pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
     read = pacsv.ReadOptions(block_size=batch_bytes)
@@ -110,6 +118,9 @@ def _csv_batches(path: Path, delimiter: str, batch_bytes: int) -> Iterator[list[
         convert = pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.binary()), strings_can_be_null=False)
         reader = pacsv.open_csv(path, read_options=read, parse_options=parse, convert_options=convert)
         for batch in reader:
+            if (text := _utf8_batch(batch)) is not None:  # all valid: decoded in Arrow, not cell by cell
+                yield text.to_pylist()
+                continue
             rows = []
             for row in batch.to_pylist():
                 try:
@@ -378,6 +389,9 @@ def _chat(messages, column: str):
 # ---------------------------------------------------------------- identity and assignment
 
 JSON_TEXT = json.JSONEncoder(ensure_ascii=False)  # json.dumps(..., ensure_ascii=False), without a new encoder a call
+json_string = (
+    json.encoder.py_encode_basestring if json.encoder.c_encode_basestring is None else json.encoder.c_encode_basestring
+)
 
 
 def normalize(text: str) -> str:
@@ -385,14 +399,19 @@ def normalize(text: str) -> str:
     return " ".join(text.split())
 
 
-def normalized_hash(turns: list[list[str]]) -> str:
-    """Hash of a conversation's stable text: its [role, normalized content] pairs as JSON."""
-    return hashlib.sha256(JSON_TEXT.encode(turns).encode("utf-8")).hexdigest()
+def turn_texts(messages: list[dict]) -> list[str]:
+    """Each turn's [role, normalized content] as JSON (what json.dumps writes for the pair)."""
+    return [f"[{json_string(t['role'])}, {json_string(normalize(t['content']))}]" for t in messages]
+
+
+def normalized_hash(turns: list[str]) -> str:
+    """Hash of a conversation's stable text: the JSON list of its turns' [role, normalized content] pairs."""
+    return hashlib.sha256(f"[{', '.join(turns)}]".encode()).hexdigest()
 
 
 def content_hash(messages: list[dict]) -> str:
     """Hash of the normalized conversation; equal for rows that differ only in whitespace."""
-    return normalized_hash([[t["role"], normalize(t["content"])] for t in messages])
+    return normalized_hash(turn_texts(messages))
 
 
 def prompt_hash(messages: list[dict]) -> str:
@@ -401,8 +420,8 @@ def prompt_hash(messages: list[dict]) -> str:
 
 
 def conversation_hashes(messages: list[dict]) -> tuple[str, str]:
-    """(content_hash, prompt_hash) of a conversation, each turn normalized once."""
-    turns = [[t["role"], normalize(t["content"])] for t in messages]
+    """(content_hash, prompt_hash) of a conversation, each turn normalized and written once."""
+    turns = turn_texts(messages)
     return normalized_hash(turns), normalized_hash(turns[:-1])
 
 
