@@ -53,7 +53,7 @@ def write_data(work: Path, lengths: list[int], vocab: int, seq: int) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
-    from tokenization import write_packing
+    from packing import write_packing
 
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

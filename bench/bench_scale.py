@@ -72,7 +72,8 @@ def synthetic_shard(path: Path, tokens: int, seed: int = 0, chunk_rows: int = 20
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from tokenization import IGNORE, SCHEMA
+    from contracts import IGNORE
+    from contracts import TOKENIZED_SCHEMA as SCHEMA
 
     rng = np.random.default_rng(seed)
     lengths, total = [], 0
@@ -184,7 +185,7 @@ def data_part(args) -> list[dict]:
     for name, tokens in (("big", args.tokens), ("small", args.legacy_tokens)):
         shard, plan = work / f"{name}_{tokens}.parquet", work / f"{name}_{tokens}.packing.parquet"
         if not plan.exists():
-            from tokenization import write_packing
+            from packing import write_packing
 
             lengths = synthetic_shard(shard, tokens, seed=len(name))
             write_packing(lengths, 2048, plan)

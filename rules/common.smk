@@ -147,40 +147,14 @@ def verbatim(args):
     return lambda wildcards: args
 
 
-# The command-line arguments of the scripts that read the data config (split.py and tokenization.py
-# share what they need to count tokens).
-TOKENIZER_OPTIONS = dict(
-    tokenizer=BASE_MODEL,
-    chat_template=DATA["chat_template"],
-    format_template=DATA["format_template"],
-    max_seq_len=DATA["max_seq_len"],
-    overlength=DATA["overlength"],
-    template_kwargs=json.dumps(DATA["template_kwargs"]),
-)
-SPLIT_ARGS = cli_args(
-    data=DATA["path"],
-    eval_data=DATA["eval_path"],
-    format=DATA["format"],
-    delimiter=DATA["delimiter"],
-    mapping=DATA["mapping"],
-    columns=json.dumps(DATA["columns"]),
-    category_column=DATA["category_column"],
-    nodes=config["nodes"],
-    eval_fraction=DATA["eval_fraction"],
-    seed=DATA["seed"],
-    balance=DATA["balance"],
-    special_text=DATA["special_text"],
-    **TOKENIZER_OPTIONS,
-    max_reject_fraction=DATA["max_reject_fraction"],
-)
-TOKENIZE_ARGS = cli_args(
-    **TOKENIZER_OPTIONS,
-    train_on=DATA["train_on"],
-    cache_dir=DATA["cache_dir"],
-    max_reject_fraction=DATA["max_reject_fraction"],
-)
-# params functions, not strings (see verbatim): they carry data.format_template
-SPLIT_ARGS, TOKENIZE_ARGS = verbatim(SPLIT_ARGS), verbatim(TOKENIZE_ARGS)
+# The data stages' configs (settings.SplitConfig, TokenizeConfig, DemoModelConfig): each the keys its stage
+# depends on, as JSON, so a key reruns only the stages that read it (data.train_on: tokenization on, not the
+# split). params functions, not strings (see verbatim): they carry data.format_template.
+from settings import DemoModelConfig, SplitConfig, TokenizeConfig  # noqa: E402
+
+SPLIT_CONFIG = verbatim(SplitConfig.to_json(config))
+TOKENIZER = verbatim(BASE_MODEL)  # what the split and tokenization load the tokenizer from (a params function)
+TOKENIZE_CONFIG = verbatim(TokenizeConfig.to_json(config))
 # The template training used, for the exported model folders (consolidate_node)
 TEMPLATE_ARGS = verbatim(
     cli_args(
@@ -206,16 +180,8 @@ NODE_TOKENIZE_ARGS = cli_args(
     min_bins=max((n for packing, n in PER_RANK if packing), default=None),
     min_examples=max((n for packing, n in PER_RANK if not packing), default=None),
 )
-DEMO_MODEL_ARGS = cli_args(
-    data=DATA["path"],  # as written: a folder or glob stays one argument
-    format=DATA["format"],
-    mapping=DATA["mapping"],
-    columns=json.dumps(DATA["columns"]),
-    vocab_size=config["model"]["demo_vocab_size"],
-    max_seq_len=DATA["max_seq_len"],
-    seed=config["model"]["seed"],
-    preset=PRESET,
-)
+DEMO_MODEL_CONFIG = verbatim(DemoModelConfig.to_json(config))
+DEMO_MODEL_ARGS = cli_args(preset=PRESET)
 
 
 def script_path(name):

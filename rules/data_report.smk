@@ -3,7 +3,6 @@ rule data_report:
         manifest=MANIFEST,
         tokenized=expand(TOKENIZED, shard=[*NODES, "eval"]),
         stats=expand(TOKEN_STATS, shard=[*NODES, "eval"]),
-        splits=[*expand(SPLIT, shard=NODES), EVAL_SPLIT],
     output:
         json=report(DATA_REPORT, caption="../report/data.rst", category="Data"),
         plot=report(DATA_PLOT, caption="../report/data.rst", category="Data"),
@@ -15,5 +14,4 @@ rule data_report:
         script=script_path("data_report.py"),
     shell:
         "python {params.script} --manifest {input.manifest} --tokenized {input.tokenized}"
-        " --splits {input.splits}"
         " --json {output.json} --plot {output.plot} > {log} 2>&1"

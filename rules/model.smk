@@ -9,6 +9,7 @@ rule build_demo_model:
         "../envs/data.yaml"
     params:
         script=script_path("demo_model.py"),
+        config=DEMO_MODEL_CONFIG,
         args=DEMO_MODEL_ARGS,
     shell:
-        "python {params.script} {params.args} --output {output.model} > {log} 2>&1"
+        "python {params.script} --config {params.config:q} {params.args} --output {output.model} > {log} 2>&1"

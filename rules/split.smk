@@ -13,8 +13,9 @@ rule split_dataset:
         "../envs/data.yaml"
     params:
         script=script_path("split.py"),
-        args=SPLIT_ARGS,
+        config=SPLIT_CONFIG,
+        tokenizer=TOKENIZER,
     shell:
-        "python {params.script} {params.args}"
+        "python {params.script} --config {params.config:q} --tokenizer {params.tokenizer:q}"
         " --splits {output.splits} --eval {output.eval} --rejects {output.rejects}"
         " --manifest {output.manifest} > {log} 2>&1"

@@ -13,10 +13,12 @@ rule tokenize_shard:
         "../envs/data.yaml"
     params:
         script=script_path("tokenization.py"),
-        args=TOKENIZE_ARGS,
+        config=TOKENIZE_CONFIG,
+        tokenizer=TOKENIZER,
         training=NODE_TOKENIZE_ARGS,
     shell:
-        "python {params.script} --shard {input.shard} {params.args} {params.training}"
+        "python {params.script} --config {params.config:q} --tokenizer {params.tokenizer:q}"
+        " --shard {input.shard} {params.training}"
         " --output {output.tokens} --packing {output.packing} --stats {output.stats}"
         " --rejects {output.rejects} > {log} 2>&1"
 
@@ -34,5 +36,6 @@ use rule tokenize_shard as tokenize_eval with:
         f"{LOGS}/tokenize_shard/eval.log",
     params:
         script=script_path("tokenization.py"),
-        args=TOKENIZE_ARGS,
+        config=TOKENIZE_CONFIG,
+        tokenizer=TOKENIZER,
         training="",  # the eval set is not trained on

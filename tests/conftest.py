@@ -172,26 +172,29 @@ def start_trainer(tmp: Path, assets: dict, config: dict, procs: int = 2) -> subp
 
 
 def split_files(tmp: Path, data, nodes: int = 2, **options) -> dict:
-    """Run split.py's run_split on ``data`` into ``tmp``; returns the result and output paths."""
-    from types import SimpleNamespace
-
+    """Run split.py's run_split on ``data`` into ``tmp``; returns the result and output paths. ``options``: the
+    SplitConfig fields (``eval_data`` is data.eval_path), ``tokenizer`` and ``min_examples_per_shard``."""
+    from settings import SplitConfig
     from split import run_split
 
-    args = {
-        "data": str(data), "eval_data": None, "format": "auto", "delimiter": None, "mapping": "columns",
-        "columns": "{}", "category_column": "category", "nodes": nodes, "eval_fraction": 0.1, "seed": 0,
-        "balance": "rows", "tokenizer": None, "chat_template": None, "max_seq_len": None,
-        "overlength": "truncate", "max_reject_fraction": 1.0, "template_kwargs": {},
-        "format_template": None, "special_text": "reject",
-        "min_examples_per_shard": 0,  # many tests split a handful of rows; the tests of the guard set it
-        "splits": [tmp / f"node{i}.parquet" for i in range(nodes)], "eval": tmp / "eval.parquet",
-        "rejects": tmp / "rejects.parquet",
-    } | options  # fmt: skip
-    if isinstance(args["columns"], dict):
-        args["columns"] = json.dumps(args["columns"])
+    options = {"eval_fraction": 0.1, "max_reject_fraction": 1.0} | options
+    tokenizer = options.pop("tokenizer", None)
+    least = options.pop("min_examples_per_shard", 0)  # many tests split a handful of rows; the guard's tests set it
+    options["eval_path"] = options.pop("eval_data", None)
+    if isinstance(options.get("columns"), str):
+        options["columns"] = json.loads(options["columns"])
+    cfg = SplitConfig.build({"path": str(data), "nodes": nodes} | options)
+    paths = {"splits": [tmp / f"node{i}.parquet" for i in range(nodes)], "eval": tmp / "eval.parquet",
+             "rejects": tmp / "rejects.parquet"}  # fmt: skip
     tmp.mkdir(parents=True, exist_ok=True)
-    result = run_split(SimpleNamespace(**args))
-    return result | {"splits": args["splits"], "eval": args["eval"], "rejects": args["rejects"]}
+    result = run_split(cfg, paths["splits"], paths["eval"], paths["rejects"], tokenizer, least)
+    return result | paths
+
+
+def tokenize_config(**values) -> str:
+    """tokenization.py's --config: ``values`` by TokenizeConfig field, the rest the schema's defaults but the
+    cache, which is off unless ``cache_dir`` is given (the schema's default is the workflow's folder)."""
+    return json.dumps({"cache_dir": ""} | values)
 
 
 # Test tiers (markers in pyproject.toml): make test-fast leaves out e2e, slurm and torchrun. A test that
@@ -210,7 +213,8 @@ def pytest_collection_modifyitems(config, items):
 def demo_assets(tmp_path_factory):
     """The demo base model, one node's tokenized shard and the tokenized eval set."""
     from demo_model import build_model, texts_from, train_tokenizer
-    from tokenization import tokenize_shard, write_packing
+    from packing import write_packing
+    from tokenization import tokenize_shard
 
     root = tmp_path_factory.mktemp("assets")
     tokenizer = train_tokenizer(texts_from(str(DEMO_CSV)), 1024)

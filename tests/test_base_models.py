@@ -24,9 +24,9 @@ from chat_format import (
     parse_format,
     special_texts,
 )
-from conftest import bpe_tokenizer, snakemake, split_files, tiny_config, trained_runs
+from chat_render import ChatRenderer, encode_messages, generation_settings, render_lengths, use_template
+from conftest import bpe_tokenizer, snakemake, split_files, tiny_config, tokenize_config, trained_runs
 from pipeline_io import UserError
-from tokenization import ChatRenderer, encode_messages, generation_settings, use_template
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 FORMAT = "{system}### Question:\n{question}\n### Answer:\n"
@@ -108,16 +108,17 @@ def tokenized(tmp_path_factory, base_dir):
     root = tmp_path_factory.mktemp("tokenized")
     data = write_jsonl(root / "data.jsonl", [*ROWS, ("Say hi", "hi<|endoftext|>")])
     splits = [root / "node0.parquet", root / "node1.parquet"]
+    config = {"path": str(data), "nodes": 2, "eval_fraction": 0.2, "format_template": FORMAT, "special_text": "strip"}
     split_main(
-        ["--data", str(data), "--columns", "{}", "--nodes", "2", "--eval-fraction", "0.2", "--tokenizer",
-         str(base_dir), "--format-template", FORMAT, "--special-text", "strip", "--max-seq-len", "256",
+        ["--config", json.dumps(config), "--tokenizer", str(base_dir),
          "--splits", *map(str, splits), "--eval", str(root / "eval.parquet"),
          "--rejects", str(root / "rejects.parquet"), "--manifest", str(root / "manifest.json")]
     )  # fmt: skip
     for shard in ("node0", "eval"):
         tokenize_main(
-            ["--shard", str(root / f"{shard}.parquet"), "--tokenizer", str(base_dir), "--format-template", FORMAT,
-             "--max-seq-len", "256", "--output", str(root / f"{shard}.tok.parquet"),
+            ["--shard", str(root / f"{shard}.parquet"), "--tokenizer", str(base_dir),
+             "--config", tokenize_config(format_template=FORMAT, max_seq_len=256),
+             "--output", str(root / f"{shard}.tok.parquet"),
              "--packing", str(root / f"{shard}.packing.parquet"), "--stats", str(root / f"{shard}.json")]
         )  # fmt: skip
     return root
@@ -156,8 +157,9 @@ def test_bad_format_templates_are_one_line(fmt, needle):
     assert needle in str(e.value)
 
 
-def test_labels_are_the_answer_and_eos_and_the_prompt_is_the_format(tokenized, llama2_base):
+def test_labels_are_the_answer_and_eos_and_the_prompt_is_the_format(tokenized, llama2_base, base_dir):
     tok = llama2_base
+    render = ChatRenderer(use_template(AutoTokenizer.from_pretrained(base_dir), "t", None, FORMAT))
     bos, eos = tok.bos_token_id, tok.eos_token_id
     rows = pq.read_table(tokenized / "node0.tok.parquet").to_pylist()
     shard = {r["content_hash"]: r for r in pq.read_table(tokenized / "node0.parquet").to_pylist()}
@@ -168,7 +170,8 @@ def test_labels_are_the_answer_and_eos_and_the_prompt_is_the_format(tokenized, l
         assert row["input_ids"][: row["prompt_length"]] == prompt
         assert trained_runs(row) == [ids(tok, row["response"]) + [eos]]
         assert row["input_ids"].count(bos) == 1 and row["input_ids"][-1] == eos
-        assert shard[row["content_hash"]]["tokens"] == row["length"]  # split counted what tokenize made
+        messages = json.loads(shard[row["content_hash"]]["messages"])
+        assert render_lengths(render, [messages]) == [row["length"]]  # balance: tokens counts what tokenize made
 
 
 def test_multi_turn_in_the_format(base_dir):
@@ -188,7 +191,7 @@ def test_no_template_is_one_line_at_split(tmp_path, base_dir, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", ROWS[:5])
     with pytest.raises(SystemExit) as e:
         split_main(
-            ["--data", str(data), "--columns", "{}", "--nodes", "1", "--eval-fraction", "0.2", "--tokenizer",
+            ["--config", json.dumps({"path": str(data), "nodes": 1, "eval_fraction": 0.2}), "--tokenizer",
              str(base_dir), "--splits", str(tmp_path / "n.parquet"), "--eval", str(tmp_path / "e.parquet"),
              "--rejects", str(tmp_path / "r.parquet"), "--manifest", str(tmp_path / "m.json")]
         )  # fmt: skip

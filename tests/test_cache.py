@@ -8,10 +8,11 @@ import stat
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from conftest import split_files
+from conftest import split_files, tokenize_config
 from demo_model import train_tokenizer
 from pipeline_io import file_sha256
-from tokenization import ENTRY_FILES, MANIFEST, main, read_manifest
+from token_cache import ENTRY_FILES, MANIFEST, read_manifest
+from tokenization import main
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +36,9 @@ def run(tmp_path, shard, tok_dir, name):
     """One tokenize_shard job of run ``name`` (in-process: no interpreter start-up per call)."""
     out = tmp_path / name / "data" / "tokenized"
     main([
-        "--shard", str(shard), "--tokenizer", str(tok_dir), "--max-seq-len", "64",
-        "--cache-dir", str(tmp_path / "cache"), "--output", str(out / "node0.parquet"),
+        "--shard", str(shard), "--tokenizer", str(tok_dir),
+        "--config", tokenize_config(max_seq_len=64, cache_dir=str(tmp_path / "cache")),
+        "--output", str(out / "node0.parquet"),
         "--packing", str(out / "node0.packing.parquet"), "--stats", str(out / "node0.json"),
     ])  # fmt: skip
     return out, json.loads((out / "node0.json").read_text())
@@ -137,7 +139,7 @@ def test_outputs_are_copies_and_a_verified_entry_is_a_hit(tmp_path, shard, tok_d
 def test_without_a_cache_dir_nothing_is_left_behind(tmp_path, shard, tok_dir):
     out = tmp_path / "run" / "data" / "tokenized"
     main([
-        "--shard", str(shard), "--tokenizer", str(tok_dir), "--max-seq-len", "64",
+        "--shard", str(shard), "--tokenizer", str(tok_dir), "--config", tokenize_config(max_seq_len=64),
         "--output", str(out / "node0.parquet"), "--packing", str(out / "node0.packing.parquet"),
         "--stats", str(out / "node0.json"),
     ])  # fmt: skip

@@ -74,7 +74,7 @@ def heldout_run(demo_assets):
 def test_heldout_numbers_equal_the_plain_forward_pass(heldout_run):
     """Loss, perplexity and label tokens to 1e-6 (relative: fp32 sums in another order), the same greedy
     answer for every prompt, so the same exact match: lm-eval sees our cached token ids, not its own."""
-    from tokenization import generation_settings
+    from chat_render import generation_settings
 
     lm, frame, out, result = heldout_run
     loss, tokens = reference_loss(lm.model, frame, lm.tokenizer.pad_token_id, 16)

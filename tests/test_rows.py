@@ -8,9 +8,9 @@ from collections import Counter
 
 import pyarrow.parquet as pq
 import pytest
-from data_formats import column_names, to_examples
+from conftest import tokenize_config
+from data_formats import column_names, content_hash, to_examples
 from demo_model import train_tokenizer
-from split import content_hash
 
 COLUMNS = {"prompt": None, "question": "prompt", "response": "completion"}  # T0-style prompt/completion
 LONG = "alpha beta gamma delta " * 40  # ~160 tokens: the prompt alone fills max_seq_len 128
@@ -38,24 +38,25 @@ def split(tmp, data, tok_dir, nodes=2, *extra):
     from split import main
 
     paths = [str(tmp / f"node{i}.parquet") for i in range(nodes)]
+    config = {"path": str(data), "columns": COLUMNS, "nodes": nodes, "eval_fraction": 0.2}
     main([
-        "--data", str(data), "--columns", json.dumps(COLUMNS), "--nodes", str(nodes), "--eval-fraction", "0.2",
-        "--tokenizer", str(tok_dir), "--max-seq-len", "128", "--overlength", "truncate",
-        "--splits", *paths, "--eval", str(tmp / "eval.parquet"), "--rejects", str(tmp / "rejects.parquet"),
+        "--config", json.dumps(config), "--tokenizer", str(tok_dir), "--splits", *paths,
+        "--eval", str(tmp / "eval.parquet"), "--rejects", str(tmp / "rejects.parquet"),
         "--manifest", str(tmp / "manifest.json"), *extra,
     ])  # fmt: skip
     return [*paths, str(tmp / "eval.parquet")]
 
 
-def tokenize(tmp, shard, tok_dir, *extra):
+def tokenize(tmp, shard, tok_dir, *extra, **config):
     """tokenization.py on one split shard into tmp/tokenized/<shard>.*; returns its stats."""
     from tokenization import main
 
     name = shard.rsplit("/", 1)[-1].removesuffix(".parquet")
     out = tmp / "tokenized"
+    config = {"max_seq_len": 128, "overlength": "truncate", "cache_dir": str(tmp / "cache")} | config
     main([
-        "--shard", shard, "--tokenizer", str(tok_dir), "--max-seq-len", "128", "--overlength", "truncate",
-        "--cache-dir", str(tmp / "cache"), "--output", str(out / f"{name}.parquet"),
+        "--shard", shard, "--tokenizer", str(tok_dir), "--config", tokenize_config(**config),
+        "--output", str(out / f"{name}.parquet"),
         "--packing", str(out / f"{name}.packing.parquet"), "--stats", str(out / f"{name}.json"),
         "--rejects", str(out / f"{name}.rejects.parquet"), *extra,
     ])  # fmt: skip
@@ -83,7 +84,7 @@ def test_t0_like_prompts_too_long_stop_tokenization_naming_the_drop(tmp_path, to
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))  # 7 of 8 prompts too long
     node0 = split(tmp_path, data, tok_dir)[0]
     shard_rows = pq.read_metadata(node0).num_rows
-    err = one_line_error(capsys, lambda: tokenize(tmp_path, node0, tok_dir, "--max-reject-fraction", "0.5"))
+    err = one_line_error(capsys, lambda: tokenize(tmp_path, node0, tok_dir, max_reject_fraction=0.5))
     dropped = sum(1 for r in pq.read_table(node0).to_pylist() if "alpha" in r["messages"])
     assert f"{dropped} of {shard_rows} examples" in err and "prompt_too_long" in err, err
     assert "raise data.max_seq_len to " in err and "data.max_reject_fraction" in err, err
@@ -94,7 +95,7 @@ def test_t0_like_prompts_too_long_stop_tokenization_naming_the_drop(tmp_path, to
     # nothing left at all: a stop whatever the fraction
     (tmp_path / "all.jsonl").write_text("".join(json.dumps(r) + "\n" for r in write_rows(tmp_path / "x", 30, 1)))
     only = split(tmp_path / "all", tmp_path / "all.jsonl", tok_dir, 1)[0]
-    err = one_line_error(capsys, lambda: tokenize(tmp_path / "all", only, tok_dir, "--max-reject-fraction", "1"))
+    err = one_line_error(capsys, lambda: tokenize(tmp_path / "all", only, tok_dir, max_reject_fraction=1))
     assert "no example left" in err and "prompt_too_long" in err, err
 
 
@@ -106,7 +107,7 @@ def test_every_row_is_trained_or_rejected_with_its_reason(tmp_path, tok_dir, cap
                                                      '{"prompt": "cut off'])  # fmt: skip
     shards = split(tmp_path, data, tok_dir)
     with caplog.at_level(logging.WARNING, logger="tokenize"):
-        stats = {s: tokenize(tmp_path, s, tok_dir, "--max-reject-fraction", "0.5") for s in shards}
+        stats = {s: tokenize(tmp_path, s, tok_dir, max_reject_fraction=0.5) for s in shards}
     warned = [r.getMessage() for r in caplog.records if "left out at tokenization" in r.getMessage()]
     assert len(warned) == 3, warned  # below the fraction: a warning per shard
     tokenized = tmp_path / "tokenized"
@@ -130,15 +131,15 @@ def test_every_row_is_trained_or_rejected_with_its_reason(tmp_path, tok_dir, cap
     assert inputs == Counter(kept + [r["content_hash"] for r in dropped] + rejected_by_split)
     # a cache hit delivers the same rejects file
     again = tmp_path / "again"
-    assert tokenize(again, shards[0], tok_dir, "--cache-dir", str(tmp_path / "cache"))["cache"] == "hit"
+    assert tokenize(again, shards[0], tok_dir, cache_dir=str(tmp_path / "cache"))["cache"] == "hit"
     name = "node0.rejects.parquet"
     assert (again / "tokenized" / name).read_bytes() == (tokenized / name).read_bytes()
     # the data report: rows in → split → left out → tokenized per shard, lengths before truncation
     from data_report import main as data_report
 
     names = [tokenized / s.rsplit("/", 1)[1] for s in shards]
-    data_report(["--manifest", str(tmp_path / "manifest.json"), "--tokenized", *map(str, names), "--splits",
-                 *shards, "--json", str(tmp_path / "report.json"), "--plot", str(tmp_path / "o.png")])  # fmt: skip
+    data_report(["--manifest", str(tmp_path / "manifest.json"), "--tokenized", *map(str, names),
+                 "--json", str(tmp_path / "report.json"), "--plot", str(tmp_path / "o.png")])  # fmt: skip
     report = json.loads((tmp_path / "report.json").read_text())
     funnel = report["funnel"]
     assert funnel["rows_in"] == manifest["rows_in"] and funnel["split_rejected"] == 3

@@ -7,12 +7,11 @@ import sys
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, split_files, tool_env
-from data_formats import check_columns, column_names, iter_records, to_examples
+from conftest import REPO, split_files, tokenize_config, tool_env
+from data_formats import check_columns, column_names, content_hash, is_eval, iter_records, node_by_hash, to_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pipeline_io import UserError
-from split import content_hash, is_eval, node_by_hash
 
 SHARED = REPO.parent / "shared" / "data"
 
@@ -169,30 +168,41 @@ def test_every_reject_reason_is_recorded(tmp_path):
 
     tok_dir = tmp_path / "tok"
     train_tokenizer(["long q a x system user assistant"] * 10, 300).save_pretrained(tok_dir)
-    out = split_files(tmp_path / "o", data, tokenizer=str(tok_dir), max_seq_len=200, overlength="drop",
-                      eval_data=str(held_out))  # fmt: skip
+    out = split_files(tmp_path / "o", data, tokenizer=str(tok_dir), eval_data=str(held_out))
     assert_accounted(out, len(lines) + 1 + 1)  # + the invalid UTF-8 row + the eval file's row
     _, rejects = kept_and_rejected(out)
     reasons = rejects.set_index("source_row")["reason"].to_dict()
     assert reasons == {3: "eval_overlap", 40: "duplicate", 41: "empty_response", 42: "missing_field",
-                       43: "invalid_json", 44: "too_long", 45: "invalid_utf8"}  # fmt: skip
+                       43: "invalid_json", 45: "invalid_utf8"}  # fmt: skip
     assert rejects["record"].notna().all()  # the rejected input is kept
     assert set(rejects["source_file"]) == {str(data)}
+    # the length policy is tokenization's: the long row is left out there as too_long, with its file and row
+    from tokenization import main as tokenize
+
+    node = next(p for p in out["splits"] if "long " in str(pq.read_table(p).column("messages").to_pylist()))
+    stats = tmp_path / "t.json"
+    tokenize(["--config", tokenize_config(max_seq_len=200, overlength="drop"), "--shard", str(node),
+              "--tokenizer", str(tok_dir), "--output", str(tmp_path / "t.parquet"),
+              "--packing", str(tmp_path / "t.packing.parquet"), "--stats", str(stats)])  # fmt: skip
+    (too_long,) = pq.read_table(tmp_path / "t.rejects.parquet").to_pylist()
+    assert (too_long["source_file"], too_long["source_row"], too_long["reason"]) == (str(data), 44, "too_long")
     chat_out = split_files(tmp_path / "c", chat, mapping="chat")
     assert pq.read_table(chat_out["rejects"]).column("reason").to_pylist() == ["bad_turn_order"]
 
 
 def test_truncate_keeps_and_error_stops(tmp_path):
     from demo_model import train_tokenizer
+    from tokenization import tokenize_shard
 
-    tok_dir = tmp_path / "tok"
-    train_tokenizer(["long q a x system user assistant"] * 10, 300).save_pretrained(tok_dir)
+    tok = train_tokenizer(["long q a x system user assistant"] * 10, 300)
     data = tmp_path / "d.csv"
-    pd.DataFrame({"question": ["short", "long " * 300], "response": ["a", "b"]}).to_csv(data, index=False)
-    out = split_files(tmp_path / "t", data, tokenizer=str(tok_dir), max_seq_len=100, overlength="truncate")
-    assert out["rows_in"] == 2 and sum(out["rows"][:-1]) == 2
+    pd.DataFrame({"question": ["short", "long"], "response": ["a", "long " * 300]}).to_csv(data, index=False)
+    out = split_files(tmp_path / "t", data, nodes=1, eval_fraction=1e-9)
+    assert out["rows_in"] == 2 and out["rows"][0] == 2  # the split keeps both: the length policy is tokenization's
+    _, stats = tokenize_shard(tok, out["splits"][0], tmp_path / "t" / "tok.parquet", 100, "truncate")
+    assert stats["examples"] == 2 and stats["truncated"] == 1
     with pytest.raises(UserError, match=r"d.csv: row 1 has \d+ tokens, above data.max_seq_len=100"):
-        split_files(tmp_path / "e", data, tokenizer=str(tok_dir), max_seq_len=100, overlength="error")
+        tokenize_shard(tok, out["splits"][0], tmp_path / "e" / "tok.parquet", 100, "error")
     assert not list((tmp_path / "e").iterdir())  # nothing half-written
 
 
@@ -279,10 +289,9 @@ def test_missing_column_and_file_are_one_line_errors(tmp_path):
 
 def test_cli_writes_outputs_and_exits_2_with_one_line(tmp_path):
     def run(columns):
+        config = {"path": str(REPO / "resources/demo/instructions.csv"), "columns": columns, "nodes": 2}
         cmd = [
-            sys.executable, str(REPO / "workflow_scripts/split.py"),
-            "--data", str(REPO / "resources/demo/instructions.csv"), "--columns", json.dumps(columns),
-            "--nodes", "2", "--eval-fraction", "0.1",
+            sys.executable, str(REPO / "workflow_scripts/split.py"), "--config", json.dumps(config),
             "--splits", str(tmp_path / "n0.parquet"), str(tmp_path / "n1.parquet"),
             "--eval", str(tmp_path / "e.parquet"), "--rejects", str(tmp_path / "r.parquet"),
             "--manifest", str(tmp_path / "m.json"),

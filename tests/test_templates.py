@@ -11,9 +11,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, trained_runs
+from chat_render import ChatRenderer, encode_messages
+from conftest import REPO, tokenize_config, trained_runs
 from conftest import bpe_tokenizer as shared_bpe_tokenizer
-from tokenization import IGNORE, ChatRenderer, encode_messages, main, tokenize_shard
+from contracts import IGNORE
+from tokenization import main, tokenize_shard
 from tokenizers import Tokenizer, processors
 from transformers import PreTrainedTokenizerFast
 
@@ -292,7 +294,6 @@ def write_shard(path: Path, conversations: list[list[dict]]) -> Path:
                 "content_hash": [f"h{i}" for i in range(n)],
                 "source_file": ["chats.jsonl"] * n,
                 "source_row": list(range(n)),
-                "tokens": [0] * n,
                 "category": [""] * n,
             }
         ),
@@ -317,22 +318,22 @@ def test_cli_train_on_and_template_kwargs_are_in_the_cache_key(tmp_path, qwen3, 
     plain_last = [*MULTI_TURN[:-1], {"role": "assistant", "content": "Copenhagen it is."}]
     shard = write_shard(tmp_path / "s.parquet", [SINGLE_TURN, plain_last])
 
-    def run(name, *extra):
+    def run(name, **config):
+        config = tokenize_config(max_seq_len=256, cache_dir=str(tmp_path / "cache"), **config)
         main(
             [
-                "--shard", str(shard), "--tokenizer", str(tok_dir), "--max-seq-len", "256",
-                "--cache-dir", str(tmp_path / "cache"), "--output", str(tmp_path / f"{name}.parquet"),
+                "--shard", str(shard), "--tokenizer", str(tok_dir), "--config", config,
+                "--output", str(tmp_path / f"{name}.parquet"),
                 "--packing", str(tmp_path / f"{name}.packing.parquet"), "--stats", str(tmp_path / f"{name}.json"),
-                *extra,
             ]
         )  # fmt: skip
         return json.loads((tmp_path / f"{name}.json").read_text()), pq.read_table(tmp_path / f"{name}.parquet")
 
     default, t_default = run("a")
     assert default["settings"]["train_on"] == "last" and default["settings"]["template_kwargs"] == {}
-    nothink, t_nothink = run("b", "--template-kwargs", '{"enable_thinking": false}')
-    every, t_every = run("c", "--train-on", "all")
-    again, _ = run("d", "--template-kwargs", '{"enable_thinking": false}')
+    nothink, t_nothink = run("b", template_kwargs={"enable_thinking": False})
+    every, t_every = run("c", train_on="all")
+    again, _ = run("d", template_kwargs={"enable_thinking": False})
     assert [s["cache"] for s in (default, nothink, every, again)] == ["miss", "miss", "miss", "hit"]
     assert len({default["key"], nothink["key"], every["key"]}) == 3
     assert t_default["input_ids"].equals(t_nothink["input_ids"])
@@ -340,23 +341,28 @@ def test_cli_train_on_and_template_kwargs_are_in_the_cache_key(tmp_path, qwen3, 
     assert t_nothink["prompt_length"].to_pylist() == [n + think for n in t_default["prompt_length"].to_pylist()]
     assert t_every["labels"] != t_default["labels"]
     with pytest.raises(SystemExit):
-        run("e", "--template-kwargs", "[1]")
-    assert "JSON object" in capsys.readouterr().err
+        run("e", template_kwargs=[1])
+    assert "data.template_kwargs" in capsys.readouterr().err
 
 
-def test_split_token_counts_match_tokenization(tmp_path):
-    """The split stage's counts are tokenize_shard's lengths; a row the template rejects counts 0."""
-    from split import token_counter
+def test_split_token_counts_match_tokenization(tmp_path, llama3):
+    """The fast lengths (balance: tokens) are tokenize_shard's lengths; a row the template rejects counts 0."""
+    from chat_render import render_lengths
 
     tok = bpe_tokenizer(QWEN3_SPECIAL, RAISING, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.save_pretrained(tmp_path / "tok")
     convs = [SINGLE_TURN[1:], SINGLE_TURN, MULTI_TURN[1:]]
-    counts = token_counter(str(tmp_path / "tok"), None, {"enable_thinking": False})(convs)
-    assert counts == [len(ids(tok, tok.apply_chat_template(convs[0], tokenize=False))), 0, counts[2]] and counts[2]
+    render = ChatRenderer(tok, {"enable_thinking": False})
+    counts = render_lengths(render, convs)
+    encoded = encode_messages(tok, convs, render)
+    assert counts == [len(encoded[0]["input_ids"]), 0, len(encoded[2]["input_ids"])] and counts[2]
+    assert counts[0] == len(ids(tok, tok.apply_chat_template(convs[0], tokenize=False)))
+    # a family with a BOS (Llama 3): counted as tokenize_shard counts it
+    convs = [SINGLE_TURN, MULTI_TURN]
+    assert render_lengths(ChatRenderer(llama3), convs) == [len(e["input_ids"]) for e in encode_messages(llama3, convs)]
 
 
 def test_generation_settings_stop_at_the_end_of_turn(qwen3, llama3_base):
-    from tokenization import generation_settings
+    from chat_render import generation_settings
 
     settings = generation_settings(qwen3, {"enable_thinking": False})
     assert settings == {

@@ -12,10 +12,11 @@ import pytest
 import token_store
 import torch
 from batching import IGNORE, TrainingData, covers_once, epoch_order, load_bins, load_examples
+from contracts import TOKENIZED_SCHEMA as SCHEMA
+from packing import write_packing
 from pipeline_io import UserError, file_sha256
 from settings import training_config
 from token_store import OFFSETS_FILE, TOKEN_FILES, StoreError, check_store, open_store
-from tokenization import SCHEMA, write_packing
 
 
 def write_tokenized(path, lengths, seed, row_group_size=16):

@@ -7,19 +7,13 @@ import sys
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, split_files, tool_env
+from chat_render import ChatRenderer, encode, encode_messages, messages_for
+from conftest import REPO, split_files, tokenize_config, tool_env
+from contracts import IGNORE
 from demo_model import train_tokenizer
+from packing import pack_best_fit_decreasing, packing_stats
 from pipeline_io import UserError
-from tokenization import (
-    IGNORE,
-    ChatRenderer,
-    encode,
-    encode_messages,
-    fit_length,
-    messages_for,
-    pack_best_fit_decreasing,
-    packing_stats,
-)
+from tokenization import fit_length
 
 CONVERSATIONS = [
     messages_for("Answer with the number only.", "What is 3 + 4?", "7"),
@@ -96,21 +90,21 @@ def test_best_fit_decreasing_packs_tightly():
     assert stats["pad_to_longest_efficiency"] < stats["packing_efficiency"]
 
 
-def tokenize_cli(tmp_path, shard, tok_dir, cache, name, *extra) -> subprocess.CompletedProcess:
+def tokenize_cli(tmp_path, shard, tok_dir, cache, name, **config) -> subprocess.CompletedProcess:
     """tokenization.py on one shard, its outputs named ``name`` in tmp_path; fails the test if it fails."""
     cmd = [
         sys.executable, str(REPO / "workflow_scripts/tokenization.py"), "--shard", str(shard),
-        "--tokenizer", str(tok_dir), "--max-seq-len", "64", "--cache-dir", str(cache),
+        "--tokenizer", str(tok_dir), "--config", tokenize_config(max_seq_len=64, cache_dir=str(cache), **config),
         "--output", str(tmp_path / f"{name}.parquet"), "--packing", str(tmp_path / f"{name}.packing.parquet"),
-        "--stats", str(tmp_path / f"{name}.json"), *extra,
+        "--stats", str(tmp_path / f"{name}.json"),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
 
 
-def run_tokenize(tmp_path, shard, tok_dir, cache, name, *extra):
-    tokenize_cli(tmp_path, shard, tok_dir, cache, name, *extra)
+def run_tokenize(tmp_path, shard, tok_dir, cache, name, **config):
+    tokenize_cli(tmp_path, shard, tok_dir, cache, name, **config)
     return json.loads((tmp_path / f"{name}.json").read_text())
 
 
@@ -133,7 +127,7 @@ def test_cache_hits_across_runs_and_misses_on_tokenizer_or_template(tmp_path, to
     # another template: a miss
     template = tmp_path / "template.jinja"
     template.write_text(tokenizer.chat_template.replace("<|im_start|>", "<|im_start|> "))
-    assert run_tokenize(tmp_path, shard_a, tok_dir, cache, "c", "--chat-template", str(template))["cache"] == "miss"
+    assert run_tokenize(tmp_path, shard_a, tok_dir, cache, "c", chat_template=str(template))["cache"] == "miss"
     # another tokenizer: a miss
     other = tmp_path / "tok2"
     train_tokenizer(

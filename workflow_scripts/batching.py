@@ -20,10 +20,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from contracts import IGNORE
 from pipeline_io import UserError, file_sha256
 from token_store import TokenStore, open_store
-
-IGNORE = -100  # label of a position that is not trained
 
 
 class Examples:

@@ -280,7 +280,7 @@ def tokenization_metadata(
     """The tokenizer gets the chat template training used; the generation config stops at its
     end-of-turn tokens (and the base's own EOS ids), pads with the EOS when there is no pad token,
     and carries the template arguments as ``chat_template_kwargs``."""
-    from tokenization import generation_settings, use_template
+    from chat_render import generation_settings, use_template
 
     use_template(tokenizer, base, chat_template, format_template, required=False)
     settings = generation_settings(tokenizer, template_kwargs)

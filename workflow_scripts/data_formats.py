@@ -10,9 +10,14 @@ folder or a glob). Mappings turn a record into a conversation — a list of
 - ``chat``: a ``messages`` list of ``{role, content}`` turns (multi-turn, optional system).
 - ``nested``: one ``instruction`` with a list of ``instances`` ``{input, output}``,
   one example per instance (the self-instruct format of ../shared/data).
+
+A conversation's identity is a hash of its normalized text (``content_hash``); which rows are held
+out for evaluation, and which node a row goes to, are pure functions of that hash and a seed
+(``is_eval``, ``node_by_hash``), so the split and the demo data generator agree on them.
 """
 
 import glob
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -96,6 +101,14 @@ def _decode(value, column: str):
         raise ValueError(f"column {column!r}: invalid UTF-8 at byte {e.start}") from None
 
 
+def _utf8_batch(batch: pa.RecordBatch) -> pa.RecordBatch | None:
+    """The batch's binary cells as text, when every one is valid UTF-8 (else None: decode row by row)."""
+    try:
+        return pa.RecordBatch.from_arrays([c.cast(pa.string()) for c in batch.columns], names=batch.schema.names)
+    except pa.ArrowInvalid:
+        return None
+
+
 def _csv_batches(path: Path, delimiter: str, batch_bytes: int) -> Iterator[list[dict | tuple]]:
     parse = pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
     read = pacsv.ReadOptions(block_size=batch_bytes)
@@ -105,6 +118,9 @@ def _csv_batches(path: Path, delimiter: str, batch_bytes: int) -> Iterator[list[
         convert = pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.binary()), strings_can_be_null=False)
         reader = pacsv.open_csv(path, read_options=read, parse_options=parse, convert_options=convert)
         for batch in reader:
+            if (text := _utf8_batch(batch)) is not None:  # all valid: decoded in Arrow, not cell by cell
+                yield text.to_pylist()
+                continue
             rows = []
             for row in batch.to_pylist():
                 try:
@@ -370,9 +386,55 @@ def _chat(messages, column: str):
     return turns, None
 
 
-def conversation_text(messages: list[dict]) -> str:
-    """Stable text of a conversation, for hashing."""
-    return json.dumps([[t["role"], t["content"]] for t in messages], ensure_ascii=False)
+# ---------------------------------------------------------------- identity and assignment
+
+JSON_TEXT = json.JSONEncoder(ensure_ascii=False)  # json.dumps(..., ensure_ascii=False), without a new encoder a call
+json_string = (
+    json.encoder.py_encode_basestring if json.encoder.c_encode_basestring is None else json.encoder.c_encode_basestring
+)
+
+
+def normalize(text: str) -> str:
+    """Runs of whitespace as one space, none at the ends (as re.sub(r"\\s+", " ", text).strip(), faster)."""
+    return " ".join(text.split())
+
+
+def turn_texts(messages: list[dict]) -> list[str]:
+    """Each turn's [role, normalized content] as JSON (what json.dumps writes for the pair)."""
+    return [f"[{json_string(t['role'])}, {json_string(normalize(t['content']))}]" for t in messages]
+
+
+def normalized_hash(turns: list[str]) -> str:
+    """Hash of a conversation's stable text: the JSON list of its turns' [role, normalized content] pairs."""
+    return hashlib.sha256(f"[{', '.join(turns)}]".encode()).hexdigest()
+
+
+def content_hash(messages: list[dict]) -> str:
+    """Hash of the normalized conversation; equal for rows that differ only in whitespace."""
+    return normalized_hash(turn_texts(messages))
+
+
+def prompt_hash(messages: list[dict]) -> str:
+    """Hash of all but the final answer: one question never straddles train and eval."""
+    return content_hash(messages[:-1])
+
+
+def conversation_hashes(messages: list[dict]) -> tuple[str, str]:
+    """(content_hash, prompt_hash) of a conversation, each turn normalized and written once."""
+    turns = turn_texts(messages)
+    return normalized_hash(turns), normalized_hash(turns[:-1])
+
+
+def unit(key: str, seed: int, salt: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{salt}:{key}".encode()).digest()[:8], "big")
+
+
+def is_eval(phash: str, seed: int, eval_fraction: float) -> bool:
+    return unit(phash, seed, "eval") / 2**64 < eval_fraction
+
+
+def node_by_hash(chash: str, seed: int, nodes: int) -> int:
+    return unit(chash, seed, "node") % nodes
 
 
 def delimiter_arg(value: str | None) -> str | None:

@@ -3,11 +3,14 @@
 Rows per node, eval and rejects; rejects by reason (the split's and tokenization's);
 each shard's rows from the split to the tokenized examples training reads; tokens per
 node; length histograms per node (before truncation, against max_seq_len); packing
-efficiency against padding to the longest example.
+efficiency against padding to the longest example. Every count comes from the split's
+manifest (rows) and tokenization's stats (examples, tokens, lengths): only tokenization
+tokenizes.
 """
 
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -60,7 +63,7 @@ def funnel(manifest: dict, stats: dict[str, dict]) -> dict:
             by_reason[reason] = by_reason.get(reason, 0) + n
     tokenized = sum(s["tokenized"] for s in shards.values())
     return {
-        "max_seq_len": manifest.get("settings", {}).get("max_seq_len"),
+        "max_seq_len": next((s["settings"]["max_seq_len"] for s in stats.values() if "settings" in s), None),
         "tokenize_rejected": sum(by_reason.values()),
         "tokenize_rejects_by_reason": by_reason,
         "funnel": {"rows_in": manifest["rows_in"], "split_rejected": manifest["rejects"]["rows"],
@@ -85,12 +88,12 @@ def draw_rejects(ax, report: dict) -> None:
     ax.grid(alpha=0.3)
 
 
-def draw_lengths(ax, lengths: dict[str, list[int]], max_len: int | None, before: bool) -> None:
-    """Length histograms per shard, with data.max_seq_len as a vertical line: what lies right of it
-    is truncated or left out."""
-    for name, n in lengths.items():
-        if n:
-            ax.hist(n, bins=40, histtype="step", label=name)
+def draw_lengths(ax, counts: dict[str, dict[int, int]], max_len: int | None, before: bool) -> None:
+    """Length histograms per shard (examples by length), with data.max_seq_len as a vertical line: what
+    lies right of it is truncated or left out."""
+    for name, c in counts.items():
+        if c:
+            ax.hist(list(c), bins=40, weights=list(c.values()), histtype="step", label=name)
     if max_len:
         ax.axvline(max_len, color="black", linestyle="--", label=f"max_seq_len {max_len}")
     title = "Example length per shard" + (" (before truncation)" if before else "")
@@ -110,9 +113,9 @@ def draw_funnel(ax, report: dict) -> None:
     ax.legend()
 
 
-def plot(report: dict, lengths: dict[str, list[int]], path: Path, before: bool = False) -> None:
+def plot(report: dict, counts: dict[str, dict[int, int]], path: Path, before: bool = False) -> None:
     fig, (ax_len, ax_rej, ax_fun, ax_tok) = plt.subplots(1, 4, figsize=(18, 4))
-    draw_lengths(ax_len, lengths, report.get("max_seq_len"), before)
+    draw_lengths(ax_len, counts, report.get("max_seq_len"), before)
     draw_rejects(ax_rej, report)
     draw_funnel(ax_fun, report)
     names = list(report["shards"])
@@ -127,8 +130,9 @@ def plot(report: dict, lengths: dict[str, list[int]], path: Path, before: bool =
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--manifest", required=True, type=Path)
-    p.add_argument("--tokenized", nargs="+", required=True, type=Path, help="tokenized shards (.parquet)")
-    p.add_argument("--splits", nargs="*", default=[], type=Path, help="the split's shards, same order (lengths)")
+    p.add_argument(
+        "--tokenized", nargs="+", required=True, type=Path, help="tokenized shards (.parquet; their stats beside them)"
+    )
     p.add_argument("--json", required=True, type=Path)
     p.add_argument("--plot", required=True, type=Path)
     a = p.parse_args(argv)
@@ -137,19 +141,18 @@ def main(argv=None) -> None:
     lengths = {t.stem: pq.read_table(t, columns=["length"]).column("length").to_pylist() for t in a.tokenized}
     report = collect(manifest, stats, lengths)
     write_json(a.json, report)
-    full = split_lengths(a.tokenized, a.splits)
-    plot(report, full or lengths, a.plot, before=bool(full))
+    full = lengths_before(stats)
+    plot(report, full or {name: Counter(n) for name, n in lengths.items()}, a.plot, before=bool(full))
     print(json.dumps({k: v for k, v in report.items() if k not in ("shards", "funnel")}))
     print(funnel_text(report))
 
 
-def split_lengths(tokenized: list[Path], splits: list[Path]) -> dict[str, list[int]] | None:
-    """Each shard's lengths as the split measured them, before truncation (a row the template
-    rejects counts 0 and is left out); None without them (the split had no tokenizer)."""
-    if len(splits) != len(tokenized):
+def lengths_before(stats: dict[str, dict]) -> dict[str, dict[int, int]] | None:
+    """Each shard's examples by length before the length policy (tokenization's ``length_counts``; a row
+    the template rejects has none); None when a shard's stats lack them."""
+    if not all("length_counts" in s for s in stats.values()):
         return None
-    full = {t.stem: [n for n in pq.read_table(s, columns=["tokens"]).column("tokens").to_pylist() if n]
-            for t, s in zip(tokenized, splits, strict=True)}  # fmt: skip
+    full = {name: {int(n): c for n, c in s["length_counts"].items()} for name, s in stats.items()}
     return full if any(full.values()) else None
 
 

@@ -13,7 +13,7 @@ import torch
 from data_formats import column_names, iter_records, to_examples
 from pipeline_io import cli
 from presets import PRESETS, preset_config, preset_name
-from settings import option
+from settings import DemoModelConfig
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
@@ -77,19 +77,14 @@ def texts_from(spec: str, fmt: str = "auto", mapping: str = "columns", columns: 
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True, help="data the tokenizer is trained on (file, folder or glob)")
-    p.add_argument("--format", **option("data.format"))
-    p.add_argument("--mapping", **option("data.mapping"))
-    p.add_argument("--columns", default="{}", help="JSON mapping field -> column name")
-    p.add_argument("--vocab-size", type=int, **option("model.demo_vocab_size"))
-    p.add_argument("--max-seq-len", type=int, **option("data.max_seq_len"))
-    p.add_argument("--seed", type=int, **option("model.seed"))
+    p.add_argument("--config", required=True, help="settings.DemoModelConfig as JSON (rules/common.smk)")
     p.add_argument("--preset", default="demo", help="demo or a size: " + ", ".join(PRESETS))
     p.add_argument("--output", required=True, type=Path)
     a = p.parse_args(argv)
-    texts = texts_from(a.data, a.format, a.mapping, json.loads(a.columns))
-    tokenizer = train_tokenizer(texts, a.vocab_size)
-    model = build_model(tokenizer, a.max_seq_len, a.seed, preset_name(a.preset) or a.preset)
+    cfg = DemoModelConfig.from_json(a.config)
+    texts = texts_from(cfg.path, cfg.format, cfg.mapping, cfg.columns)
+    tokenizer = train_tokenizer(texts, cfg.demo_vocab_size)
+    model = build_model(tokenizer, cfg.max_seq_len, cfg.seed, preset_name(a.preset) or a.preset)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(a.output)

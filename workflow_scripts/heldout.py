@@ -17,12 +17,11 @@ import datasets
 import pandas as pd
 import sacrebleu
 from chat_format import remove_special_text, special_texts
+from chat_render import generation_settings
+from contracts import IGNORE
 from metrics import HELDOUT, HELDOUT_LOSS, SCORES, lower_is_better
 from rouge_score import rouge_scorer
 from settings import option
-from tokenization import generation_settings
-
-IGNORE = -100
 
 
 def label_spans(labels) -> list[tuple[int, int]]:

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import functools
 import json
+import operator
 from pathlib import Path
 
 import yaml
@@ -276,3 +277,47 @@ class ConsolidateConfig(StageConfig):
     """consolidate_node's keys (the template training used comes as its own options)."""
 
     dtype: str = key_field("consolidate.dtype")
+
+
+# ---------------------------------------------------------------- data stage configs (part: data)
+
+SCHEMA_TYPES = {"string": str, "integer": int, "number": float, "boolean": bool, "object": dict, "array": list}
+
+
+def schema_type(key: str):
+    """The Python type of config key ``key``, from its schema (``[string, "null"]`` -> ``str | None``)."""
+    types = schema_property(key)["type"]
+    types = [types] if isinstance(types, str) else types
+    py = functools.reduce(operator.or_, (SCHEMA_TYPES[t] for t in types if t != "null"))
+    return py | None if "null" in types else py
+
+
+def stage_config(name: str, doc: str, *keys: str) -> type:
+    """A StageConfig class: a frozen dataclass with a field for each config key (a dotted path), named by the
+    key's last part and typed by its schema, so the schema stays the one source of a key's type and default."""
+    fields = [(key.rsplit(".", 1)[-1], schema_type(key), key_field(key)) for key in keys]
+    return dataclasses.make_dataclass(name, fields, bases=(StageConfig,), frozen=True, namespace={"__doc__": doc})
+
+
+# How the input's rows become conversations (the split; the demo model's tokenizer training), and how a
+# conversation is rendered (tokenization; the split checks the template and, for balance: tokens, measures rows)
+SOURCE_KEYS = ("data.path", "data.format", "data.mapping", "data.columns")
+TEMPLATE_KEYS = ("data.chat_template", "data.format_template", "data.template_kwargs")
+SplitConfig = stage_config(
+    "SplitConfig",
+    "split_dataset's keys: reading, validating and assigning rows (never the length policy: tokenization's).",
+    *SOURCE_KEYS, *TEMPLATE_KEYS, "data.eval_path", "data.delimiter", "data.category_column", "nodes",
+    "data.eval_fraction", "data.seed", "data.balance", "data.special_text", "data.max_reject_fraction",
+)  # fmt: skip
+TokenizeConfig = stage_config(
+    "TokenizeConfig",
+    "tokenize_shard's keys: the template, the labels, the length policy, the cache and its guard.",
+    *TEMPLATE_KEYS, "data.train_on", "data.max_seq_len", "data.overlength", "data.cache_dir",
+    "data.max_reject_fraction",
+)  # fmt: skip
+DemoModelConfig = stage_config(
+    "DemoModelConfig",
+    "build_demo_model's keys: the data its tokenizer is trained on, the vocabulary, the context length and "
+    "the seed (its size, the preset, comes from model.name_or_path as the rule's --preset).",
+    *SOURCE_KEYS, "model.demo_vocab_size", "data.max_seq_len", "model.seed",
+)  # fmt: skip

@@ -10,15 +10,19 @@ and a seed; nodes by a hash of the whole content (``balance: rows``) or by the
 least-loaded node in input order (``balance: tokens``). Appending rows never moves
 an existing row.
 
+The split never tokenizes under ``balance: rows`` (the default): every row's length, and the
+length policy (data.max_seq_len, data.overlength), are tokenize_shard's. It loads the base
+model's tokenizer only for its special tokens (data.special_text) and to check that it has a
+template. ``balance: tokens`` measures rows by the tokenizer's fast path (render and a batch
+encode without offsets or labels: chat_render.render_lengths).
+
 The split refuses to write an empty eval set or a node shard with fewer rows than
 ``--min-examples-per-shard`` (1 unless given), with one line saying how many rows are
 usable and what to change, so a run never reaches training with nothing to train on.
 """
 
 import argparse
-import hashlib
 import json
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,18 +30,24 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 from chat_format import KNOWN_MARKERS, SpecialText, special_texts
+from chat_render import ChatRenderer, render_lengths, use_template
+from contracts import REJECT_SCHEMA, SPLIT_SCHEMA
 from data_formats import (
+    JSON_TEXT,
     check_columns,
     column_names,
-    conversation_text,
+    conversation_hashes,
     delimiter_arg,
     estimate_rows,
+    is_eval,
     iter_records,
+    node_by_hash,
+    prompt_hash,
     resolve_paths,
     to_examples,
 )
-from pipeline_io import Progress, UserError, atomic_path, cli, file_sha256, json_object, write_json
-from settings import option
+from pipeline_io import Progress, UserError, atomic_path, cli, file_sha256, write_json
+from settings import SplitConfig
 
 REASONS = (
     "missing_field",
@@ -45,57 +55,10 @@ REASONS = (
     "invalid_utf8",
     "invalid_json",
     "bad_turn_order",
-    "too_long",
     "duplicate",
     "eval_overlap",
     "special_text",
 )
-SPLIT_SCHEMA = pa.schema(
-    [
-        ("messages", pa.string()),  # JSON list of {role, content}
-        ("response", pa.string()),
-        ("content_hash", pa.string()),
-        ("source_file", pa.string()),
-        ("source_row", pa.int64()),
-        ("tokens", pa.int32()),
-        ("category", pa.string()),
-    ]
-)
-REJECT_SCHEMA = pa.schema(
-    [
-        ("source_file", pa.string()),
-        ("source_row", pa.int64()),
-        ("reason", pa.string()),
-        ("detail", pa.string()),
-        ("record", pa.string()),  # the input row as JSON, so nothing is lost
-    ]
-)
-
-
-def normalize(text: str) -> str:
-    return re.sub(r"\s+", " ", text).strip()
-
-
-def content_hash(messages: list[dict]) -> str:
-    """Hash of the normalized conversation; equal for rows that differ only in whitespace."""
-    norm = [{"role": t["role"], "content": normalize(t["content"])} for t in messages]
-    return hashlib.sha256(conversation_text(norm).encode("utf-8")).hexdigest()
-
-
-def prompt_hash(messages: list[dict]) -> str:
-    return content_hash(messages[:-1])
-
-
-def unit(key: str, seed: int, salt: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{salt}:{key}".encode()).digest()[:8], "big")
-
-
-def is_eval(phash: str, seed: int, eval_fraction: float) -> bool:
-    return unit(phash, seed, "eval") / 2**64 < eval_fraction
-
-
-def node_by_hash(chash: str, seed: int, nodes: int) -> int:
-    return unit(chash, seed, "node") % nodes
 
 
 @dataclass
@@ -106,9 +69,7 @@ class Splitter:
     eval_fraction: float
     seed: int = 0
     balance: str = "rows"
-    max_len: int | None = None
-    overlength: str = "truncate"
-    count_tokens: object = None  # callable(list of conversations) -> list of token counts
+    lengths: object = None  # balance: tokens: callable(list of conversations) -> their lengths in tokens
     eval_prompts: set | None = None  # prompt hashes of a separate eval file
     special: object = None  # SpecialText: data.special_text on each conversation
     seen: set = field(default_factory=set)
@@ -130,64 +91,65 @@ class Splitter:
                 if problem:
                     rejects.append(reject(rec, *problem))
                 elif not messages[-1]["content"].strip():
-                    rejects.append(reject(rec, "empty_response", "the answer is blank"))
+                    rejects.append(reject(rec, "empty_response", "the answer is blank", messages))
                 elif not all(t["content"].strip() for t in messages if t["role"] == "user"):
-                    rejects.append(reject(rec, "missing_field", "a user turn is blank"))
+                    rejects.append(reject(rec, "missing_field", "a user turn is blank", messages))
                 else:
                     category = rec.fields.get(category_column) if category_column else None
                     candidates.append((rec, messages, "" if category is None else str(category)))
-        counts = self.count_tokens([m for _, m, _ in candidates]) if self.count_tokens and candidates else None
-        for i, (rec, messages, category) in enumerate(candidates):
-            tokens = counts[i] if counts else 0
-            if self.max_len and tokens > self.max_len:
-                if self.overlength == "error":
-                    raise UserError(
-                        f"{rec.source_file}: row {rec.source_row} has {tokens} tokens, above data.max_seq_len="
-                        f"{self.max_len} (data.overlength: error)"
-                    )
-                if self.overlength == "drop":
-                    rejects.append(reject(rec, "too_long", f"{tokens} tokens > max_seq_len {self.max_len}"))
-                    continue
-            chash, phash = content_hash(messages), prompt_hash(messages)
+        by_tokens = []  # (row, conversation) still to be given a node by their tokens
+        for rec, messages, category in candidates:
+            chash, phash = conversation_hashes(messages)
             if not force_eval and self.eval_prompts is not None and phash in self.eval_prompts:
-                rejects.append(reject(rec, "eval_overlap", "its prompt is in the eval set"))
+                rejects.append(reject(rec, "eval_overlap", "its prompt is in the eval set", messages, chash))
                 continue
             if chash in self.seen:
-                rejects.append(reject(rec, "duplicate", f"same content as an earlier row ({chash[:12]})"))
+                detail = f"same content as an earlier row ({chash[:12]})"
+                rejects.append(reject(rec, "duplicate", detail, messages, chash))
                 continue
             self.seen.add(chash)
-            kept.append(
-                {
-                    "messages": json.dumps(messages, ensure_ascii=False),
-                    "response": messages[-1]["content"],
-                    "content_hash": chash,
-                    "source_file": rec.source_file,
-                    "source_row": rec.source_row,
-                    "tokens": tokens,
-                    "category": category,
-                    "dest": self.destination(chash, phash, tokens, force_eval),
-                }
-            )
+            row = {
+                "messages": JSON_TEXT.encode(messages),
+                "response": messages[-1]["content"],
+                "content_hash": chash,
+                "source_file": rec.source_file,
+                "source_row": rec.source_row,
+                "category": category,
+                "dest": self.destination(chash, phash, force_eval),
+            }
+            kept.append(row)
+            if row["dest"] is None:
+                by_tokens.append((row, messages))
+        self.assign_by_tokens(by_tokens)
         return kept, rejects
 
-    def destination(self, chash: str, phash: str, tokens: int, force_eval: bool):
+    def destination(self, chash: str, phash: str, force_eval: bool):
+        """ "eval", a node, or None: the least-loaded node, once the row's length is known (balance: tokens)."""
         if force_eval or (self.eval_prompts is None and is_eval(phash, self.seed, self.eval_fraction)):
             return "eval"
-        if self.balance == "tokens":
-            node = min(range(self.nodes), key=lambda n: (self.node_tokens[n], n))
-        else:
-            node = node_by_hash(chash, self.seed, self.nodes)
-        self.node_tokens[node] += tokens
-        return node
+        return None if self.balance == "tokens" else node_by_hash(chash, self.seed, self.nodes)
+
+    def assign_by_tokens(self, pending: list[tuple[dict, list]]) -> None:
+        """Each row, in input order, to the node with the fewest tokens so far (a row counts 0 without
+        a tokenizer); the lengths are measured for the batch at once."""
+        if not pending:
+            return
+        counts = self.lengths([m for _, m in pending]) if self.lengths else [0] * len(pending)
+        for (row, _), tokens in zip(pending, counts, strict=True):
+            row["dest"] = min(range(self.nodes), key=lambda n: (self.node_tokens[n], n))
+            self.node_tokens[row["dest"]] += tokens
 
 
-def reject(rec, reason: str, detail: str) -> dict:
+def reject(rec, reason: str, detail: str, messages: list | None = None, chash: str | None = None) -> dict:
+    """A rejects row (contracts.REJECT_SCHEMA) for an input record, with its conversation where there is one."""
     record = json.dumps(rec.fields, ensure_ascii=False, default=str) if rec.fields is not None else None
     return {
         "source_file": rec.source_file,
         "source_row": rec.source_row,
         "reason": reason,
         "detail": detail,
+        "content_hash": chash,
+        "messages": JSON_TEXT.encode(messages) if messages is not None else None,
         "record": record,
     }
 
@@ -202,7 +164,6 @@ class Outputs:
         schemas = [SPLIT_SCHEMA] * (len(splits) + 1) + [REJECT_SCHEMA]
         self.writers = [pq.ParquetWriter(t, s) for t, s in zip(tmps, schemas, strict=True)]
         self.rows = [0] * len(self.writers)
-        self.tokens = [0] * len(self.writers)
 
     def write(self, kept: list[dict], rejects: list[dict]) -> None:
         nodes = len(self.writers) - 2
@@ -210,9 +171,9 @@ class Outputs:
         for row in kept:
             groups.setdefault(nodes if row["dest"] == "eval" else row["dest"], []).append(row)
         for idx, rows in groups.items():
-            self.writers[idx].write_table(pa.Table.from_pylist(rows, schema=SPLIT_SCHEMA))
+            columns = {name: [r[name] for r in rows] for name in SPLIT_SCHEMA.names}
+            self.writers[idx].write_table(pa.Table.from_pydict(columns, schema=SPLIT_SCHEMA))
             self.rows[idx] += len(rows)
-            self.tokens[idx] += sum(r["tokens"] for r in rows)
         if rejects:
             self.writers[-1].write_table(pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA))
             self.rows[-1] += len(rejects)
@@ -227,36 +188,25 @@ class Outputs:
                 c.__exit__(RuntimeError, RuntimeError("failed"), None)
 
 
-def token_counter(
-    tokenizer_path: str | None,
-    chat_template: str | None,
-    template_kwargs: dict | None = None,
-    format_template: str | None = None,
-):
-    """A function giving each conversation's token count as tokenize_shard will produce it
-    (0 for a row the chat template cannot render, which tokenize_shard rejects); its ``tokenizer``
-    attribute is the tokenizer. A tokenizer without a chat template, and neither data.chat_template
-    nor data.format_template, is a one-line UserError here, the first stage that needs one."""
-    if not tokenizer_path:
+def load_tokenizer(path: str | None, cfg: SplitConfig):
+    """The base model's tokenizer with the template training uses, or None without one. Loaded, not
+    used to tokenize: its special tokens are what data.special_text looks for, and a tokenizer without
+    a chat template, and neither data.chat_template nor data.format_template, is a one-line UserError
+    here, the first stage that reads the data."""
+    if not path:
         return None
-    from tokenization import ChatRenderer, encode_messages, use_template
     from transformers import AutoTokenizer
 
-    tokenizer = use_template(
-        AutoTokenizer.from_pretrained(tokenizer_path), tokenizer_path, chat_template, format_template
-    )
-    render = ChatRenderer(tokenizer, template_kwargs)
-
-    def count(convs):
-        return [len(e.get("input_ids", ())) for e in encode_messages(tokenizer, convs, render)]
-
-    count.tokenizer = tokenizer
-    return count
+    return use_template(AutoTokenizer.from_pretrained(path), path, cfg.chat_template, cfg.format_template)
 
 
-def special_text_check(counter, policy: str) -> SpecialText:
-    """data.special_text over the tokenizer's special tokens (without a tokenizer, the common families')."""
-    return SpecialText(special_texts(counter.tokenizer) if counter else KNOWN_MARKERS, policy)
+def length_counter(tokenizer, cfg: SplitConfig):
+    """``balance: tokens``: a function giving each conversation's length in tokens, by the tokenizer's
+    fast path (chat_render.render_lengths); None for ``balance: rows``, which never tokenizes."""
+    if cfg.balance != "tokens" or tokenizer is None:
+        return None
+    render = ChatRenderer(tokenizer, cfg.template_kwargs)
+    return lambda conversations: render_lengths(render, conversations)
 
 
 def reject_hint(reasons) -> str:
@@ -267,61 +217,65 @@ def reject_hint(reasons) -> str:
     )
 
 
-def run_split(a) -> dict:
-    mapping, names = a.mapping, column_names(a.mapping, json.loads(a.columns))
-    delimiter = delimiter_arg(a.delimiter)
-    check_columns(a.data, a.format, mapping, names, delimiter)
-    counter = token_counter(a.tokenizer, a.chat_template, a.template_kwargs, a.format_template)
-    splitter = Splitter(a.nodes, a.eval_fraction, a.seed, a.balance, a.max_seq_len, a.overlength, counter)
-    splitter.special = special_text_check(counter, a.special_text)
-    outputs = Outputs(a.splits, a.eval, a.rejects)
+def run_split(
+    cfg: SplitConfig, splits: list[Path], eval_path: Path, rejects: Path, tokenizer: str | None = None,
+    min_examples: int = 1,
+) -> dict:  # fmt: skip
+    """Split ``cfg.path`` (and ``cfg.eval_path``) into ``splits``, ``eval_path`` and ``rejects``; stop with
+    one line when too much is rejected or a shard is short (``check_shards``)."""
+    mapping, names = cfg.mapping, column_names(cfg.mapping, cfg.columns)
+    delimiter = delimiter_arg(cfg.delimiter)
+    check_columns(cfg.path, cfg.format, mapping, names, delimiter)
+    tok = load_tokenizer(tokenizer, cfg)
+    splitter = Splitter(cfg.nodes, cfg.eval_fraction, cfg.seed, cfg.balance, length_counter(tok, cfg))
+    splitter.special = SpecialText(special_texts(tok) if tok is not None else KNOWN_MARKERS, cfg.special_text)
+    outputs = Outputs(splits, eval_path, rejects)
     reasons, rows_in, ok = Counter(), 0, False
-    totals = [estimate_rows(spec, a.format) for spec in (a.eval_data, a.data) if spec]
+    totals = [estimate_rows(spec, cfg.format) for spec in (cfg.eval_path, cfg.path) if spec]
     known = all(t is not None for t, _ in totals)
     progress = Progress("split", sum(t for t, _ in totals) if known else None, exact=all(e for _, e in totals))
     try:
-        if a.eval_data:  # a separate held-out file: all of it is eval, and overlaps leave training
-            check_columns(a.eval_data, a.format, mapping, names, delimiter)
+        if cfg.eval_path:  # a separate held-out file: all of it is eval, and overlaps leave training
+            check_columns(cfg.eval_path, cfg.format, mapping, names, delimiter)
             eval_prompts = set()
-            for records in iter_records(a.eval_data, a.format, delimiter):
-                kept, rejects = splitter.process(records, mapping, names, a.category_column, force_eval=True)
-                outputs.write(kept, rejects)
-                rows_in += len(kept) + len(rejects)
-                reasons.update(r["reason"] for r in rejects)
+            for records in iter_records(cfg.eval_path, cfg.format, delimiter):
+                kept, rejected = splitter.process(records, mapping, names, cfg.category_column, force_eval=True)
+                outputs.write(kept, rejected)
+                rows_in += len(kept) + len(rejected)
+                reasons.update(r["reason"] for r in rejected)
                 progress.update(len(records))
                 eval_prompts.update(prompt_hash(json.loads(r["messages"])) for r in kept)
             splitter.eval_prompts = eval_prompts
-        for records in iter_records(a.data, a.format, delimiter):
-            kept, rejects = splitter.process(records, mapping, names, a.category_column)
-            outputs.write(kept, rejects)
-            rows_in += len(kept) + len(rejects)
-            reasons.update(r["reason"] for r in rejects)
+        for records in iter_records(cfg.path, cfg.format, delimiter):
+            kept, rejected = splitter.process(records, mapping, names, cfg.category_column)
+            outputs.write(kept, rejected)
+            rows_in += len(kept) + len(rejected)
+            reasons.update(r["reason"] for r in rejected)
             progress.update(len(records))
         progress.done()
         n_rej = sum(reasons.values())
         if rows_in == 0 or n_rej == rows_in:
             raise UserError(
-                f"{a.data}: no usable rows left ({rows_in} read, {n_rej} rejected: {dict(reasons)})"
+                f"{cfg.path}: no usable rows left ({rows_in} read, {n_rej} rejected: {dict(reasons)})"
                 + reject_hint(reasons)
             )
-        if n_rej / rows_in > a.max_reject_fraction:
+        if n_rej / rows_in > cfg.max_reject_fraction:
             raise UserError(
-                f"{a.data}: {n_rej} of {rows_in} rows rejected ({dict(reasons)}), above "
-                f"data.max_reject_fraction={a.max_reject_fraction}{reject_hint(reasons)}"
+                f"{cfg.path}: {n_rej} of {rows_in} rows rejected ({dict(reasons)}), above "
+                f"data.max_reject_fraction={cfg.max_reject_fraction}{reject_hint(reasons)}"
             )
         assert rows_in == sum(outputs.rows), "row accounting broken"
-        check_shards(a, outputs.rows, dict(reasons))
+        check_shards(cfg, outputs.rows, dict(reasons), min_examples)
         ok = True
     finally:
         outputs.close(ok)
-    result = {"rows_in": rows_in, "reasons": dict(reasons), "rows": outputs.rows, "tokens": outputs.tokens}
+    result = {"rows_in": rows_in, "reasons": dict(reasons), "rows": outputs.rows, "tokens": splitter.node_tokens}
     return result | {"special_text": splitter.special.summary()}
 
 
-def check_shards(a, rows: list[int], reasons: dict) -> None:
-    """Stop with one line when the eval set is empty or a node shard has fewer than
-    ``a.min_examples_per_shard`` rows (0: no check); ``rows``: per node, eval, rejects."""
-    least = a.min_examples_per_shard
+def check_shards(cfg: SplitConfig, rows: list[int], reasons: dict, least: int) -> None:
+    """Stop with one line when the eval set is empty or a node shard has fewer than ``least`` rows
+    (0: no check); ``rows``: per node, eval, rejects."""
     if least <= 0:
         return
     nodes, eval_rows, rejected = rows[:-2], rows[-2], rows[-1]
@@ -338,15 +292,15 @@ def check_shards(a, rows: list[int], reasons: dict) -> None:
     if eval_rows == 0:
         what.append("an empty eval set")
         fixes.append(
-            f"add rows to {a.eval_data}" if a.eval_data else f"raise data.eval_fraction (now {a.eval_fraction})"
+            f"add rows to {cfg.eval_path}" if cfg.eval_path else f"raise data.eval_fraction (now {cfg.eval_fraction})"
         )
-    elif short and not a.eval_data:
-        fixes.append(f"lower data.eval_fraction (now {a.eval_fraction})")
+    elif short and not cfg.eval_path:
+        fixes.append(f"lower data.eval_fraction (now {cfg.eval_fraction})")
     if not what:
         return
     usable = sum(rows[:-1])
     why = f" ({rejected} rejected: {reasons})" if rejected else ""
-    data = f"{a.data} and {a.eval_data}" if a.eval_data else a.data
+    data = f"{cfg.path} and {cfg.eval_path}" if cfg.eval_path else cfg.path
     raise UserError(
         f"{data}: {usable} usable row{'s' * (usable != 1)}{why} make {' and '.join(what)}; {', '.join(fixes)}"
     )
@@ -355,60 +309,44 @@ def check_shards(a, rows: list[int], reasons: dict) -> None:
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True, help="a file, a folder or a glob")
-    p.add_argument("--eval-data", default=None, help="optional separate held-out file")
-    p.add_argument("--format", **option("data.format"))
-    p.add_argument("--delimiter", default=None)
-    p.add_argument("--mapping", **option("data.mapping"))
-    p.add_argument("--columns", required=True, help="JSON mapping field -> column name")
-    p.add_argument("--category-column", **option("data.category_column"))
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--eval-fraction", type=float, required=True)
-    p.add_argument("--seed", type=int, **option("data.seed"))
-    p.add_argument("--balance", **option("data.balance"))
-    p.add_argument("--tokenizer", default=None, help="tokenizer for lengths (too_long, balance: tokens)")
-    p.add_argument("--chat-template", default=None)
-    p.add_argument("--format-template", **option("data.format_template"))
-    p.add_argument("--special-text", **option("data.special_text"))
-    p.add_argument("--template-kwargs", type=json_object, **option("data.template_kwargs"))
-    p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument("--overlength", **option("data.overlength"))
-    p.add_argument("--max-reject-fraction", type=float, **option("data.max_reject_fraction"))
+    p.add_argument("--config", required=True, help="settings.SplitConfig as JSON (rules/common.smk)")
+    p.add_argument(
+        "--tokenizer", default=None, help="the base model's tokenizer: special tokens, template, balance: tokens"
+    )
     p.add_argument(
         "--min-examples-per-shard",
         type=int,
         default=1,
         help="stop when a node shard has fewer rows (0: no check); the eval set must not be empty",
     )
-    p.add_argument("--splits", nargs="+", required=True, help="one output path per node")
-    p.add_argument("--eval", required=True)
-    p.add_argument("--rejects", required=True)
-    p.add_argument("--manifest", required=True)
+    p.add_argument("--splits", nargs="+", required=True, type=Path, help="one output path per node")
+    p.add_argument("--eval", required=True, type=Path)
+    p.add_argument("--rejects", required=True, type=Path)
+    p.add_argument("--manifest", required=True, type=Path)
     a = p.parse_args(argv)
-    if len(a.splits) != a.nodes:
-        raise UserError(f"nodes is {a.nodes} but {len(a.splits)} split paths were given")
-    result = run_split(a)
-    rows, tokens = result["rows"], result["tokens"]
+    cfg = SplitConfig.from_json(a.config)
+    if len(a.splits) != cfg.nodes:
+        raise UserError(f"nodes is {cfg.nodes} but {len(a.splits)} split paths were given")
+    result = run_split(cfg, a.splits, a.eval, a.rejects, a.tokenizer, a.min_examples_per_shard)
+    rows = result["rows"]
     write_json(
         a.manifest,
         {
-            "sources": [{"path": str(f), "sha256": file_sha256(f)} for f in resolve_paths(a.data)],
+            "sources": [{"path": str(f), "sha256": file_sha256(f)} for f in resolve_paths(cfg.path)],
             "rows_in": result["rows_in"],
             "nodes": [
-                {"node": i, "rows": rows[i], "tokens": tokens[i], "path": str(pth), "sha256": file_sha256(pth)}
+                {"node": i, "rows": rows[i], "path": str(pth), "sha256": file_sha256(pth)}
                 for i, pth in enumerate(a.splits)
             ],
-            "eval": {"rows": rows[-2], "tokens": tokens[-2], "path": str(a.eval), "sha256": file_sha256(a.eval)},
+            "eval": {"rows": rows[-2], "path": str(a.eval), "sha256": file_sha256(a.eval)},
             "rejects": {"rows": rows[-1], "by_reason": result["reasons"], "path": str(a.rejects)},
             "special_text": result["special_text"],
             "settings": {
-                "seed": a.seed,
-                "eval_fraction": a.eval_fraction,
-                "balance": a.balance,
-                "mapping": a.mapping,
-                "max_seq_len": a.max_seq_len,
-                "overlength": a.overlength,
-            },
+                "seed": cfg.seed,
+                "eval_fraction": cfg.eval_fraction,
+                "balance": cfg.balance,
+                "mapping": cfg.mapping,
+            },  # fmt: skip
         },
     )
     print(f"{result['rows_in']} rows: {rows[:-2]} per node, {rows[-2]} eval, {rows[-1]} rejected {result['reasons']}")

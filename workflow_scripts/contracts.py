@@ -1,0 +1,62 @@
+"""The Parquet files the data stages hand to each other, defined once.
+
+    split_dataset  → data/splits/<node>.parquet, data/eval.parquet   SPLIT_SCHEMA, one row per example
+                   → data/rejects.parquet                            REJECT_SCHEMA
+    tokenize_shard → data/tokenized/<shard>.parquet                  TOKENIZED_SCHEMA, read by training
+                                                                     (token_store) and evaluation
+                   → data/tokenized/<shard>.packing.parquet          PACKING_SCHEMA, read by batching
+                   → data/tokenized/<shard>.rejects.parquet          REJECT_SCHEMA
+
+Both stages' rejects have one schema, so "every input row is trained or rejected with its reason" is
+one query over the files. A stage fills the columns it knows and leaves the others null: the split
+has the input row (``record``) and, once the row is a conversation, its ``messages`` and
+``content_hash``; tokenization has the conversation, its hash and, for a length reject, its lengths.
+
+``IGNORE`` is the label of a position the loss skips (the prompt, padding), as tokenization writes
+it and training and evaluation read it.
+"""
+
+import pyarrow as pa
+
+IGNORE = -100  # label of a position that is not trained (PyTorch's cross_entropy ignore_index)
+
+SPLIT_SCHEMA = pa.schema(
+    [
+        ("messages", pa.string()),  # JSON list of {role, content}
+        ("response", pa.string()),  # the last assistant turn's text
+        ("content_hash", pa.string()),  # data_formats.content_hash: the row's identity
+        ("source_file", pa.string()),
+        ("source_row", pa.int64()),
+        ("category", pa.string()),
+    ]
+)
+TOKENIZED_SCHEMA = pa.schema(
+    [
+        ("input_ids", pa.list_(pa.int32())),
+        ("labels", pa.list_(pa.int32())),  # IGNORE where not trained
+        ("length", pa.int32()),  # len(input_ids), after the length policy
+        ("prompt_length", pa.int32()),  # the ids evaluation feeds the model before the last answer
+        ("response", pa.string()),
+        ("content_hash", pa.string()),
+        ("category", pa.string()),
+    ]
+)
+PACKING_SCHEMA = pa.schema(
+    [
+        ("bin", pa.int32()),
+        ("examples", pa.list_(pa.int32())),  # indices into the tokenized shard's rows
+    ]
+)
+REJECT_SCHEMA = pa.schema(
+    [
+        ("source_file", pa.string()),
+        ("source_row", pa.int64()),
+        ("reason", pa.string()),  # a reason code (config/README.md lists them)
+        ("detail", pa.string()),
+        ("content_hash", pa.string()),  # null where the row never became a conversation
+        ("tokens", pa.int32()),  # the example's length before the length policy: length rejects only
+        ("prompt_tokens", pa.int32()),  # its prompt's length: length rejects only
+        ("messages", pa.string()),  # the conversation as JSON, where there is one
+        ("record", pa.string()),  # the input row as JSON (the split's rejects), so nothing is lost
+    ]
+)
