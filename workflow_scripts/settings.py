@@ -219,67 +219,7 @@ class StageConfig:
         return cls.build(json.loads(text))
 
 
-# ---------------------------------------------------------------- layout: the evaluation and summary stages' configs
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig(StageConfig):
-    """What evaluate_model depends on: the eval section but eval.soup (make_soup's), and data.template_kwargs
-    (the held-out prompts' template arguments). eval.precision "training" comes resolved to training.precision
-    (values): changing training.precision reruns evaluation only where eval.precision follows it."""
-
-    batch_size: int = key_field("eval.batch_size")
-    max_new_tokens: int = key_field("eval.max_new_tokens")
-    max_samples: int = key_field("eval.max_samples")  # 0: the whole eval set
-    backend: str = key_field("eval.backend")
-    precision: str = key_field("eval.precision")
-    tasks: list = key_field("eval.tasks")
-    task_data: list = key_field("eval.task_data")
-    apply_chat_template: bool = key_field("eval.apply_chat_template")
-    template_kwargs: dict = key_field("data.template_kwargs")
-
-    @classmethod
-    def values(cls, config: dict) -> dict:
-        values = super().values(config)
-        if values["precision"] == "training":
-            values["precision"] = config["training"]["precision"]
-        return values
-
-    @property
-    def dtype(self) -> str:
-        """The precision a GPU evaluates in: eval.precision, or training.precision's default where it is still
-        "training" (a config given by hand, not resolved by the workflow)."""
-        return schema_property("training.precision")["default"] if self.precision == "training" else self.precision
-
-
-@dataclasses.dataclass(frozen=True)
-class EnvironmentConfig(StageConfig):
-    """What check_environment checks the machine against."""
-
-    strategy: str = key_field("training.strategy")
-    peft: str = key_field("training.peft")
-    procs_per_node: int = key_field("training.procs_per_node")
-    precision: str = key_field("training.precision")
-
-
-@dataclasses.dataclass(frozen=True)
-class GridConfig(StageConfig):
-    """What compare_grid depends on: the grid (its variants' names and values)."""
-
-    grid: dict = key_field("grid")
-
-
-# ---------------------------------------------------------------- part "parallel": consolidation
-
-
-@dataclasses.dataclass(frozen=True)
-class ConsolidateConfig(StageConfig):
-    """consolidate_node's keys (the template training used comes as its own options)."""
-
-    dtype: str = key_field("consolidate.dtype")
-
-
-# ---------------------------------------------------------------- data stage configs (part: data)
+# ---------------------------------------------------------------- the stages' configs
 
 SCHEMA_TYPES = {"string": str, "integer": int, "number": float, "boolean": bool, "object": dict, "array": list}
 
@@ -292,11 +232,11 @@ def schema_type(key: str):
     return py | None if "null" in types else py
 
 
-def stage_config(name: str, doc: str, *keys: str) -> type:
+def stage_config(name: str, doc: str, *keys: str, base: type = StageConfig) -> type:
     """A StageConfig class: a frozen dataclass with a field for each config key (a dotted path), named by the
     key's last part and typed by its schema, so the schema stays the one source of a key's type and default."""
     fields = [(key.rsplit(".", 1)[-1], schema_type(key), key_field(key)) for key in keys]
-    return dataclasses.make_dataclass(name, fields, bases=(StageConfig,), frozen=True, namespace={"__doc__": doc})
+    return dataclasses.make_dataclass(name, fields, bases=(base,), frozen=True, namespace={"__doc__": doc})
 
 
 # How the input's rows become conversations (the split; the demo model's tokenizer training), and how a
@@ -321,3 +261,42 @@ DemoModelConfig = stage_config(
     "the seed (its size, the preset, comes from model.name_or_path as the rule's --preset).",
     *SOURCE_KEYS, "model.demo_vocab_size", "data.max_seq_len", "model.seed",
 )  # fmt: skip
+
+
+class EvalPrecision(StageConfig):
+    """EvalConfig's eval.precision "training" comes resolved to training.precision (values): changing
+    training.precision reruns evaluation only where eval.precision follows it."""
+
+    @classmethod
+    def values(cls, config: dict) -> dict:
+        values = super().values(config)
+        if values["precision"] == "training":
+            values["precision"] = config["training"]["precision"]
+        return values
+
+    @property
+    def dtype(self) -> str:
+        """The precision a GPU evaluates in: eval.precision, or training.precision's default where it is still
+        "training" (a config given by hand, not resolved by the workflow)."""
+        return schema_property("training.precision")["default"] if self.precision == "training" else self.precision
+
+
+EvalConfig = stage_config(
+    "EvalConfig",
+    "evaluate_model's keys: the eval section but eval.soup (make_soup's), and data.template_kwargs (the held-out "
+    "prompts' template arguments).",
+    "eval.batch_size", "eval.max_new_tokens", "eval.max_samples", "eval.backend", "eval.precision", "eval.tasks",
+    "eval.task_data", "eval.apply_chat_template", "data.template_kwargs",
+    base=EvalPrecision,
+)  # fmt: skip
+EnvironmentConfig = stage_config(
+    "EnvironmentConfig",
+    "check_environment's keys: what it checks the machine against.",
+    "training.strategy", "training.peft", "training.procs_per_node", "training.precision",
+)  # fmt: skip
+GridConfig = stage_config("GridConfig", "compare_grid's key: the grid (its variants' names and values).", "grid")
+ConsolidateConfig = stage_config(
+    "ConsolidateConfig",
+    "consolidate_node's key (the template training used comes as its own options).",
+    "consolidate.dtype",
+)
