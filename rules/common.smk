@@ -155,15 +155,8 @@ from settings import DemoModelConfig, SplitConfig, TokenizeConfig  # noqa: E402
 SPLIT_CONFIG = verbatim(SplitConfig.to_json(config))
 TOKENIZER = verbatim(BASE_MODEL)  # what the split and tokenization load the tokenizer from (a params function)
 TOKENIZE_CONFIG = verbatim(TokenizeConfig.to_json(config))
-# The template training used, for the exported model folders (consolidate_node)
-TEMPLATE_ARGS = verbatim(
-    cli_args(
-        chat_template=DATA["chat_template"],
-        format_template=DATA["format_template"],
-        template_kwargs=json.dumps(DATA["template_kwargs"]),
-    )
-)
-# consolidate_node's keys (settings.ConsolidateConfig), a params function: the JSON holds braces
+# consolidate_node's keys (settings.ConsolidateConfig: the dtype, the template training used), a params
+# function: the JSON holds braces
 CONSOLIDATE_CONFIG = verbatim(ConsolidateConfig.to_json(config))
 # The typed configs of the evaluation, environment check and grid comparison: only the keys each depends on
 from settings import EnvironmentConfig, EvalConfig, GridConfig  # noqa: E402

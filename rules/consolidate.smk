@@ -9,8 +9,7 @@ rule consolidate_node:
         "../envs/train.yaml"
     params:
         script=script_path("consolidate.py"),
-        template=TEMPLATE_ARGS,
         config=CONSOLIDATE_CONFIG,
     shell:
         "python {params.script} --state {input.state} --output {output.model} --config {params.config:q}"
-        " {params.template} > {log} 2>&1"
+        " > {log} 2>&1"

@@ -373,7 +373,7 @@ def test_config_checks_the_template_at_parse_time(tmp_path, base_dir, data, need
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     if needle is None:
         assert proc.returncode == 0, proc.stderr[-2000:]
-        assert "--format-template '{system}### Question:" in proc.stdout + proc.stderr
+        assert '"format_template": "{system}### Question:' in proc.stdout + proc.stderr  # verbatim in the jobs
         return
     assert proc.returncode != 0 and len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr

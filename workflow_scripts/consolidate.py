@@ -47,8 +47,8 @@ from pathlib import Path
 import torch
 from host_memory import PeakRSS, map_large_allocations, page_out
 from parallel import strategy_for
-from pipeline_io import UserError, cli, json_object, write_json
-from settings import ConsolidateConfig, option
+from pipeline_io import UserError, cli, write_json
+from settings import ConsolidateConfig
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from weights import (
     DTYPES,
@@ -370,17 +370,13 @@ def main(argv=None) -> None:
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--tolerance", type=float, default=1e-5)
     p.add_argument("--max-shard-size", default=MAX_SHARD_SIZE, help="safetensors shard size, e.g. 2GB or 500MB")
-    p.add_argument("--config", default="{}", help="the consolidate keys as JSON (settings.ConsolidateConfig)")
-    p.add_argument("--chat-template", default=None, help="data.chat_template: the Jinja file training used")
-    p.add_argument("--format-template", help="data.format_template", **option("data.format_template"))
-    p.add_argument("--template-kwargs", type=json_object, **option("data.template_kwargs"))
+    p.add_argument("--config", default="{}", help="its config keys as JSON (settings.ConsolidateConfig)")
     a = p.parse_args(argv)
     cfg = ConsolidateConfig.from_json(a.config)
     map_large_allocations()
     state = json.loads(a.state.read_text())
     peaks = PeakRSS()
-    template = {"chat_template": a.chat_template, "format_template": a.format_template}
-    template |= {"template_kwargs": a.template_kwargs}
+    template = {key: getattr(cfg, key) for key in ("chat_template", "format_template", "template_kwargs")}
     report, ids, expected = consolidate(state, a.output, a.max_shard_size, peaks, template, cfg.dtype)
     with peaks.phase("reload_check"):  # one model in memory at a time: the training side is gone
         report |= verify(a.output, ids, expected, a.tolerance)

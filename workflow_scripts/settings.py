@@ -297,6 +297,6 @@ EnvironmentConfig = stage_config(
 GridConfig = stage_config("GridConfig", "compare_grid's key: the grid (its variants' names and values).", "grid")
 ConsolidateConfig = stage_config(
     "ConsolidateConfig",
-    "consolidate_node's key (the template training used comes as its own options).",
-    "consolidate.dtype",
-)
+    "consolidate_node's keys: the written weights' dtype, and the template training used (for the model folder).",
+    "consolidate.dtype", *TEMPLATE_KEYS,
+)  # fmt: skip
