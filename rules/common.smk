@@ -159,7 +159,7 @@ TOKENIZE_CONFIG = verbatim(TokenizeConfig.to_json(config))
 # function: the JSON holds braces
 CONSOLIDATE_CONFIG = verbatim(ConsolidateConfig.to_json(config))
 # The typed configs of the evaluation, environment check and grid comparison: only the keys each depends on
-from settings import EnvironmentConfig, EvalConfig, GridConfig  # noqa: E402
+from settings import EnvironmentConfig, EvalConfig, GridConfig, PlanConfig  # noqa: E402
 
 EVAL_CONFIG = verbatim(EvalConfig.to_json(config))
 ENV_CONFIG = verbatim(EnvironmentConfig.to_json(config))
@@ -212,22 +212,11 @@ def training_json():
     return lambda wildcards: json.dumps(training_section(wildcards), sort_keys=True)
 
 
-MEMORY_KEYS = ["mode", "strategy", "zero_stage", "offload", "peft", "lora", "procs_per_node", "precision",
-               "micro_batch_size", "gradient_checkpointing", "gpu_memory_gb"]  # fmt: skip
-
-
-def memory_json():
-    """A params function: the job's training keys that change memory use (so a new learning rate does
-    not rerun the plan)."""
-
-    def keys_json(wildcards):
-        training = training_section(wildcards)
-        keys = {k: training[k] for k in MEMORY_KEYS} | {"nodes": config["nodes"]}
-        if JOINT:  # ZeRO and FSDP shard over every node's ranks
-            keys["world_size"] = config["nodes"] * training["procs_per_node"]
-        return json.dumps(keys, sort_keys=True)
-
-    return keys_json
+def plan_json(wildcards):
+    """plan_training's config (settings.PlanConfig), a params function: the job's grid variant's training keys
+    that change memory use (so a new learning rate does not rerun the plan), max_seq_len, the vocabulary and
+    the nodes."""
+    return PlanConfig.to_json(config | {"training": training_section(wildcards)})
 
 
 def provenance_json(wildcards):

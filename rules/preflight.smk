@@ -13,13 +13,10 @@ rule plan_training:
     params:
         script=script_path("preflight.py"),
         model=MODEL_SHAPE,
-        training=memory_json(),
-        seq_len=config["data"]["max_seq_len"],
-        vocab=config["model"]["demo_vocab_size"],
+        config=plan_json,
         # the training job's host memory (a new TRAIN_MEM_MB re-plans, and training after it: ancient(PLAN)
         # would spare the retraining, but Snakemake 9.27 then drops a not-yet-trained train_node from the DAG)
         host_memory=cli_args(host_memory_mb=train_mem_mb()),
     shell:
-        "python {params.script} --model {params.model} --training {params.training:q}"
-        " --seq-len {params.seq_len} --vocab-size {params.vocab} {params.host_memory}"
+        "python {params.script} --model {params.model} --config {params.config:q} {params.host_memory}"
         " --output {output.plan} --table {output.table} > {log} 2>&1"

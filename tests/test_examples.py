@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import BIN, DEMO_CSV, REPO, check_outputs, job_logs, snakemake, tiny_config, tool_env
+from settings import PlanConfig
 
 EXAMPLES_DIR = REPO / "config" / "examples"
 EXAMPLES = sorted(p.name for p in EXAMPLES_DIR.glob("*.yaml"))
@@ -188,8 +189,7 @@ def test_seed_000_plan_shows_the_host_memory_it_needs(tmp_path):
     def plan(mem_mb):
         cmd = [
             sys.executable, str(REPO / "workflow_scripts" / "preflight.py"), "--model", str(folder),
-            "--training", json.dumps(config["training"] | {"nodes": config["nodes"]}),
-            "--seq-len", str(config["data"]["max_seq_len"]), "--host-memory-mb", str(mem_mb),
+            "--config", PlanConfig.to_json(config), "--host-memory-mb", str(mem_mb),
             "--output", str(tmp_path / "plan.json"), "--table", str(tmp_path / "plan.csv"),
         ]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=300)

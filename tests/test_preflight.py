@@ -116,7 +116,7 @@ def test_fp16_weighs_like_bf16_on_the_gpu():
 def preflight(tmp_path, t, *extra):
     cmd = [
         sys.executable, str(REPO / "workflow_scripts/preflight.py"), "--model", "preset:1b",
-        "--training", json.dumps(t), "--seq-len", "2048", "--vocab-size", "32000",
+        "--config", json.dumps(t | {"max_seq_len": 2048, "demo_vocab_size": 32000}),
         "--output", str(tmp_path / "m.json"), "--table", str(tmp_path / "m.csv"), *extra,
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env())

@@ -307,8 +307,8 @@ def test_preflight_estimate_orders_the_strategies():
 def test_preflight_fails_with_advice(tmp_path):
     cmd = [
         sys.executable, str(REPO / "workflow_scripts/preflight.py"), "--model", "preset:7b",
-        "--training", json.dumps(memory_config(procs_per_node=1)), "--seq-len", "4096",
-        "--vocab-size", "32000", "--output", str(tmp_path / "m.json"), "--table", str(tmp_path / "m.csv"),
+        "--config", json.dumps(memory_config(procs_per_node=1, max_seq_len=4096, demo_vocab_size=32000)),
+        "--output", str(tmp_path / "m.json"), "--table", str(tmp_path / "m.csv"),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env())
     assert proc.returncode == 2

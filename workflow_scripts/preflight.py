@@ -62,14 +62,14 @@ Each strategy's terms are its own (workflow_scripts/parallel/: ``shards``, ``hos
 """
 
 import argparse
-import json
+import dataclasses
 import math
 from pathlib import Path
 
 from parallel import strategy_for
 from parallel.base import Footprint, compute_bytes
 from pipeline_io import UserError, cli, write_json
-from settings import option
+from settings import PlanConfig
 from transformers import AutoConfig
 
 GB = 2**30  # the plan's GB are GiB, as SLURM's and nvidia-smi's
@@ -245,29 +245,26 @@ def host_limit(mem_mb: int | None) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="base model folder, hub id, demo or preset:<size>")
-    p.add_argument("--training", required=True, help="the training config as JSON")
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument(
-        "--vocab-size", type=int, help="vocabulary of a from-scratch preset", **option("model.demo_vocab_size")
-    )
+    p.add_argument("--config", required=True, help="its config keys as JSON (settings.PlanConfig)")
     p.add_argument(
         "--host-memory-mb", type=int, help="host memory of one training job per node (its mem_mb, SLURM's MiB)"
     )
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--table", required=True, type=Path)
     a = p.parse_args(argv)
-    t = json.loads(a.training)
+    t = dataclasses.asdict(PlanConfig.from_json(a.config))
+    seq_len = t["max_seq_len"]
     from presets import preset_config, preset_name
 
     preset = preset_name(a.model)
     if preset:  # the from-scratch shape, before the (possibly huge) model is built
-        config = preset_config(preset, a.vocab_size, a.seq_len)
+        config = preset_config(preset, t["demo_vocab_size"], seq_len)
     else:
         config = AutoConfig.from_pretrained(a.model)
     n, largest_layer = model_to_params(config)
-    world = t.get("world_size", t["procs_per_node"])  # joint mode: every node's ranks
-    est = estimate(config, n, t, world, a.seq_len)
-    est["without_checkpointing_gb"] = estimate(config, n, t | {"gradient_checkpointing": False}, world, a.seq_len)[
+    world = t["procs_per_node"] * (t["nodes"] if t["mode"] == "joint" else 1)  # joint: every node's ranks
+    est = estimate(config, n, t, world, seq_len)
+    est["without_checkpointing_gb"] = estimate(config, n, t | {"gradient_checkpointing": False}, world, seq_len)[
         "total_gb"
     ]
     capacity = t["gpu_memory_gb"]

@@ -300,3 +300,12 @@ ConsolidateConfig = stage_config(
     "consolidate_node's keys: the written weights' dtype, and the template training used (for the model folder).",
     "consolidate.dtype", *TEMPLATE_KEYS,
 )  # fmt: skip
+PlanConfig = stage_config(
+    "PlanConfig",
+    "plan_training's keys: what changes memory use (a new learning rate re-plans nothing), the sequence length, "
+    "a from-scratch preset's vocabulary, and the nodes (joint mode shards over all of their ranks).",
+    "training.mode", "training.strategy", "training.zero_stage", "training.offload", "training.peft",
+    "training.lora", "training.procs_per_node", "training.precision", "training.micro_batch_size",
+    "training.gradient_checkpointing", "training.gpu_memory_gb", "nodes", "data.max_seq_len",
+    "model.demo_vocab_size",
+)  # fmt: skip
