@@ -184,11 +184,9 @@ class SpecialText:
 
     def __call__(self, messages: list[dict]) -> tuple[list[dict] | None, tuple | None]:
         """(the conversation as the policy leaves it, None), or (None, (reason, detail)) to reject it."""
-        if self.pattern is None:
+        if self.pattern is None or not any(self.pattern.search(turn["content"]) for turn in messages):
             return messages, None
         hits = [(i, m.group()) for i, turn in enumerate(messages) for m in self.pattern.finditer(turn["content"])]
-        if not hits:
-            return messages, None
         self.rows += 1
         self.found.update(token for _, token in hits)
         if self.policy == "reject":

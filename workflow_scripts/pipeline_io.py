@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import gc
 import hashlib
 import json
 import logging
@@ -142,3 +143,12 @@ def interpreter_first_on_path(environ=os.environ, executable: str = sys.executab
     path = environ.get("PATH", "")
     if (Path(folder) / "torchrun").exists() and path.split(os.pathsep)[0] != folder:
         environ["PATH"] = os.pathsep.join([folder, path]) if path else folder
+
+
+def fewer_gc_pauses() -> None:
+    """For a stage that streams millions of rows: freeze what exists now (the imported modules, torch's and
+    transformers' among them, which each full collection would walk again) and collect the young generation
+    every 50,000 allocations instead of 700. The rows' short-lived lists of token ids hold no cycles; a cycle
+    is still collected, later. Measured on tokenize_shard, 20k rows: 4.97 -> 4.37 s (docs/benchmarks.md)."""
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)

@@ -46,7 +46,7 @@ from data_formats import (
     resolve_paths,
     to_examples,
 )
-from pipeline_io import Progress, UserError, atomic_path, cli, file_sha256, write_json
+from pipeline_io import Progress, UserError, atomic_path, cli, fewer_gc_pauses, file_sha256, write_json
 from settings import SplitConfig
 
 REASONS = (
@@ -229,6 +229,7 @@ def run_split(
     tok = load_tokenizer(tokenizer, cfg)
     splitter = Splitter(cfg.nodes, cfg.eval_fraction, cfg.seed, cfg.balance, length_counter(tok, cfg))
     splitter.special = SpecialText(special_texts(tok) if tok is not None else KNOWN_MARKERS, cfg.special_text)
+    fewer_gc_pauses()
     outputs = Outputs(splits, eval_path, rejects)
     reasons, rows_in, ok = Counter(), 0, False
     totals = [estimate_rows(spec, cfg.format) for spec in (cfg.eval_path, cfg.path) if spec]

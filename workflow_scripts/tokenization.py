@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from chat_render import ChatRenderer, encode_messages, use_template
 from contracts import IGNORE, REJECT_SCHEMA, TOKENIZED_SCHEMA
 from packing import write_packing
-from pipeline_io import Progress, UserError, atomic_path, cli, write_json
+from pipeline_io import Progress, UserError, atomic_path, cli, fewer_gc_pauses, write_json
 from settings import TokenizeConfig
 from token_cache import cache_key, cached, tokenizer_fingerprint
 from transformers import AutoTokenizer
@@ -282,6 +282,7 @@ def main(argv=None) -> None:
     tokenizer = use_template(
         AutoTokenizer.from_pretrained(a.tokenizer), a.tokenizer, cfg.chat_template, cfg.format_template
     )
+    fewer_gc_pauses()
     pack_len = a.pack_len or cfg.max_seq_len
     settings = {"max_seq_len": cfg.max_seq_len, "overlength": cfg.overlength, "pack_len": pack_len}
     settings |= {"train_on": cfg.train_on, "template_kwargs": cfg.template_kwargs}
