@@ -286,8 +286,10 @@ def prompt_tokens(tokenizer, enc, prompt: str) -> int | None:
 
 def label(render: ChatRenderer, conv: Rendered, enc) -> dict:
     """Ids of the whole render, labels on its trained spans, and the prompt length, checked."""
-    bos = render.bos_ids(conv.text)
-    ids, b = bos + enc.ids, len(bos)
+    ids, b = enc.ids, 0
+    if render.bos and not conv.text.startswith(render.bos):  # render.bos_ids, without a second list
+        ids.insert(0, render.bos_id)
+        b = 1
     n = prompt_tokens(render.tokenizer, enc, conv.prompt)
     if n is None:
         raise Reject(

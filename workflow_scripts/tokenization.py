@@ -100,18 +100,19 @@ def tokenize_shard(
         stack.callback(rejected.close)
         progress = Progress(f"tokenize {shard.name}", file.metadata.num_rows)
         for batch in file.iter_batches(batch_size=batch_rows, columns=columns):
-            rows = batch.to_pylist()
-            conversations = [json.loads(r["messages"]) for r in rows]
+            cols = batch.to_pydict()  # column lists; a row's dict only where one is reported (row_at)
+            conversations = [json.loads(m) for m in cols["messages"]]
             encoded = encode_messages(tokenizer, conversations, render, train_on)
             out = {name: [] for name in TOKENIZED_SCHEMA.names}
-            for row, messages, ex in zip(rows, conversations, encoded, strict=True):
+            for i, (messages, ex) in enumerate(zip(conversations, encoded, strict=True)):
                 if "reject" in ex:
-                    rejected.add(row, *ex["reject"])
+                    rejected.add(row_at(cols, i), *ex["reject"])
                     continue
-                full[len(ex["input_ids"])] += 1
-                fitted = fit_length(ex, max_len, policy, row)
+                n = len(ex["input_ids"])
+                full[n] += 1
+                fitted = ex if n <= max_len else fit_length(ex, max_len, policy, row_at(cols, i))
                 if why := length_reject(ex, fitted, max_len, policy):
-                    rejected.add(row, *why, tokens=len(ex["input_ids"]), prompt_tokens=ex["prompt_length"])
+                    rejected.add(row_at(cols, i), *why, tokens=n, prompt_tokens=ex["prompt_length"])
                     dropped += why[0] != "no_labels"
                     continue
                 truncated += fitted is not ex
@@ -119,12 +120,12 @@ def tokenize_shard(
                     out[key].append(fitted[key])
                 out["length"].append(len(fitted["input_ids"]))
                 out["response"].append(messages[-1]["content"])
-                out["content_hash"].append(row["content_hash"])
-                out["category"].append(row["category"] or "")
+                out["content_hash"].append(cols["content_hash"][i])
+                out["category"].append(cols["category"][i] or "")
             lengths += out["length"]
             writer.write_table(pa.Table.from_pydict(out, schema=TOKENIZED_SCHEMA))
             rejected.flush()
-            progress.update(len(rows), tokens=sum(out["length"]))
+            progress.update(len(conversations), tokens=sum(out["length"]))
         progress.done()
         reasons, rejects = rejected.reasons, rejected.shown
         if rejects and not lengths and not reasons.keys() & set(LENGTH_REASONS):
@@ -143,6 +144,11 @@ def tokenize_shard(
         "rejects": rejects,
         "length_counts": {str(n): full[n] for n in sorted(full)},  # examples by length before the policy
     }
+
+
+def row_at(columns: dict[str, list], i: int) -> dict:
+    """Row ``i`` of a batch's column lists, as a dict."""
+    return {name: values[i] for name, values in columns.items()}
 
 
 class RejectWriter:
