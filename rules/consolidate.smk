@@ -11,5 +11,5 @@ rule consolidate_node:
         script=script_path("consolidate.py"),
         config=CONSOLIDATE_CONFIG,
     shell:
-        "python {params.script} --state {input.state} --output {output.model} --config {params.config:q}"
+        "python {params.script:q} --state {input.state} --output {output.model} --config {params.config:q}"
         " > {log} 2>&1"

@@ -13,5 +13,5 @@ rule data_report:
     params:
         script=script_path("data_report.py"),
     shell:
-        "python {params.script} --manifest {input.manifest} --tokenized {input.tokenized}"
+        "python {params.script:q} --manifest {input.manifest} --tokenized {input.tokenized}"
         " --json {output.json} --plot {output.plot} > {log} 2>&1"

@@ -13,4 +13,4 @@ rule check_environment:
         script=script_path("environment.py"),
         config=ENV_CONFIG,
     shell:
-        "python {params.script} --config {params.config:q} --output {output} > {log} 2>&1"
+        "python {params.script:q} --config {params.config:q} --output {output} > {log} 2>&1"

@@ -16,6 +16,6 @@ rule evaluate_model:
         model=get_model,
         config=EVAL_CONFIG,
     shell:
-        "{params.python} {params.script} --model {params.model} --name {wildcards.model}"
+        "{params.python:q} {params.script:q} --model {params.model:q} --name {wildcards.model}"
         " --eval {input.eval} --config {params.config:q}"
         " --output {output.result} --lm-eval-output {output.lm_eval} > {log} 2>&1"

@@ -52,5 +52,5 @@ rule compare_grid:
         script=script_path("grid.py"),
         config=GRID_CONFIG,
     shell:
-        "python {params.script} --config {params.config:q} --base {input.base} --results {input.results}"
+        "python {params.script:q} --config {params.config:q} --base {input.base} --results {input.results}"
         " --table {output.table} --plot {output.plot} > {log} 2>&1"

@@ -12,4 +12,4 @@ rule build_demo_model:
         config=DEMO_MODEL_CONFIG,
         args=DEMO_MODEL_ARGS,
     shell:
-        "python {params.script} --config {params.config:q} {params.args} --output {output.model} > {log} 2>&1"
+        "python {params.script:q} --config {params.config:q} {params.args} --output {output.model} > {log} 2>&1"

@@ -18,5 +18,5 @@ rule plan_training:
         # would spare the retraining, but Snakemake 9.27 then drops a not-yet-trained train_node from the DAG)
         host_memory=cli_args(host_memory_mb=train_mem_mb()),
     shell:
-        "python {params.script} --model {params.model} --config {params.config:q} {params.host_memory}"
+        "python {params.script:q} --model {params.model:q} --config {params.config:q} {params.host_memory}"
         " --output {output.plan} --table {output.table} > {log} 2>&1"

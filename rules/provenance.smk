@@ -14,5 +14,5 @@ rule provenance:
         config=provenance_json,  # a function: data.format_template has {question}, not a wildcard
         repo=workflow.basedir,
     shell:
-        "python {params.script} --config {params.config:q} --repo {params.repo} --manifest {input.manifest}"
+        "python {params.script:q} --config {params.config:q} --repo {params.repo:q} --manifest {input.manifest}"
         " --env {input.env} --states {input.states} --output {output} > {log} 2>&1"

@@ -13,5 +13,5 @@ rule make_soup:
     params:
         script=script_path("soup.py"),
     shell:
-        "python {params.script} --models {input.models} --results {input.results} --eval {input.eval}"
+        "python {params.script:q} --models {input.models} --results {input.results} --eval {input.eval}"
         " --uniform {output.uniform} --greedy {output.greedy} > {log} 2>&1"

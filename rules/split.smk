@@ -16,6 +16,6 @@ rule split_dataset:
         config=SPLIT_CONFIG,
         tokenizer=TOKENIZER,
     shell:
-        "python {params.script} --config {params.config:q} --tokenizer {params.tokenizer:q}"
+        "python {params.script:q} --config {params.config:q} --tokenizer {params.tokenizer:q}"
         " --splits {output.splits} --eval {output.eval} --rejects {output.rejects}"
         " --manifest {output.manifest} > {log} 2>&1"

@@ -65,7 +65,7 @@ rule summarize:
     params:
         script=script_path("summarize.py"),
     shell:
-        "python {params.script} --results {input.results} --metrics {input.metrics}"
+        "python {params.script:q} --results {input.results} --metrics {input.metrics}"
         " --summary {output.summary} --tasks {output.tasks} --tasks-plot {output.tasks_plot}"
         " --curves {output.curves} --throughput {output.throughput}"
         " --categories {output.categories}"

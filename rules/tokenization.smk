@@ -17,7 +17,7 @@ rule tokenize_shard:
         tokenizer=TOKENIZER,
         training=NODE_TOKENIZE_ARGS,
     shell:
-        "python {params.script} --config {params.config:q} --tokenizer {params.tokenizer:q}"
+        "python {params.script:q} --config {params.config:q} --tokenizer {params.tokenizer:q}"
         " --shard {input.shard} {params.training}"
         " --output {output.tokens} --packing {output.packing} --stats {output.stats}"
         " --rejects {output.rejects} > {log} 2>&1"

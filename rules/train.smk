@@ -34,11 +34,11 @@ rule train_node:
         " n=$(( {threads} / {params.procs} > 1 ? {threads} / {params.procs} : 1 ));"
         " export OMP_NUM_THREADS=$n MKL_NUM_THREADS=$n OPENBLAS_NUM_THREADS=$n;"
         " torchrun --standalone --nproc_per_node {params.procs} --max-restarts 0"
-        " {params.script} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
-        " --base-model {params.base} --log-dir {params.log_dir}"
-        " --checkpoint-root {params.checkpoints} --state {output.state} > {log} 2>&1"
+        " {params.script:q} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
+        " --base-model {params.base:q} --log-dir {params.log_dir:q}"
+        " --checkpoint-root {params.checkpoints:q} --state {output.state} > {log} 2>&1"
         # torchrun reports a signal as a plain failure; the trainer's marker tells preemption apart
-        " || {{ rc=$?; test -f {params.log_dir}/preempted.json && exit 75; exit $rc; }}"
+        " || {{ rc=$?; test -f {params.log_dir:q}/preempted.json && exit 75; exit $rc; }}"
 
 
 # training.mode joint: one model over all nodes in one job, on every node's shard (launch.py)
@@ -75,9 +75,9 @@ rule train_joint:
         nodes=config["nodes"],
         procs=config["training"]["procs_per_node"],
     shell:
-        "python {params.launch} --nodes {params.nodes} --procs-per-node {params.procs} --threads {threads}"
-        " -- {params.script} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
-        " --base-model {params.base} --log-dir {params.log_dir}"
-        " --checkpoint-root {params.checkpoints} --state {output.state} > {log} 2>&1"
+        "python {params.launch:q} --nodes {params.nodes} --procs-per-node {params.procs} --threads {threads}"
+        " -- {params.script:q} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
+        " --base-model {params.base:q} --log-dir {params.log_dir:q}"
+        " --checkpoint-root {params.checkpoints:q} --state {output.state} > {log} 2>&1"
         # srun and torchrun report a signal as a plain failure; the trainer's marker tells preemption apart
-        " || {{ rc=$?; test -f {params.log_dir}/preempted.json && exit 75; exit $rc; }}"
+        " || {{ rc=$?; test -f {params.log_dir:q}/preempted.json && exit 75; exit $rc; }}"

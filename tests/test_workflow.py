@@ -133,3 +133,27 @@ def test_evaluation_is_deterministic(ddp_run):
     second = json.loads(again.read_text())
     for key in ("eval_loss", "perplexity", "exact_match", "rouge_l", "bleu", "chrf", "samples"):
         assert first[key] == second[key], key
+
+
+def test_paths_reach_the_jobs_as_one_argument_each(tmp_path, demo_assets):
+    """A model folder and a checkout path with a space and shell syntax in them reach every job's command as
+    one argument, never run: each shell line splits (as the shell reads it) with the path whole."""
+    import shlex
+    import shutil
+
+    from conftest import REPO
+
+    model = tmp_path / "my models" / "m$(touch pwned) `touch pwned2`"
+    shutil.copytree(demo_assets["base"], model)
+    config = tiny_config("q") | {"model": {"name_or_path": str(model)}}
+    proc = snakemake(tmp_path / "work", config, "-n", "-p")
+    commands = [line for line in (proc.stdout + proc.stderr).splitlines() if "workflow_scripts/" in line]
+    assert len(commands) >= 10, proc.stdout[-3000:]
+    uses = 0
+    for line in commands:
+        words = shlex.split(line.split("Shell command:", 1)[-1])
+        for word in (w for w in words if "pwned" in w):  # the folder whole, or inside one --config JSON
+            assert word == str(model) or str(model) in json.dumps(json.loads(word), ensure_ascii=False), line
+        uses += str(model) in words
+    assert uses >= 4, commands  # the split, tokenization, the plan, training and the base evaluation
+    assert not list(tmp_path.rglob("pwned*")) and not list(REPO.glob("pwned*"))
