@@ -15,7 +15,8 @@ from data_formats import check_columns, delimiter_arg, resolve_paths  # noqa: E4
 from fingerprint import check_model, local_model_folder  # noqa: E402
 from chat_format import has_chat_template, no_template_message, parse_format  # noqa: E402
 from settings import check_grid, validated  # noqa: E402
-from settings import ConsolidateConfig  # noqa: E402
+from settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig  # noqa: E402
+from settings import PlanConfig, SplitConfig, TokenizeConfig  # noqa: E402
 from grid import expand_grid, variant_training  # noqa: E402
 from layout import patterns  # noqa: E402
 
@@ -147,20 +148,13 @@ def verbatim(args):
     return lambda wildcards: args
 
 
-# The data stages' configs (settings.SplitConfig, TokenizeConfig, DemoModelConfig): each the keys its stage
-# depends on, as JSON, so a key reruns only the stages that read it (data.train_on: tokenization on, not the
-# split). params functions, not strings (see verbatim): they carry data.format_template.
-from settings import DemoModelConfig, SplitConfig, TokenizeConfig  # noqa: E402
-
+# Each stage's typed config (settings.StageConfig): the keys its stage depends on, as JSON, so a key reruns
+# only the stages that read it (data.train_on: tokenization on, not the split). params functions, not
+# strings (see verbatim): they carry data.format_template's braces.
 SPLIT_CONFIG = verbatim(SplitConfig.to_json(config))
 TOKENIZER = verbatim(BASE_MODEL)  # what the split and tokenization load the tokenizer from (a params function)
 TOKENIZE_CONFIG = verbatim(TokenizeConfig.to_json(config))
-# consolidate_node's keys (settings.ConsolidateConfig: the dtype, the template training used), a params
-# function: the JSON holds braces
-CONSOLIDATE_CONFIG = verbatim(ConsolidateConfig.to_json(config))
-# The typed configs of the evaluation, environment check and grid comparison: only the keys each depends on
-from settings import EnvironmentConfig, EvalConfig, GridConfig, PlanConfig  # noqa: E402
-
+CONSOLIDATE_CONFIG = verbatim(ConsolidateConfig.to_json(config))  # the dtype, the template training used
 EVAL_CONFIG = verbatim(EvalConfig.to_json(config))
 ENV_CONFIG = verbatim(EnvironmentConfig.to_json(config))
 GRID_CONFIG = verbatim(GridConfig.to_json(config))

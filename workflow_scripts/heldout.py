@@ -21,7 +21,7 @@ from chat_render import generation_settings
 from contracts import IGNORE
 from metrics import HELDOUT, HELDOUT_LOSS, SCORES, lower_is_better
 from rouge_score import rouge_scorer
-from settings import option
+from settings import schema_property
 
 
 def label_spans(labels) -> list[tuple[int, int]]:
@@ -186,6 +186,7 @@ def heldout_loss(model, tokenizer, frame: pd.DataFrame) -> float:
     """A loaded model's token-weighted held-out loss, by the heldout_loss task (the greedy soup's criterion)."""
     from lm_eval.tasks import TaskManager
 
-    lm = model_class("hf")(pretrained=model, tokenizer=tokenizer, batch_size=option("eval.batch_size")["default"])
+    batch_size = schema_property("eval.batch_size")["default"]
+    lm = model_class("hf")(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     out = evaluate_model(lm, frame, [], TaskManager(include_defaults=False), 0, False, {}, heldout=(HELDOUT_LOSS,))
     return flat_metrics(out["results"][HELDOUT_LOSS])["eval_loss"]

@@ -141,15 +141,6 @@ def training_config(training: dict | None = None) -> TrainConfig:
     return TrainConfig(**flat_training(validated(training or {}, "training")))
 
 
-def option(key: str) -> dict:
-    """argparse keywords for a script option that mirrors config key ``key`` (e.g. "data.balance"):
-    the schema's default, and its enum as the choices."""
-    prop = schema()
-    for part in key.split("."):
-        prop = prop["properties"][part]
-    return {"default": prop.get("default")} | ({"choices": prop["enum"]} if "enum" in prop else {})
-
-
 # ---------------------------------------------------------------- typed stage configs
 
 
