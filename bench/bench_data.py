@@ -6,8 +6,9 @@
 Generates a long-tailed synthetic dataset (log-normal answer lengths, seed 000's
 ``prompt, question, response`` CSV), trains an 8k byte-level BPE tokenizer on a
 sample, then times, each in its own process (one core: OMP/tokenizers threads = 1):
-  ours      split.py (read, validate, dedup, hash-assign; no tokenizing) and tokenization.py
-            (read → template → tokenize → mask → fit → pack → write): the only stage that tokenizes
+  ours      split.py (read, validate, dedup, hash-assign; no tokenizer, as the rule runs it under
+            balance: rows) and tokenization.py (read → special text → template → tokenize → mask →
+            fit → pack → write): the only stage that loads the tokenizer
   baseline  datasets.Dataset.from_parquet(shard).map(batched=True) applying the chat
             template, tokenizing the prompt and the full text, masking, then to_parquet
 Also runs ../shared/data through ours. Prints a table, the ratios (tokenize alone, and split +
@@ -120,7 +121,7 @@ def main() -> None:
     split_config = json.dumps({"path": str(data), "nodes": 1, "eval_fraction": 0.001})
     tok_config = json.dumps({"max_seq_len": a.max_seq_len, "overlength": "truncate", "cache_dir": ""})
     split_cmd = [
-        py, str(SCRIPTS / "split.py"), "--config", split_config, "--tokenizer", str(tok_dir),
+        py, str(SCRIPTS / "split.py"), "--config", split_config,
         "--splits", str(work / "node0.parquet"), "--eval", str(work / "eval.parquet"),
         "--rejects", str(work / "rejects.parquet"), "--manifest", str(work / "manifest.json"),
     ]  # fmt: skip
@@ -161,7 +162,7 @@ def main() -> None:
     if shared.exists():
         s_config = json.dumps({"path": str(shared / "*.jsonl"), "mapping": "nested", "nodes": 2})
         s_split = [
-            py, str(SCRIPTS / "split.py"), "--config", s_config, "--tokenizer", str(tok_dir),
+            py, str(SCRIPTS / "split.py"), "--config", s_config,
             "--splits", str(work / "s0.parquet"), str(work / "s1.parquet"), "--eval", str(work / "seval.parquet"),
             "--rejects", str(work / "srej.parquet"), "--manifest", str(work / "smanifest.json"),
         ]  # fmt: skip

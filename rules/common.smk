@@ -16,7 +16,7 @@ from fingerprint import check_model, local_model_folder  # noqa: E402
 from chat_format import has_chat_template, no_template_message, parse_format  # noqa: E402
 from settings import check_grid, validated  # noqa: E402
 from settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig  # noqa: E402
-from settings import PlanConfig, SplitConfig, TokenizeConfig  # noqa: E402
+from settings import TEMPLATE_KEYS, PlanConfig, SplitConfig, TokenizeConfig  # noqa: E402
 from grid import expand_grid, variant_training  # noqa: E402
 from layout import patterns  # noqa: E402
 
@@ -151,8 +151,13 @@ def verbatim(args):
 # Each stage's typed config (settings.StageConfig): the keys its stage depends on, as JSON, so a key reruns
 # only the stages that read it (data.train_on: tokenization on, not the split). params functions, not
 # strings (see verbatim): they carry data.format_template's braces.
-SPLIT_CONFIG = verbatim(SplitConfig.to_json(config))
-TOKENIZER = verbatim(BASE_MODEL)  # what the split and tokenization load the tokenizer from (a params function)
+TOKENIZER = verbatim(BASE_MODEL)  # what tokenization loads the tokenizer from (a params function)
+# The split reads the tokenizer and the template only to balance nodes by tokens: otherwise a new base
+# model or template leaves it be.
+BY_TOKENS = config["data"]["balance"] == "tokens"
+SPLIT_CONFIG = verbatim(SplitConfig.to_json(config, without=() if BY_TOKENS else TEMPLATE_KEYS))
+SPLIT_TOKENIZER_INPUT = BASE_MODEL_INPUT if BY_TOKENS else []
+SPLIT_TOKENIZER = verbatim(cli_args(tokenizer=BASE_MODEL if BY_TOKENS else None))
 TOKENIZE_CONFIG = verbatim(TokenizeConfig.to_json(config))
 CONSOLIDATE_CONFIG = verbatim(ConsolidateConfig.to_json(config))  # the dtype, the template training used
 EVAL_CONFIG = verbatim(EvalConfig.to_json(config))

@@ -1,7 +1,7 @@
 rule split_dataset:
     input:
         data=DATA_FILES,
-        tokenizer=BASE_MODEL_INPUT,
+        tokenizer=SPLIT_TOKENIZER_INPUT,
     output:
         splits=expand(SPLIT, shard=NODES),
         eval=EVAL_SPLIT,
@@ -14,8 +14,8 @@ rule split_dataset:
     params:
         script=script_path("split.py"),
         config=SPLIT_CONFIG,
-        tokenizer=TOKENIZER,
+        tokenizer=SPLIT_TOKENIZER,
     shell:
-        "python {params.script:q} --config {params.config:q} --tokenizer {params.tokenizer:q}"
+        "python {params.script:q} --config {params.config:q} {params.tokenizer}"
         " --splits {output.splits} --eval {output.eval} --rejects {output.rejects}"
         " --manifest {output.manifest} > {log} 2>&1"

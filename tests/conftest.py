@@ -330,12 +330,13 @@ def bpe_tokenizer(
     chat_template: str | None = None,
     bos: str | None = None,
     vocab_size: int = 600,
+    added: tuple[str, ...] = (),
     **tokens,
 ):
-    """A byte-level BPE trained on ``corpus`` with a model family's special tokens (no download); with
-    ``bos``, a post-processor that puts it before any text encoded with special tokens, as Llama 3's
-    tokenizer.json does."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """A byte-level BPE trained on ``corpus`` with a model family's special tokens (no download) and its
+    ``added`` tokens that are not special (Qwen3's <think>, </think>); with ``bos``, a post-processor that
+    puts it before any text encoded with special tokens, as Llama 3's tokenizer.json does."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -345,6 +346,7 @@ def bpe_tokenizer(
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, initial_alphabet=alphabet,
                                   show_progress=False)  # fmt: skip
     tok.train_from_iterator(corpus, trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     if bos:
         tok.post_processor = processors.Sequence(
             [

@@ -16,7 +16,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from chat_format import (
-    KNOWN_MARKERS,
     ZERO_WIDTH_SPACE,
     SpecialText,
     format_chat_template,
@@ -108,7 +107,7 @@ def tokenized(tmp_path_factory, base_dir):
     root = tmp_path_factory.mktemp("tokenized")
     data = write_jsonl(root / "data.jsonl", [*ROWS, ("Say hi", "hi<|endoftext|>")])
     splits = [root / "node0.parquet", root / "node1.parquet"]
-    config = {"path": str(data), "nodes": 2, "eval_fraction": 0.2, "format_template": FORMAT, "special_text": "strip"}
+    config = {"path": str(data), "nodes": 2, "eval_fraction": 0.2}
     split_main(
         ["--config", json.dumps(config), "--tokenizer", str(base_dir),
          "--splits", *map(str, splits), "--eval", str(root / "eval.parquet"),
@@ -117,7 +116,7 @@ def tokenized(tmp_path_factory, base_dir):
     for shard in ("node0", "eval"):
         tokenize_main(
             ["--shard", str(root / f"{shard}.parquet"), "--tokenizer", str(base_dir),
-             "--config", tokenize_config(format_template=FORMAT, max_seq_len=256),
+             "--config", tokenize_config(format_template=FORMAT, max_seq_len=256, special_text="strip"),
              "--output", str(root / f"{shard}.tok.parquet"),
              "--packing", str(root / f"{shard}.packing.parquet"), "--stats", str(root / f"{shard}.json")]
         )  # fmt: skip
@@ -185,19 +184,28 @@ def test_multi_turn_in_the_format(base_dir):
     assert bad["reject"][0] == "template_error" and "tool" in bad["reject"][1]
 
 
-def test_no_template_is_one_line_at_split(tmp_path, base_dir, capsys):
+def test_no_template_is_one_line(tmp_path, base_dir, capsys):
+    """At tokenization; at the split too under balance: tokens, the one case it reads the tokenizer."""
     from split import main as split_main
+    from tokenization import main as tokenize_main
 
     data = write_jsonl(tmp_path / "d.jsonl", ROWS[:5])
-    with pytest.raises(SystemExit) as e:
-        split_main(
-            ["--config", json.dumps({"path": str(data), "nodes": 1, "eval_fraction": 0.2}), "--tokenizer",
-             str(base_dir), "--splits", str(tmp_path / "n.parquet"), "--eval", str(tmp_path / "e.parquet"),
-             "--rejects", str(tmp_path / "r.parquet"), "--manifest", str(tmp_path / "m.json")]
-        )  # fmt: skip
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "has no chat template" in err[0]
+    config = {"path": str(data), "nodes": 1, "eval_fraction": 0.5, "balance": "tokens"}
+    split = ["--tokenizer", str(base_dir), "--splits", str(tmp_path / "n.parquet"),
+             "--eval", str(tmp_path / "e.parquet"), "--rejects", str(tmp_path / "r.parquet"),
+             "--manifest", str(tmp_path / "m.json")]  # fmt: skip
+    tokenize = ["--shard", str(tmp_path / "n.parquet"), "--tokenizer", str(base_dir), "--config", tokenize_config(),
+                "--output", str(tmp_path / "t.parquet"), "--packing", str(tmp_path / "p.parquet"),
+                "--stats", str(tmp_path / "s.json")]  # fmt: skip
+    for run in (
+        lambda: split_main(["--config", json.dumps(config), *split]),
+        lambda: split_main(["--config", json.dumps(config | {"balance": "rows"}), *split]) or tokenize_main(tokenize),
+    ):
+        with pytest.raises(SystemExit) as e:
+            run()
+        assert e.value.code == 2
+        err = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]
+        assert len(err) == 1 and "has no chat template" in err[0]
     assert "data.chat_template" in err[0] and "data.format_template" in err[0]
     with pytest.raises(UserError, match="both set"):
         use_template(AutoTokenizer.from_pretrained(base_dir), "t", str(tmp_path / "x.jinja"), FORMAT)
@@ -206,42 +214,70 @@ def test_no_template_is_one_line_at_split(tmp_path, base_dir, capsys):
 # ---------------------------------------------------------------- special-token text
 
 
+def tokenize_policy(tmp: Path, data: Path, base_dir, policy: str) -> tuple[dict, list[dict], list[dict]]:
+    """Split ``data`` to one node (no tokenizer: the split leaves special text alone) and tokenize the
+    shard and the eval set under data.special_text ``policy``: (the stats by shard, the kept
+    conversations, the rejects)."""
+    from tokenization import main as tokenize_main
+
+    out = split_files(tmp, data, nodes=1)
+    assert "special_text" not in out["reasons"]
+    stats, kept, rejects = {}, [], []
+    for shard in (out["splits"][0], out["eval"]):
+        tokenize_main(
+            ["--shard", str(shard), "--tokenizer", str(base_dir),
+             "--config", tokenize_config(format_template=FORMAT, max_seq_len=256, special_text=policy,
+                                         max_reject_fraction=1.0),
+             "--output", str(shard.with_suffix(".tok.parquet")), "--packing", str(shard.with_suffix(".pack.parquet")),
+             "--stats", str(shard.with_suffix(".json")), "--rejects", str(shard.with_suffix(".rej.parquet"))]
+        )  # fmt: skip
+        stats[shard.stem] = json.loads(shard.with_suffix(".json").read_text())
+        kept += pq.read_table(shard.with_suffix(".tok.parquet")).to_pylist()
+        rejects += pq.read_table(shard.with_suffix(".rej.parquet")).to_pylist()
+    return stats, kept, rejects
+
+
 def test_special_text_policies(tmp_path, base_dir):
-    rows = [*ROWS[:20], ("Say hi", "hi<|endoftext|>"), ("Repeat </s> please", "ok")]
+    """data.special_text is tokenization's, with the tokenizer's own special tokens: reject, strip, escape."""
+    rows = [*ROWS[:20], ("Say hi", "hi<|endoftext|>"), ("Repeat </s> please", "ok"), ("Only", "</s>")]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
-    out = {}
-    for policy in ("reject", "strip", "escape"):
-        out[policy] = split_files(
-            tmp_path / policy, data, nodes=1, tokenizer=str(base_dir), format_template=FORMAT, special_text=policy
-        )
-    rejects = pq.read_table(out["reject"]["rejects"]).to_pylist()
-    assert [r["reason"] for r in rejects] == ["special_text"] * 2
-    assert out["reject"]["reasons"] == {"special_text": 2}
-    assert out["reject"]["special_text"] | {"tokens": None} == {
-        "policy": "reject", "rows": 2, "by_token": {"<|endoftext|>": 1, "</s>": 1}, "tokens": None,
-    }  # fmt: skip
-    assert "<|endoftext|>" in out["reject"]["special_text"]["tokens"]
+    stats, kept, rejects = tokenize_policy(tmp_path / "reject", data, base_dir, "reject")
+    assert sorted(r["reason"] for r in rejects) == ["special_text"] * 3
+    assert sum(s["rejected"].get("special_text", 0) for s in stats.values()) == 3
+    assert len(kept) == len(rows) - 3  # rows in = rows out + rejects
+    found = [s["special_text"] for s in stats.values() if s["special_text"]["rows"]]
+    assert sum(f["rows"] for f in found) == 3 and all(f["policy"] == "reject" for f in found)
+    assert "<|endoftext|>" in stats["node0"]["special_text"]["tokens"]
     for policy, hi, repeat in (
         ("strip", "hi", "Repeat  please"),
         ("escape", f"hi<{ZERO_WIDTH_SPACE}|endoftext|>", f"Repeat <{ZERO_WIDTH_SPACE}/s> please"),
     ):
-        assert out[policy]["reasons"] == {} and out[policy]["special_text"]["rows"] == 2
-        kept = pd.concat([pq.read_table(p).to_pandas() for p in [*out[policy]["splits"], out[policy]["eval"]]])
-        convs = [json.loads(m) for m in kept["messages"]]
-        assert [c[-1]["content"] for c in convs if c[0]["content"] == "Say hi"] == [hi]
-        assert [c[0]["content"] for c in convs if c[-1]["content"] == "ok"] == [repeat]
+        stats, kept, rejects = tokenize_policy(tmp_path / policy, data, base_dir, policy)
+        assert sum(s["special_text"]["rows"] for s in stats.values()) == 3
+        # strip leaves the third row's answer empty: rejected as such, never trained on an empty answer
+        assert [r["reason"] for r in rejects] == (["empty_response"] if policy == "strip" else [])
+        assert len(kept) + len(rejects) == len(rows)
+        assert [r["response"] for r in kept if r["response"].startswith("hi")] == [hi]
+        tok = AutoTokenizer.from_pretrained(base_dir)
+        prompts = [tok.decode(r["input_ids"][: r["prompt_length"]]) for r in kept]
+        assert sum(repeat in p for p in prompts) == 1
     # escaped text is plain text to the tokenizer: no special token in it
     tok = AutoTokenizer.from_pretrained(base_dir)
     escaped = ids(tok, f"hi<{ZERO_WIDTH_SPACE}|endoftext|>")
     assert tok.convert_tokens_to_ids("<|endoftext|>") not in escaped and len(escaped) > 3
 
 
-def test_special_text_without_a_tokenizer_uses_the_known_markers(tmp_path):
+def test_the_split_reads_no_tokenizer_under_balance_rows(tmp_path, monkeypatch):
+    """balance: rows never loads a tokenizer (a new base model reruns tokenization, not the split)."""
+    import transformers
+
+    def refuse(*a, **k):
+        raise AssertionError("the split loaded a tokenizer")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
     data = write_jsonl(tmp_path / "d.jsonl", [*ROWS[:10], ("Say hi", "hi<|im_end|>")])
-    out = split_files(tmp_path / "s", data, nodes=1)
-    assert out["reasons"] == {"special_text": 1} and out["special_text"]["tokens"] == sorted(
-        KNOWN_MARKERS, key=lambda t: (-len(t), t)
-    )
+    out = split_files(tmp_path / "s", data, nodes=1, tokenizer="/nonexistent/model")
+    assert out["reasons"] == {} and out["rows_in"] == 11
 
 
 def test_special_texts_are_the_tokenizers_special_tokens(llama2_base, qwen3_base):

@@ -21,7 +21,8 @@ from transformers import PreTrainedTokenizerFast
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "templates"
 EXAMPLE_LLAMA3 = REPO / "config" / "examples" / "llama3_chat_template.jinja"
-QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN3_ADDED = ("<think>", "</think>")  # added tokens, but not special ones: Qwen3's tokenizer_config.json
 LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 PHRASES = (
     "You are a travel agent.", "Where should I fly?", "Try Oslo.", "Copenhagen please?", "Copenhagen it is.",
@@ -59,7 +60,13 @@ def bpe_tokenizer(special: list[str], chat_template: str, bos: str | None = None
 
 @pytest.fixture(scope="module")
 def qwen3():
-    return bpe_tokenizer(QWEN3_SPECIAL, template("qwen3.jinja"), eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    return bpe_tokenizer(
+        QWEN3_SPECIAL,
+        added=QWEN3_ADDED,
+        chat_template=template("qwen3.jinja"),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +101,7 @@ def encode_one(tokenizer, messages, **kwargs) -> dict:
 
 
 def test_test_tokenizers_have_the_families_tokens(qwen3, llama3):
-    for tokenizer, special in ((qwen3, QWEN3_SPECIAL), (llama3, LLAMA3_SPECIAL)):
+    for tokenizer, special in ((qwen3, [*QWEN3_SPECIAL, *QWEN3_ADDED]), (llama3, LLAMA3_SPECIAL)):
         assert all(len(ids(tokenizer, t)) == 1 for t in special)
         assert len(ids(tokenizer, "Copenhagen")) == 1  # one token, so a mis-cut shows
 
@@ -224,7 +231,9 @@ RAISING = (  # Gemma-style: no system role
 
 
 def test_a_template_that_raises_is_a_reject(qwen3):
-    tok = bpe_tokenizer(QWEN3_SPECIAL, RAISING, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok = bpe_tokenizer(
+        QWEN3_SPECIAL, added=QWEN3_ADDED, chat_template=RAISING, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     bad, good = encode_messages(tok, [SINGLE_TURN, SINGLE_TURN[1:]])
     assert bad["reject"][0] == "template_error" and "System role not supported" in bad["reject"][1]
     assert trained_runs(good) == [ids(tok, "7<|im_end|>")]
@@ -236,7 +245,7 @@ def test_a_merge_across_the_prompt_end_is_a_reject(qwen3):
         "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token + '\\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
     )
-    tok = bpe_tokenizer(QWEN3_SPECIAL, plain, eos_token="<|im_end|>")
+    tok = bpe_tokenizer(QWEN3_SPECIAL, added=QWEN3_ADDED, chat_template=plain, eos_token="<|im_end|>")
     (ex,) = encode_messages(tok, [SINGLE_TURN])
     assert ex["reject"][0] == "prompt_mismatch"
 
@@ -269,7 +278,7 @@ def test_same_examples_with_trimmed_offsets_or_without_backend(qwen3, llama3_bas
         "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token + '\\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
     )
-    plain = bpe_tokenizer(QWEN3_SPECIAL, spaced, eos_token="<|im_end|>")
+    plain = bpe_tokenizer(QWEN3_SPECIAL, added=QWEN3_ADDED, chat_template=spaced, eos_token="<|im_end|>")
     assert trained_runs(encode_one(plain, SINGLE_TURN)) == [ids(plain, " 7<|im_end|>")]
     for tok in (qwen3, llama3_base, plain):
         expected = encode_messages(tok, [conv, SINGLE_TURN], train_on="all")
@@ -303,7 +312,9 @@ def write_shard(path: Path, conversations: list[list[dict]]) -> Path:
 
 
 def test_tokenize_shard_rejects_rows_with_file_and_row(tmp_path):
-    tok = bpe_tokenizer(QWEN3_SPECIAL, RAISING, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok = bpe_tokenizer(
+        QWEN3_SPECIAL, added=QWEN3_ADDED, chat_template=RAISING, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     shard = write_shard(tmp_path / "s.parquet", [SINGLE_TURN[1:], SINGLE_TURN, MULTI_TURN[1:]])
     lengths, stats = tokenize_shard(tok, shard, tmp_path / "t.parquet", 256, "truncate")
     assert stats["examples"] == len(lengths) == 2 and stats["rejected"] == {"template_error": 1}
@@ -349,7 +360,9 @@ def test_split_token_counts_match_tokenization(tmp_path, llama3):
     """The fast lengths (balance: tokens) are tokenize_shard's lengths; a row the template rejects counts 0."""
     from chat_render import render_lengths
 
-    tok = bpe_tokenizer(QWEN3_SPECIAL, RAISING, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok = bpe_tokenizer(
+        QWEN3_SPECIAL, added=QWEN3_ADDED, chat_template=RAISING, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     convs = [SINGLE_TURN[1:], SINGLE_TURN, MULTI_TURN[1:]]
     render = ChatRenderer(tok, {"enable_thinking": False})
     counts = render_lengths(render, convs)

@@ -34,12 +34,6 @@ from pipeline_io import UserError
 FORMAT_FIELDS = ("system", "question")
 SPECIAL_TEXT_POLICIES = ("reject", "strip", "escape")
 ZERO_WIDTH_SPACE = "\u200b"
-# The special tokens of the common families, looked for when the split stage has no tokenizer.
-KNOWN_MARKERS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|end_of_text|>",
-    "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<start_of_turn>",
-    "<end_of_turn>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>",
-)  # fmt: skip
 
 
 # ---------------------------------------------------------------- plain formats
@@ -198,7 +192,10 @@ class SpecialText:
             return None, ("special_text", detail)
         new = ZERO_WIDTH_SPACE if self.policy == "escape" else ""
         fix = (lambda m: m.group()[0] + new + m.group()[1:]) if new else ""
-        return [turn | {"content": self.pattern.sub(fix, turn["content"])} for turn in messages], None
+        fixed = [turn | {"content": self.pattern.sub(fix, turn["content"])} for turn in messages]
+        if not fixed[-1]["content"].strip():
+            return None, ("empty_response", "the answer is only special-token text (data.special_text: strip)")
+        return fixed, None
 
     def summary(self) -> dict:
         return {"policy": self.policy, "tokens": self.tokens, "rows": self.rows, "by_token": dict(self.found)}

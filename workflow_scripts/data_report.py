@@ -40,9 +40,21 @@ def collect(manifest: dict, stats: dict[str, dict], lengths: dict[str, list[int]
         "eval_rows": manifest["eval"]["rows"],
         "rejected": manifest["rejects"]["rows"],
         "rejects_by_reason": manifest["rejects"]["by_reason"],
-        "special_text": manifest.get("special_text"),  # data.special_text: policy, rows and tokens found
+        "special_text": special_text(stats),  # data.special_text: policy, rows and tokens found
         "shards": shards,
     } | funnel(manifest, stats)
+
+
+def special_text(stats: dict[str, dict]) -> dict | None:
+    """data.special_text over every shard tokenization read: the policy, the special tokens looked for,
+    the rows holding one and the count of each token found."""
+    found = [s["special_text"] for s in stats.values() if s.get("special_text")]
+    if not found:
+        return None
+    by_token = Counter()
+    for f in found:
+        by_token.update(f["by_token"])
+    return found[0] | {"rows": sum(f["rows"] for f in found), "by_token": dict(by_token)}
 
 
 def funnel(manifest: dict, stats: dict[str, dict]) -> dict:

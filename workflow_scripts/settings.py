@@ -181,8 +181,10 @@ class StageConfig:
         return out
 
     @classmethod
-    def to_json(cls, config: dict) -> str:
-        return json.dumps(cls.values(config), sort_keys=True)
+    def to_json(cls, config: dict, without: tuple[str, ...] = ()) -> str:
+        """The stage's keys as JSON, but the dotted keys ``without`` (their schema defaults at the stage)."""
+        values = {name: v for name, v in cls.values(config).items() if cls.keys()[name] not in without}
+        return json.dumps(values, sort_keys=True)
 
     @classmethod
     def build(cls, values: dict | None = None):
@@ -238,12 +240,12 @@ SplitConfig = stage_config(
     "SplitConfig",
     "split_dataset's keys: reading, validating and assigning rows (never the length policy: tokenization's).",
     *SOURCE_KEYS, *TEMPLATE_KEYS, "data.eval_path", "data.delimiter", "data.category_column", "nodes",
-    "data.eval_fraction", "data.seed", "data.balance", "data.special_text", "data.max_reject_fraction",
+    "data.eval_fraction", "data.seed", "data.balance", "data.max_reject_fraction",
 )  # fmt: skip
 TokenizeConfig = stage_config(
     "TokenizeConfig",
-    "tokenize_shard's keys: the template, the labels, the length policy, the cache and its guard.",
-    *TEMPLATE_KEYS, "data.train_on", "data.max_seq_len", "data.overlength", "data.cache_dir",
+    "tokenize_shard's keys: the template, special-token text, the labels, the length policy, the cache and its guard.",
+    *TEMPLATE_KEYS, "data.special_text", "data.train_on", "data.max_seq_len", "data.overlength", "data.cache_dir",
     "data.max_reject_fraction",
 )  # fmt: skip
 DemoModelConfig = stage_config(

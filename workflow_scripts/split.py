@@ -10,11 +10,11 @@ and a seed; nodes by a hash of the whole content (``balance: rows``) or by the
 least-loaded node in input order (``balance: tokens``). Appending rows never moves
 an existing row.
 
-The split never tokenizes under ``balance: rows`` (the default): every row's length, and the
-length policy (data.max_seq_len, data.overlength), are tokenize_shard's. It loads the base
-model's tokenizer only for its special tokens (data.special_text) and to check that it has a
-template. ``balance: tokens`` measures rows by the tokenizer's fast path (render and a batch
-encode without offsets or labels: chat_render.render_lengths).
+The split loads no tokenizer under ``balance: rows`` (the default): every row's length, the
+length policy (data.max_seq_len, data.overlength) and special-token text in the data
+(data.special_text) are tokenize_shard's, so a new base model reruns tokenization, not the split.
+``balance: tokens`` measures rows by the tokenizer's fast path (render and a batch encode
+without offsets or labels: chat_render.render_lengths).
 
 The split refuses to write an empty eval set or a node shard with fewer rows than
 ``--min-examples-per-shard`` (1 unless given), with one line saying how many rows are
@@ -29,7 +29,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from chat_format import KNOWN_MARKERS, SpecialText, special_texts
 from chat_render import ChatRenderer, render_lengths, use_template
 from contracts import REJECT_SCHEMA, SPLIT_SCHEMA
 from data_formats import (
@@ -57,7 +56,6 @@ REASONS = (
     "bad_turn_order",
     "duplicate",
     "eval_overlap",
-    "special_text",
 )
 
 
@@ -71,7 +69,6 @@ class Splitter:
     balance: str = "rows"
     lengths: object = None  # balance: tokens: callable(list of conversations) -> their lengths in tokens
     eval_prompts: set | None = None  # prompt hashes of a separate eval file
-    special: object = None  # SpecialText: data.special_text on each conversation
     seen: set = field(default_factory=set)
     node_tokens: list = field(default_factory=list)
 
@@ -86,8 +83,6 @@ class Splitter:
                 rejects.append(reject(rec, *rec.error))
                 continue
             for messages, problem in to_examples(rec.fields, mapping, names):
-                if not problem and self.special is not None:
-                    messages, problem = self.special(messages)
                 if problem:
                     rejects.append(reject(rec, *problem))
                 elif not messages[-1]["content"].strip():
@@ -188,33 +183,17 @@ class Outputs:
                 c.__exit__(RuntimeError, RuntimeError("failed"), None)
 
 
-def load_tokenizer(path: str | None, cfg: SplitConfig):
-    """The base model's tokenizer with the template training uses, or None without one. Loaded, not
-    used to tokenize: its special tokens are what data.special_text looks for, and a tokenizer without
-    a chat template, and neither data.chat_template nor data.format_template, is a one-line UserError
-    here, the first stage that reads the data."""
-    if not path:
+def length_counter(path: str | None, cfg: SplitConfig):
+    """``balance: tokens``: a function giving each conversation's length in tokens, by the base model's
+    tokenizer with the template training uses (its fast path: chat_render.render_lengths); None for
+    ``balance: rows``, which loads no tokenizer."""
+    if cfg.balance != "tokens" or not path:
         return None
     from transformers import AutoTokenizer
 
-    return use_template(AutoTokenizer.from_pretrained(path), path, cfg.chat_template, cfg.format_template)
-
-
-def length_counter(tokenizer, cfg: SplitConfig):
-    """``balance: tokens``: a function giving each conversation's length in tokens, by the tokenizer's
-    fast path (chat_render.render_lengths); None for ``balance: rows``, which never tokenizes."""
-    if cfg.balance != "tokens" or tokenizer is None:
-        return None
+    tokenizer = use_template(AutoTokenizer.from_pretrained(path), path, cfg.chat_template, cfg.format_template)
     render = ChatRenderer(tokenizer, cfg.template_kwargs)
     return lambda conversations: render_lengths(render, conversations)
-
-
-def reject_hint(reasons) -> str:
-    return (
-        " (rows with special-token text: data.special_text strip or escape keeps them)"
-        if reasons.get("special_text")
-        else ""
-    )
 
 
 def run_split(
@@ -226,9 +205,7 @@ def run_split(
     mapping, names = cfg.mapping, column_names(cfg.mapping, cfg.columns)
     delimiter = delimiter_arg(cfg.delimiter)
     check_columns(cfg.path, cfg.format, mapping, names, delimiter)
-    tok = load_tokenizer(tokenizer, cfg)
-    splitter = Splitter(cfg.nodes, cfg.eval_fraction, cfg.seed, cfg.balance, length_counter(tok, cfg))
-    splitter.special = SpecialText(special_texts(tok) if tok is not None else KNOWN_MARKERS, cfg.special_text)
+    splitter = Splitter(cfg.nodes, cfg.eval_fraction, cfg.seed, cfg.balance, length_counter(tokenizer, cfg))
     fewer_gc_pauses()
     outputs = Outputs(splits, eval_path, rejects)
     reasons, rows_in, ok = Counter(), 0, False
@@ -256,22 +233,18 @@ def run_split(
         progress.done()
         n_rej = sum(reasons.values())
         if rows_in == 0 or n_rej == rows_in:
-            raise UserError(
-                f"{cfg.path}: no usable rows left ({rows_in} read, {n_rej} rejected: {dict(reasons)})"
-                + reject_hint(reasons)
-            )
+            raise UserError(f"{cfg.path}: no usable rows left ({rows_in} read, {n_rej} rejected: {dict(reasons)})")
         if n_rej / rows_in > cfg.max_reject_fraction:
             raise UserError(
                 f"{cfg.path}: {n_rej} of {rows_in} rows rejected ({dict(reasons)}), above "
-                f"data.max_reject_fraction={cfg.max_reject_fraction}{reject_hint(reasons)}"
+                f"data.max_reject_fraction={cfg.max_reject_fraction}"
             )
         assert rows_in == sum(outputs.rows), "row accounting broken"
         check_shards(cfg, outputs.rows, dict(reasons), min_examples)
         ok = True
     finally:
         outputs.close(ok)
-    result = {"rows_in": rows_in, "reasons": dict(reasons), "rows": outputs.rows, "tokens": splitter.node_tokens}
-    return result | {"special_text": splitter.special.summary()}
+    return {"rows_in": rows_in, "reasons": dict(reasons), "rows": outputs.rows, "tokens": splitter.node_tokens}
 
 
 def check_shards(cfg: SplitConfig, rows: list[int], reasons: dict, least: int) -> None:
@@ -311,9 +284,7 @@ def check_shards(cfg: SplitConfig, rows: list[int], reasons: dict, least: int) -
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="settings.SplitConfig as JSON (rules/common.smk)")
-    p.add_argument(
-        "--tokenizer", default=None, help="the base model's tokenizer: special tokens, template, balance: tokens"
-    )
+    p.add_argument("--tokenizer", default=None, help="the base model's tokenizer (read only for balance: tokens)")
     p.add_argument(
         "--min-examples-per-shard",
         type=int,
@@ -341,7 +312,6 @@ def main(argv=None) -> None:
             ],
             "eval": {"rows": rows[-2], "path": str(a.eval), "sha256": file_sha256(a.eval)},
             "rejects": {"rows": rows[-1], "by_reason": result["reasons"], "path": str(a.rejects)},
-            "special_text": result["special_text"],
             "settings": {
                 "seed": cfg.seed,
                 "eval_fraction": cfg.eval_fraction,

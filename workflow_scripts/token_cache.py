@@ -24,7 +24,7 @@ from pathlib import Path
 from pipeline_io import atomic_path, file_sha256, write_json
 
 log = logging.getLogger("tokenize")
-CACHE_VERSION = 4  # 4: the split shards lost their token counts; stats gained length_counts
+CACHE_VERSION = 5  # 5: data.special_text applied here, not in the split; 4: stats gained length_counts
 MANIFEST = "manifest.json"  # sizes and sha256 of an entry's files; present only in a complete entry
 ENTRY_FILES = ("tokens.parquet", "packing.parquet", "rejects.parquet", "stats.json")
 TOKENIZER_FILES = (

@@ -10,7 +10,11 @@ The length policy is applied here, to the ids the model will see: an example lon
 data.max_seq_len is cut (``overlength: truncate``), left out as ``too_long`` (``drop``), or stops
 the stage with one line naming its file and row (``error``).
 
-Every example the stage leaves out (a template reject, one too long for ``overlength: drop``, one
+Special-token text in the data (a literal ``<|im_end|>`` the tokenizer would read as that token) is
+handled here too, by data.special_text (chat_format.SpecialText: reject the row, strip or escape the
+text), with the tokenizer's own list of special tokens: the split loads no tokenizer.
+
+Every example the stage leaves out (a special_text or template reject, one too long for ``overlength: drop``, one
 whose prompt alone fills ``max_seq_len`` under ``truncate``, one with every label masked) is written
 to the shard's rejects file with its source file, row, content hash and reason, and counted in the
 stats; above ``data.max_reject_fraction`` of the shard, or with no example left, the stage stops with
@@ -27,6 +31,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from chat_format import SpecialText, special_texts
 from chat_render import ChatRenderer, encode_messages, use_template
 from contracts import IGNORE, REJECT_SCHEMA, TOKENIZED_SCHEMA
 from packing import write_packing
@@ -81,10 +86,12 @@ def tokenize_shard(
     train_on: str = "last",
     template_kwargs: dict | None = None,
     rejects_out: Path | None = None,
+    special: SpecialText | None = None,
 ):
-    """Stream the shard through render → tokenize → mask → fit, writing as it goes.
+    """Stream the shard through special text → render → tokenize → mask → fit, writing as it goes.
 
-    Rows left out (the chat template cannot render them into a training example, too long,
+    Rows left out (special-token text under data.special_text: reject, by ``special``; the chat
+    template cannot render them into a training example, too long,
     no trained token left) are counted in the stats (``rejected`` by reason, ``rejects``:
     the first ones with file, row and detail) and, all of them, written to ``rejects_out``.
     Returns the examples' lengths (for the packing plan) and the stats.
@@ -101,10 +108,17 @@ def tokenize_shard(
         progress = Progress(f"tokenize {shard.name}", file.metadata.num_rows)
         for batch in file.iter_batches(batch_size=batch_rows, columns=columns):
             cols = batch.to_pydict()  # column lists; a row's dict only where one is reported (row_at)
-            conversations = [json.loads(m) for m in cols["messages"]]
+            conversations, rows = [], []  # the conversations to encode, as data.special_text leaves them
+            for i, text in enumerate(cols["messages"]):
+                messages, why = special(json.loads(text)) if special else (json.loads(text), None)
+                if why:
+                    rejected.add(row_at(cols, i), *why)
+                else:
+                    conversations.append(messages)
+                    rows.append(i)
             encoded = encode_messages(tokenizer, conversations, render, train_on)
             out = {name: [] for name in TOKENIZED_SCHEMA.names}
-            for i, (messages, ex) in enumerate(zip(conversations, encoded, strict=True)):
+            for i, messages, ex in zip(rows, conversations, encoded, strict=True):
                 if "reject" in ex:
                     rejected.add(row_at(cols, i), *ex["reject"])
                     continue
@@ -125,13 +139,13 @@ def tokenize_shard(
             lengths += out["length"]
             writer.write_table(pa.Table.from_pydict(out, schema=TOKENIZED_SCHEMA))
             rejected.flush()
-            progress.update(len(conversations), tokens=sum(out["length"]))
+            progress.update(len(cols["messages"]), tokens=sum(out["length"]))
         progress.done()
         reasons, rejects = rejected.reasons, rejected.shown
         if rejects and not lengths and not reasons.keys() & set(LENGTH_REASONS):
             first = rejects[0]
             raise UserError(
-                f"{shard}: every row was rejected by the chat template ({dict(reasons)}), e.g. "
+                f"{shard}: every row was rejected ({dict(reasons)}), e.g. "
                 f"{first['source_file']}: row {first['source_row']}: {first['detail']}"
             )
     return lengths, {
@@ -143,7 +157,7 @@ def tokenize_shard(
         "rejected": dict(reasons),
         "rejects": rejects,
         "length_counts": {str(n): full[n] for n in sorted(full)},  # examples by length before the policy
-    }
+    } | ({"special_text": special.summary()} if special else {})
 
 
 def row_at(columns: dict[str, list], i: int) -> dict:
@@ -219,7 +233,9 @@ def advice(stats: dict, rejects: Path, allowed: int) -> str:
         tips.append(f"raise data.max_seq_len{keeps} (now {max_len})")
         if "too_long" in reasons:
             tips.append("set data.overlength: truncate (it keeps what fits of each answer)")
-    if reasons.keys() - set(LENGTH_REASONS):
+    if "special_text" in reasons:
+        tips.append("set data.special_text: strip or escape (it keeps rows with special-token text)")
+    if reasons.keys() - set(LENGTH_REASONS) - {"special_text"}:
         tips.append("fix the rows or data.chat_template (see the reasons in the config README)")
     if "no_labels" in reasons:
         tips.append("check data.train_on and the chat template's assistant turns")
@@ -291,7 +307,7 @@ def main(argv=None) -> None:
     fewer_gc_pauses()
     pack_len = a.pack_len or cfg.max_seq_len
     settings = {"max_seq_len": cfg.max_seq_len, "overlength": cfg.overlength, "pack_len": pack_len}
-    settings |= {"train_on": cfg.train_on, "template_kwargs": cfg.template_kwargs}
+    settings |= {"train_on": cfg.train_on, "template_kwargs": cfg.template_kwargs, "special_text": cfg.special_text}
     key = cache_key(a.shard, tokenizer_fingerprint(tokenizer, a.tokenizer), settings)
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
 
@@ -305,6 +321,7 @@ def main(argv=None) -> None:
             train_on=cfg.train_on,
             template_kwargs=cfg.template_kwargs,
             rejects_out=folder / "rejects.parquet",
+            special=SpecialText(special_texts(tokenizer), cfg.special_text),
         )
         return stats | write_packing(lengths, pack_len, folder / "packing.parquet") | {"key": key, "settings": settings}
 
