@@ -34,6 +34,7 @@ from chat_render import ChatRenderer, render_lengths, use_template
 from contracts import REJECT_SCHEMA, SPLIT_SCHEMA
 from data_formats import (
     JSON_TEXT,
+    ControlChars,
     check_columns,
     column_names,
     conversation_hashes,
@@ -55,6 +56,9 @@ REASONS = (
     "invalid_utf8",
     "invalid_json",
     "bad_turn_order",
+    "unsupported_content",
+    "unknown_role",
+    "control_chars",
     "duplicate",
     "eval_overlap",
     "special_text",
@@ -72,6 +76,7 @@ class Splitter:
     lengths: object = None  # balance: tokens: callable(list of conversations) -> their lengths in tokens
     eval_prompts: set | None = None  # prompt hashes of a separate eval file
     special: object = None  # SpecialText: data.special_text on each conversation
+    control: object = None  # ControlChars: data.control_chars on each conversation
     seen: set = field(default_factory=set)
     node_tokens: list = field(default_factory=list)
 
@@ -86,6 +91,8 @@ class Splitter:
                 rejects.append(reject(rec, *rec.error))
                 continue
             for messages, problem in to_examples(rec.fields, mapping, names):
+                if not problem and self.control is not None:
+                    messages, problem = self.control(messages)
                 if not problem and self.special is not None:
                     messages, problem = self.special(messages)
                 if problem:
@@ -228,6 +235,7 @@ def run_split(
     check_columns(cfg.path, cfg.format, mapping, names, delimiter)
     tok = load_tokenizer(tokenizer, cfg)
     splitter = Splitter(cfg.nodes, cfg.eval_fraction, cfg.seed, cfg.balance, length_counter(tok, cfg))
+    splitter.control = ControlChars(cfg.control_chars)
     splitter.special = SpecialText(special_texts(tok) if tok is not None else KNOWN_MARKERS, cfg.special_text)
     fewer_gc_pauses()
     outputs = Outputs(splits, eval_path, rejects)
@@ -271,7 +279,7 @@ def run_split(
     finally:
         outputs.close(ok)
     result = {"rows_in": rows_in, "reasons": dict(reasons), "rows": outputs.rows, "tokens": splitter.node_tokens}
-    return result | {"special_text": splitter.special.summary()}
+    return result | {"special_text": splitter.special.summary(), "control_chars": splitter.control.summary()}
 
 
 def check_shards(cfg: SplitConfig, rows: list[int], reasons: dict, least: int) -> None:
@@ -342,6 +350,7 @@ def main(argv=None) -> None:
             "eval": {"rows": rows[-2], "path": str(a.eval), "sha256": file_sha256(a.eval)},
             "rejects": {"rows": rows[-1], "by_reason": result["reasons"], "path": str(a.rejects)},
             "special_text": result["special_text"],
+            "control_chars": result["control_chars"],
             "settings": {
                 "seed": cfg.seed,
                 "eval_fraction": cfg.eval_fraction,
