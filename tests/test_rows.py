@@ -345,23 +345,31 @@ def test_bom_and_crlf_files_give_the_rows_of_the_plain_file(tmp_path):
     assert json.loads(rejects[n]["record"]) == {"line": '{"prompt": "cut'} and rejects[n]["reason"] == "invalid_json"
 
 
-def test_control_characters_rejected_or_stripped_and_counted(tmp_path):
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_control_characters_rejected_or_stripped_and_counted(tmp_path, fmt):
     """NUL bytes were trained on unflagged. A C0 control character (not tab, LF, CR) in a turn: a
     control_chars reject, or stripped (data.control_chars: strip); counted in the result and the manifest."""
+    import pandas as pd
+
     rows = prompt_rows()
-    rows[1]["completion"] += "\u0000"  # an escaped NUL
+    rows[1]["completion"] += "\u0000"  # JSONL: an escaped NUL
     rows[4]["prompt"] = "\x1b[31m" + rows[4]["prompt"]  # a terminal colour code
-    rows[6]["completion"] = "a\tb\r\nc"  # tab, CR, LF: text
-    lines = [json.dumps(r, ensure_ascii=False) for r in rows]
-    lines[9] = lines[9].replace('"completion": "', '"completion": "\x00\x00', 1)  # raw NUL bytes in a string
-    data = tmp_path / "nul.jsonl"
-    data.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    rows[6]["completion"] = "a\tb\nc"  # tab, LF: text
+    rows[9]["completion"] = "\x00\x00" + rows[9]["completion"]  # JSONL: raw NUL bytes inside a string
+    data = tmp_path / f"nul.{fmt}"
+    if fmt == "csv":
+        data.write_bytes(pd.DataFrame(rows).to_csv(index=False).encode())
+    else:
+        lines = [json.dumps(r, ensure_ascii=False) for r in rows]
+        lines[9] = lines[9].replace("\\u0000", "\x00")
+        data.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    assert (b"\x00\x00" in data.read_bytes()) and data.read_bytes().count(b"\x00") == 2 + (fmt == "csv")
     rejected = split_files(tmp_path / "reject", data, columns=COLUMNS)
     kept, rejects = accounted(rejected, len(rows))
     assert {row: r["reason"] for row, r in rejects.items()} == dict.fromkeys([1, 4, 9], "control_chars")
     assert "assistant turn 1 contains the control character U+0000 (NUL)" in rejects[1]["detail"]
     assert "user turn 0 contains the control character U+001B" in rejects[4]["detail"]
-    assert json.loads(kept[6]["messages"])[1]["content"] == "a\tb\r\nc"
+    assert json.loads(kept[6]["messages"])[1]["content"] == "a\tb\nc"
     assert rejected["control_chars"] == {"policy": "reject", "rows": 3, "by_char": {"U+0000": 3, "U+001B": 1}}
     assert rejected["reasons"] == {"control_chars": 3}
     # strip: every row kept, without the characters; the manifest counts them
@@ -386,5 +394,5 @@ def test_control_characters_rejected_or_stripped_and_counted(tmp_path):
         texts[1][1]["content"] == rows[1]["completion"][:-1]
         and texts[4][0]["content"] == "[31m" + rows[4]["prompt"][5:]
     )
-    assert texts[9][1]["content"] == rows[9]["completion"]
+    assert texts[9][1]["content"] == rows[9]["completion"][2:]
     assert manifest["control_chars"] == {"policy": "strip", "rows": 3, "by_char": {"U+0000": 3, "U+001B": 1}}

@@ -498,7 +498,10 @@ class ControlChars:
 
     def __call__(self, messages: list[dict]) -> tuple[list[dict] | None, tuple | None]:
         """(the conversation as the policy leaves it, None), or (None, (reason, detail)) to reject it."""
-        if not any(CONTROL_CHARS.search(turn["content"]) for turn in messages):
+        for turn in messages:  # a loop, not any(): this runs on every row
+            if CONTROL_CHARS.search(turn["content"]):
+                break
+        else:
             return messages, None
         hits = [(i, c) for i, turn in enumerate(messages) for c in CONTROL_CHARS.findall(turn["content"])]
         self.rows += 1
