@@ -509,7 +509,8 @@ class ControlChars:
         if self.policy == "reject":
             i, c = hits[0]
             name = f"U+{ord(c):04X}" + (" (NUL)" if c == "\0" else "")
-            detail = f"{messages[i]['role']} turn {i} contains the control character {name} (data.control_chars: strip)"
+            role = messages[i]["role"]
+            detail = f"{role} turn {i} contains the control character {name} (data.control_chars: strip keeps the row)"
             return None, ("control_chars", detail)
         return [turn | {"content": CONTROL_CHARS.sub("", turn["content"])} for turn in messages], None
 
