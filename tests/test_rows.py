@@ -339,6 +339,11 @@ def test_bom_and_crlf_files_give_the_rows_of_the_plain_file(tmp_path):
         outputs[name] = {row: (r["messages"], r["content_hash"]) for row, r in kept.items()}
     for name, kept in outputs.items():
         assert kept == outputs["plain.jsonl"], name
+    # a CRLF CSV with a cell that is not UTF-8: its batch decoded row by row, CRLF as LF all the same
+    (tmp_path / "bad.csv").write_bytes(variants["bom_crlf.csv"] + b'x,"\xff"\r\n')
+    kept, rejects = accounted(split_files(tmp_path / "bad_csv", tmp_path / "bad.csv", columns=COLUMNS), n + 1)
+    assert rejects[n]["reason"] == "invalid_utf8" and len(rejects) == 1
+    assert {row: (r["messages"], r["content_hash"]) for row, r in kept.items()} == outputs["plain.jsonl"]
     # a CRLF line that is not JSON: its reject holds the line without the CR
     (tmp_path / "bad.jsonl").write_bytes(variants["crlf.jsonl"] + b'{"prompt": "cut\r\n')
     kept, rejects = accounted(split_files(tmp_path / "bad", tmp_path / "bad.jsonl", columns=COLUMNS), n + 1)

@@ -104,44 +104,52 @@ def detect_format(path: Path, fmt: str = "auto") -> str:
 # ---------------------------------------------------------------- readers
 
 
-def _decode(value, column: str):
-    """Bytes from the CSV reader to text (a CRLF inside a quoted cell as LF, as ``_utf8_batch``); invalid
-    UTF-8 becomes an error for this row only."""
+def _decode(value, column: str, crlf: bool):
+    """Bytes from the CSV reader to text (a CRLF as LF in a CRLF file, as ``_utf8_batch``); invalid UTF-8
+    becomes an error for this row only."""
     if value is None or isinstance(value, str):
         return value
     try:
-        return value.decode("utf-8").replace("\r\n", "\n")
+        return value.decode("utf-8").replace("\r\n", "\n") if crlf else value.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"column {column!r}: invalid UTF-8 at byte {e.start}") from None
 
 
-def _utf8_batch(batch: pa.RecordBatch) -> pa.RecordBatch | None:
-    """The batch's binary cells as text, when every one is valid UTF-8 (else None: decode row by row). A line
-    end inside a quoted cell is the file's: CRLF becomes LF, so a CSV saved on Windows gives the same rows."""
+def _utf8_batch(batch: pa.RecordBatch, crlf: bool) -> pa.RecordBatch | None:
+    """The batch's binary cells as text, when every one is valid UTF-8 (else None: decode row by row). In a
+    file with CRLF line ends, a line end inside a quoted cell is one too: it becomes LF, so a CSV saved on
+    Windows gives the rows of the same file saved with LF."""
     try:
         text = [c.cast(pa.string()) for c in batch.columns]
     except pa.ArrowInvalid:
         return None
-    text = [pc.replace_substring(c, "\r\n", "\n") if pc.any(pc.match_substring(c, "\r")).as_py() else c for c in text]
+    text = [pc.replace_substring(c, "\r\n", "\n") for c in text] if crlf else text
     return pa.RecordBatch.from_arrays(text, names=batch.schema.names)
+
+
+def has_crlf(path: Path) -> bool:
+    """Whether a text file's first line ends in CRLF: its line ends are Windows'."""
+    with open(path, "rb") as f:
+        return f.readline(1 << 20).endswith(b"\r\n")
 
 
 def _csv_batches(path: Path, delimiter: str, batch_bytes: int) -> Iterator[list[dict | tuple]]:
     parse = pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
     read = pacsv.ReadOptions(block_size=batch_bytes)
+    crlf = has_crlf(path)
     try:
         names = pacsv.open_csv(path, read_options=read, parse_options=parse).schema.names
         # every cell as raw bytes: "007" stays "007", and bad UTF-8 is caught per row
         convert = pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.binary()), strings_can_be_null=False)
         reader = pacsv.open_csv(path, read_options=read, parse_options=parse, convert_options=convert)
         for batch in reader:
-            if (text := _utf8_batch(batch)) is not None:  # all valid: decoded in Arrow, not cell by cell
+            if (text := _utf8_batch(batch, crlf)) is not None:  # all valid: decoded in Arrow, not cell by cell
                 yield text.to_pylist()
                 continue
             rows = []
             for row in batch.to_pylist():
                 try:
-                    rows.append({k: _decode(v, k) for k, v in row.items()})
+                    rows.append({k: _decode(v, k, crlf) for k, v in row.items()})
                 except ValueError as e:
                     raw = {
                         k: v.decode("utf-8", "backslashreplace") if isinstance(v, bytes) else v for k, v in row.items()
