@@ -8,7 +8,7 @@ from collections import Counter
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import tokenize_config
+from conftest import REPO, split_files, tokenize_config
 from data_formats import column_names, content_hash, to_examples
 from demo_model import train_tokenizer
 
@@ -202,3 +202,202 @@ def test_examples_trained_from_the_plan(plan, trained):
     from summarize import examples_trained
 
     assert examples_trained(plan) == {"examples_tokenized": 100, "examples_trained": trained}
+
+
+# ---------------------------------------------------------------- formats and text users bring
+
+SHARED = REPO.parent / "shared" / "data" / "self_instruct_seed_tasks.jsonl"
+
+
+def tasks(n: int = 24) -> list[tuple[str, str, str]]:
+    """(instruction, input, output) of the first ``n`` self-instruct tasks of ../shared/data (non-ASCII, empty
+    inputs, multi-line outputs), or as many made-up ones where that folder is absent."""
+    if not SHARED.exists():
+        return [(f"Übersetze Satz {i}", f"line {i}\nzweite Zeile" * (i % 2), f"Antwort {i} — fertig") for i in range(n)]
+    out = []
+    for line in SHARED.open(encoding="utf-8"):
+        task = json.loads(line)
+        out.append((task["instruction"], task["instances"][0]["input"], task["instances"][0]["output"]))
+    return out[:n]
+
+
+def accounted(out, n: int) -> tuple[dict, dict]:
+    """Rows in = rows out + rejects, row for row: each source row once, in a shard, the eval set or the
+    rejects. Returns (kept rows, rejects) by source row."""
+    kept = [r for p in [*out["splits"], out["eval"]] for r in pq.read_table(p).to_pylist()]
+    rejects = pq.read_table(out["rejects"]).to_pylist()
+    assert out["rows_in"] == n == len(kept) + len(rejects)
+    assert sorted(r["source_row"] for r in kept + rejects) == list(range(n))
+    return {r["source_row"]: r for r in kept}, {r["source_row"]: r for r in rejects}
+
+
+def conversations(kept: dict) -> dict:
+    return {row: json.loads(r["messages"]) for row, r in kept.items()}
+
+
+def test_openai_content_parts_are_joined_and_other_parts_rejected(tmp_path):
+    """The issue's case: a content list was trained as its Python repr. Text parts are joined with a newline
+    (as vLLM joins them for a template that takes a string: Qwen3's and Llama 3's in ../shared/templates
+    cannot take a list); an image or audio part rejects the row, naming the turn and the part's type."""
+    rows = []
+    for i, (instruction, extra, answer) in enumerate(tasks()):
+        parts = [{"type": "text", "text": instruction}] + ([{"type": "text", "text": extra}] if extra else [])
+        if i % 8 == 3:
+            parts.append({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}})
+        if i % 8 == 5:
+            parts.insert(0, {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}})
+        user = {"role": "user", "content": parts if i % 4 else instruction}  # every 4th a plain string
+        system = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}] if i % 3 == 0 else []
+        rows.append({"messages": [*system, user, {"role": "assistant", "content": [{"type": "text", "text": answer}]}]})
+    data = tmp_path / "openai.jsonl"
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    kept, rejects = accounted(split_files(tmp_path / "out", data, mapping="chat"), len(rows))
+    for row, messages in conversations(kept).items():
+        instruction, extra, answer = tasks()[row]
+        user = instruction if row % 4 == 0 else "\n".join(filter(None, [instruction, extra]))
+        system = [{"role": "system", "content": "Be brief."}] if row % 3 == 0 else []
+        assert messages == [*system, {"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    assert set(rejects) == {i for i in range(len(rows)) if i % 8 in (3, 5)}
+    for row, r in rejects.items():
+        turn = 1 if row % 3 == 0 else 0
+        kind = "image_url" if row % 8 == 3 else "input_audio"
+        assert (r["reason"], r["detail"]) == (
+            "unsupported_content",
+            f"user turn {turn} has a '{kind}' part: only text parts are trained",
+        )
+        assert json.loads(r["record"]) == rows[row]  # the row itself, nothing lost
+
+
+def test_sharegpt_read_named_or_detected_and_unknown_from_rejected(tmp_path):
+    """ShareGPT `conversations` of {from, value}: human/gpt/system (and user/assistant) mapped to roles, by
+    data.mapping: sharegpt or detected under chat; tool turns and an unknown `from` rejected, naming it."""
+    rows, roles = [], {}
+    for i, (instruction, extra, answer) in enumerate(tasks()):
+        user, bot = ("human", "gpt") if i % 2 else ("user", "assistant")
+        turns = [
+            {"from": user, "value": "\n\n".join(filter(None, [instruction, extra]))},
+            {"from": bot, "value": answer},
+        ]
+        if i % 3 == 0:
+            turns = [{"from": "system", "value": "You are helpful."}, *turns, {"from": user, "value": "Thanks!"},
+                     {"from": bot, "value": "You are welcome."}]  # fmt: skip
+        if i % 7 == 2:
+            turns[-1]["from"] = "bing"
+        if i % 7 == 4:
+            turns[-2:-1] = [{"from": "function_call", "value": '{"name": "f"}'}, {"from": "observation", "value": "1"}]
+        rows.append({"id": f"r{i}", "conversations": turns})
+        roles[i] = [{"system": "system", "human": "user", "gpt": "assistant"}.get(t["from"], t["from"]) for t in turns]
+    data = tmp_path / "sharegpt.jsonl"
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    named = split_files(tmp_path / "named", data, mapping="sharegpt")
+    kept, rejects = accounted(named, len(rows))
+    assert set(rejects) == {i for i in range(len(rows)) if i % 7 in (2, 4)}
+    for row, messages in conversations(kept).items():
+        assert [t["role"] for t in messages] == roles[row]
+        assert [t["content"] for t in messages] == [t["value"] for t in rows[row]["conversations"]]
+    for row, r in rejects.items():
+        last = len(rows[row]["conversations"]) - 1
+        if row % 7 == 2:
+            assert r["reason"] == "unknown_role" and f"turn {last} is from 'bing'" in r["detail"], r
+        else:
+            assert r["reason"] == "unsupported_content" and "'function_call', a tool turn" in r["detail"], r
+    # the same file under data.mapping: chat (the default column, messages, absent): the same outputs
+    detected = split_files(tmp_path / "detected", data, mapping="chat")
+    for a, b in zip([*named["splits"], named["eval"], named["rejects"]],
+                    [*detected["splits"], detected["eval"], detected["rejects"]], strict=True):  # fmt: skip
+        assert pq.read_table(a).equals(pq.read_table(b)), a.name
+
+
+def prompt_rows(n: int = 24) -> list[dict]:
+    return [{"prompt": "\n".join(filter(None, [q, x])), "completion": a} for q, x, a in tasks(n)]
+
+
+def test_bom_and_crlf_files_give_the_rows_of_the_plain_file(tmp_path):
+    """A UTF-8 BOM (Excel, Notepad) lost the first JSONL row as invalid_json and stopped a JSON array; CRLF
+    line ends left a CR inside multi-line CSV cells. Each variant: the plain file's rows, row for row."""
+    import pandas as pd
+
+    rows = prompt_rows()
+    n = len(rows)
+    jsonl = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    frame = pd.DataFrame(rows)
+    variants = {
+        "plain.jsonl": jsonl.encode(),
+        "bom.jsonl": b"\xef\xbb\xbf" + jsonl.encode(),
+        "crlf.jsonl": jsonl.replace("\n", "\r\n").encode(),  # JSON escapes a newline in a string: line ends only
+        "bom.json": b"\xef\xbb\xbf" + json.dumps(rows, ensure_ascii=False).encode(),
+        "plain.csv": frame.to_csv(index=False, lineterminator="\n").encode(),
+        "bom_crlf.csv": b"\xef\xbb\xbf" + frame.to_csv(index=False, lineterminator="\n").replace("\n", "\r\n").encode(),
+    }
+    assert any("\n" in r["prompt"] + r["completion"] for r in rows)  # multi-line cells, CRLF inside the quotes
+    outputs = {}
+    for name, raw in variants.items():
+        (tmp_path / name).write_bytes(raw)
+        out = split_files(tmp_path / name.replace(".", "_"), tmp_path / name, columns=COLUMNS)
+        kept, rejects = accounted(out, n)
+        assert not rejects, (name, list(rejects.values())[:1])
+        outputs[name] = {row: (r["messages"], r["content_hash"]) for row, r in kept.items()}
+    for name, kept in outputs.items():
+        assert kept == outputs["plain.jsonl"], name
+    # a CRLF CSV with a cell that is not UTF-8: its batch decoded row by row, CRLF as LF all the same
+    (tmp_path / "bad.csv").write_bytes(variants["bom_crlf.csv"] + b'x,"\xff"\r\n')
+    kept, rejects = accounted(split_files(tmp_path / "bad_csv", tmp_path / "bad.csv", columns=COLUMNS), n + 1)
+    assert rejects[n]["reason"] == "invalid_utf8" and len(rejects) == 1
+    assert {row: (r["messages"], r["content_hash"]) for row, r in kept.items()} == outputs["plain.jsonl"]
+    # a CRLF line that is not JSON: its reject holds the line without the CR
+    (tmp_path / "bad.jsonl").write_bytes(variants["crlf.jsonl"] + b'{"prompt": "cut\r\n')
+    kept, rejects = accounted(split_files(tmp_path / "bad", tmp_path / "bad.jsonl", columns=COLUMNS), n + 1)
+    assert json.loads(rejects[n]["record"]) == {"line": '{"prompt": "cut'} and rejects[n]["reason"] == "invalid_json"
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_control_characters_rejected_or_stripped_and_counted(tmp_path, fmt):
+    """NUL bytes were trained on unflagged. A C0 control character (not tab, LF, CR) in a turn: a
+    control_chars reject, or stripped (data.control_chars: strip); counted in the result and the manifest."""
+    import pandas as pd
+
+    rows = prompt_rows()
+    rows[1]["completion"] += "\u0000"  # JSONL: an escaped NUL
+    rows[4]["prompt"] = "\x1b[31m" + rows[4]["prompt"]  # a terminal colour code
+    rows[6]["completion"] = "a\tb\nc"  # tab, LF: text
+    rows[9]["completion"] = "\x00\x00" + rows[9]["completion"]  # JSONL: raw NUL bytes inside a string
+    data = tmp_path / f"nul.{fmt}"
+    if fmt == "csv":
+        data.write_bytes(pd.DataFrame(rows).to_csv(index=False).encode())
+    else:
+        lines = [json.dumps(r, ensure_ascii=False) for r in rows]
+        lines[9] = lines[9].replace("\\u0000", "\x00")
+        data.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    assert (b"\x00\x00" in data.read_bytes()) and data.read_bytes().count(b"\x00") == 2 + (fmt == "csv")
+    rejected = split_files(tmp_path / "reject", data, columns=COLUMNS)
+    kept, rejects = accounted(rejected, len(rows))
+    assert {row: r["reason"] for row, r in rejects.items()} == dict.fromkeys([1, 4, 9], "control_chars")
+    assert "assistant turn 1 contains the control character U+0000 (NUL)" in rejects[1]["detail"]
+    assert "user turn 0 contains the control character U+001B" in rejects[4]["detail"]
+    assert json.loads(kept[6]["messages"])[1]["content"] == "a\tb\nc"
+    assert rejected["control_chars"] == {"policy": "reject", "rows": 3, "by_char": {"U+0000": 3, "U+001B": 1}}
+    assert rejected["reasons"] == {"control_chars": 3}
+    # strip: every row kept, without the characters; the manifest counts them
+    from split import main
+
+    out = tmp_path / "strip"
+    config = {"path": str(data), "columns": COLUMNS, "nodes": 2, "eval_fraction": 0.2, "control_chars": "strip"}
+    main([
+        "--config", json.dumps(config), "--splits", str(out / "n0.parquet"), str(out / "n1.parquet"),
+        "--eval", str(out / "e.parquet"), "--rejects", str(out / "r.parquet"), "--manifest", str(out / "m.json"),
+    ])  # fmt: skip
+    paths = {
+        "splits": [out / "n0.parquet", out / "n1.parquet"],
+        "eval": out / "e.parquet",
+        "rejects": out / "r.parquet",
+    }
+    manifest = json.loads((out / "m.json").read_text())
+    kept, rejects = accounted(paths | {"rows_in": manifest["rows_in"]}, len(rows))
+    assert not rejects
+    texts = conversations(kept)
+    assert (
+        texts[1][1]["content"] == rows[1]["completion"][:-1]
+        and texts[4][0]["content"] == "[31m" + rows[4]["prompt"][5:]
+    )
+    assert texts[9][1]["content"] == rows[9]["completion"][2:]
+    assert manifest["control_chars"] == {"policy": "strip", "rows": 3, "by_char": {"U+0000": 3, "U+001B": 1}}

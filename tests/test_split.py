@@ -8,7 +8,16 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, split_files, tokenize_config, tool_env
-from data_formats import check_columns, column_names, content_hash, is_eval, iter_records, node_by_hash, to_examples
+from data_formats import (
+    CONTROL_CHARS,
+    check_columns,
+    column_names,
+    content_hash,
+    is_eval,
+    iter_records,
+    node_by_hash,
+    to_examples,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pipeline_io import UserError
@@ -230,7 +239,7 @@ def test_no_row_is_lost_or_duplicated(tmp_path_factory, rows, nodes, balance):
     data = tmp / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "question": q, "response": r}) + "\n" for p, q, r in rows))
     out = split_files(tmp, data, nodes=nodes, balance=balance, eval_fraction=0.3) if any(
-        q.strip() and r.strip() for _, q, r in rows
+        q.strip() and r.strip() and not CONTROL_CHARS.search(q + r) for _, q, r in rows
     ) else None  # fmt: skip
     if out is None:
         with pytest.raises(UserError, match="no usable rows"):
@@ -285,6 +294,20 @@ def test_missing_column_and_file_are_one_line_errors(tmp_path):
     (tmp_path / "bad.parquet").write_text("not parquet")
     with pytest.raises(UserError, match="bad.parquet: cannot read as Parquet"):
         check_columns(str(tmp_path / "bad.parquet"), "auto", "columns", {})
+
+
+@pytest.mark.parametrize("sep, hint", [(";", 'set data.delimiter: ";"'), ("\t", "set data.delimiter: tab")])
+def test_a_csv_split_on_the_wrong_delimiter_names_data_delimiter(tmp_path, sep, hint):
+    """A ';' (European Excel) or tab CSV read with ',': its header is one column; the error says which key to set."""
+    data = tmp_path / "d.csv"
+    data.write_text(f"prompt{sep}question{sep}response\nsys{sep}q{sep}a\n")
+    with pytest.raises(UserError, match="column 'question' .*not found") as err:
+        check_columns(str(data), "auto", "columns", {})
+    assert str(err.value).endswith(hint + ")"), err.value
+    check_columns(str(data), "auto", "columns", {}, sep)  # with the delimiter set: found
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt;question": "x"}) + "\n")  # not a CSV: no hint
+    with pytest.raises(UserError, match=r"the file has \['prompt;question'\]$"):
+        check_columns(str(tmp_path / "d.jsonl"), "auto", "columns", {})
 
 
 def test_cli_writes_outputs_and_exits_2_with_one_line(tmp_path):

@@ -7,7 +7,13 @@ folder or a glob). Mappings turn a record into a conversation — a list of
 - ``columns``: system / user / assistant columns (seed 000's ``prompt, question,
   response``; ``prompt, completion`` with ``prompt: null``...).
 - ``alpaca``: ``instruction``, optional ``input``, ``output``.
-- ``chat``: a ``messages`` list of ``{role, content}`` turns (multi-turn, optional system).
+- ``chat``: a ``messages`` list of ``{role, content}`` turns (multi-turn, optional system). A turn's
+  content may be a list of OpenAI-style parts: its text parts are joined with a newline (what vLLM
+  and other OpenAI-compatible servers give a template that takes a string, as Qwen3's and Llama 3's
+  do); any other part (``image_url``, ``input_audio``...) rejects the row, naming the part's type.
+- ``sharegpt``: a ``conversations`` list of ``{from, value}`` turns, ``from`` human/user, gpt/assistant
+  or system. Each mapping reads both turn forms, and, when its column is absent, the other's
+  (``messages`` <-> ``conversations``): a ShareGPT file read with ``chat`` works.
 - ``nested``: one ``instruction`` with a list of ``instances`` ``{input, output}``,
   one example per instance (the self-instruct format of ../shared/data).
 
@@ -16,32 +22,39 @@ out for evaluation, and which node a row goes to, are pure functions of that has
 (``is_eval``, ``node_by_hash``), so the split and the demo data generator agree on them.
 """
 
+import codecs
 import glob
 import hashlib
 import json
+import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import ijson
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 from pipeline_io import UserError
 
 EXTENSIONS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 FORMATS = ("csv", "tsv", "jsonl", "json", "parquet")
-MAPPINGS = ("columns", "alpaca", "chat", "nested")
+MAPPINGS = ("columns", "alpaca", "chat", "sharegpt", "nested")
 DEFAULT_COLUMNS = {
     "columns": {"prompt": "prompt", "question": "question", "response": "response"},
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": None},
     "chat": {"messages": "messages"},
+    "sharegpt": {"conversations": "conversations"},
     "nested": {"instruction": "instruction", "instances": "instances", "input": "input", "output": "output"},
 }
+CHAT_COLUMNS = {"messages": "conversations", "conversations": "messages"}  # chat and sharegpt read either
 REQUIRED = {
     "columns": ("question", "response"),
     "alpaca": ("instruction", "output"),
     "chat": ("messages",),
+    "sharegpt": ("conversations",),
     "nested": ("instruction", "instances"),
 }
 
@@ -91,40 +104,52 @@ def detect_format(path: Path, fmt: str = "auto") -> str:
 # ---------------------------------------------------------------- readers
 
 
-def _decode(value, column: str):
-    """Bytes from the CSV reader to text; invalid UTF-8 becomes an error for this row only."""
+def _decode(value, column: str, crlf: bool):
+    """Bytes from the CSV reader to text (a CRLF as LF in a CRLF file, as ``_utf8_batch``); invalid UTF-8
+    becomes an error for this row only."""
     if value is None or isinstance(value, str):
         return value
     try:
-        return value.decode("utf-8")
+        return value.decode("utf-8").replace("\r\n", "\n") if crlf else value.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"column {column!r}: invalid UTF-8 at byte {e.start}") from None
 
 
-def _utf8_batch(batch: pa.RecordBatch) -> pa.RecordBatch | None:
-    """The batch's binary cells as text, when every one is valid UTF-8 (else None: decode row by row)."""
+def _utf8_batch(batch: pa.RecordBatch, crlf: bool) -> pa.RecordBatch | None:
+    """The batch's binary cells as text, when every one is valid UTF-8 (else None: decode row by row). In a
+    file with CRLF line ends, a line end inside a quoted cell is one too: it becomes LF, so a CSV saved on
+    Windows gives the rows of the same file saved with LF."""
     try:
-        return pa.RecordBatch.from_arrays([c.cast(pa.string()) for c in batch.columns], names=batch.schema.names)
+        text = [c.cast(pa.string()) for c in batch.columns]
     except pa.ArrowInvalid:
         return None
+    text = [pc.replace_substring(c, "\r\n", "\n") for c in text] if crlf else text
+    return pa.RecordBatch.from_arrays(text, names=batch.schema.names)
+
+
+def has_crlf(path: Path) -> bool:
+    """Whether a text file's first line ends in CRLF: its line ends are Windows'."""
+    with open(path, "rb") as f:
+        return f.readline(1 << 20).endswith(b"\r\n")
 
 
 def _csv_batches(path: Path, delimiter: str, batch_bytes: int) -> Iterator[list[dict | tuple]]:
     parse = pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
     read = pacsv.ReadOptions(block_size=batch_bytes)
+    crlf = has_crlf(path)
     try:
         names = pacsv.open_csv(path, read_options=read, parse_options=parse).schema.names
         # every cell as raw bytes: "007" stays "007", and bad UTF-8 is caught per row
         convert = pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.binary()), strings_can_be_null=False)
         reader = pacsv.open_csv(path, read_options=read, parse_options=parse, convert_options=convert)
         for batch in reader:
-            if (text := _utf8_batch(batch)) is not None:  # all valid: decoded in Arrow, not cell by cell
+            if (text := _utf8_batch(batch, crlf)) is not None:  # all valid: decoded in Arrow, not cell by cell
                 yield text.to_pylist()
                 continue
             rows = []
             for row in batch.to_pylist():
                 try:
-                    rows.append({k: _decode(v, k) for k, v in row.items()})
+                    rows.append({k: _decode(v, k, crlf) for k, v in row.items()})
                 except ValueError as e:
                     raw = {
                         k: v.decode("utf-8", "backslashreplace") if isinstance(v, bytes) else v for k, v in row.items()
@@ -135,22 +160,34 @@ def _csv_batches(path: Path, delimiter: str, batch_bytes: int) -> Iterator[list[
         raise UserError(f"{path}: cannot read as CSV: {str(e).splitlines()[0]}") from None
 
 
+def skip_bom(f) -> None:
+    """Past a UTF-8 byte order mark at the start of a file opened in binary (Excel and Notepad write one)."""
+    if f.read(len(codecs.BOM_UTF8)) != codecs.BOM_UTF8:
+        f.seek(0)
+
+
+# json.loads, but a raw control character inside a string (a NUL byte) is read, for data.control_chars to
+# judge like an escaped one (\u0000), not an invalid_json reject
+JSON_DECODER = json.JSONDecoder(strict=False)
+
+
 def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[list[dict | tuple]]:
     rows = []
     with open(path, "rb") as f:
-        for line in f:
+        skip_bom(f)
+        for line in f:  # a CRLF line end is whitespace to JSON
             if not line.strip():
                 continue  # blank lines are not rows
             try:
-                obj = json.loads(line.decode("utf-8"))
+                obj = JSON_DECODER.decode(line.decode("utf-8"))
                 rows.append(
                     obj if isinstance(obj, dict) else ("invalid_json", "line is not a JSON object", {"line": obj})
                 )
             except UnicodeDecodeError as e:
-                raw = {"line": line.decode("utf-8", "backslashreplace").rstrip("\n")}
+                raw = {"line": line.decode("utf-8", "backslashreplace").rstrip("\r\n")}
                 rows.append(("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the line", raw))
             except json.JSONDecodeError as e:
-                rows.append(("invalid_json", f"{e.msg} at column {e.colno}", {"line": line.decode().rstrip("\n")}))
+                rows.append(("invalid_json", f"{e.msg} at column {e.colno}", {"line": line.decode().rstrip("\r\n")}))
             if len(rows) >= batch_rows:
                 yield rows
                 rows = []
@@ -161,6 +198,7 @@ def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[list[dict | tuple]]:
 def json_array_prefix(path: Path) -> str:
     """Where the records of a JSON file are: a top-level array, or the array under an object's first key."""
     with path.open("rb") as f:
+        skip_bom(f)
         events = ijson.parse(f)
         try:
             _, event, _ = next(events)
@@ -182,6 +220,7 @@ def _json_batches(path: Path, batch_rows: int) -> Iterator[list[dict | tuple]]:
     prefix = json_array_prefix(path)
     rows: list[dict | tuple] = []
     with path.open("rb") as f:
+        skip_bom(f)
         try:
             for item in ijson.items(f, prefix, use_float=True):
                 bad = ("invalid_json", "item is not an object", {"item": item})
@@ -310,8 +349,22 @@ def check_columns(spec: str, fmt: str, mapping: str, columns: dict, delimiter: s
             continue  # keys inside each instance, not columns
         # an optional field under its default name may be absent; a name the user chose may not
         optional_default = field not in REQUIRED[mapping] and name == DEFAULT_COLUMNS[mapping].get(field)
-        if present and name not in present and not optional_default:
-            raise UserError(f"{path}: column {name!r} (data.columns.{field}) not found; the file has {present}")
+        alternate = mapping in ("chat", "sharegpt") and CHAT_COLUMNS.get(name) in present
+        if present and name not in present and not optional_default and not alternate:
+            raise UserError(
+                f"{path}: column {name!r} (data.columns.{field}) not found; the file has {present}"
+                + delimiter_hint(path, fmt, present)
+            )
+
+
+def delimiter_hint(path: Path, fmt: str, present: list[str]) -> str:
+    """For a CSV whose header names hold a ';', a tab or a '|': it was split on the wrong delimiter."""
+    if detect_format(path, fmt) not in ("csv", "tsv"):
+        return ""
+    for sep, value in ((";", '";"'), ("\t", "tab"), ("|", '"|"')):
+        if any(sep in name for name in present):
+            return f" (its header holds {'a tab' if sep == chr(9) else repr(sep)}: set data.delimiter: {value})"
+    return ""
 
 
 def _text(value) -> str | None:
@@ -347,8 +400,11 @@ def to_examples(fields: dict, mapping: str, names: dict) -> list[tuple[list[dict
         turns = [{"role": "system", "content": system}] if system and system.strip() else []
         user = {"role": "user", "content": _join(instruction, extra)}
         return [(turns + [user, {"role": "assistant", "content": answer}], None)]
-    if mapping == "chat":
-        return [_chat(fields.get(names["messages"]), names["messages"])]
+    if mapping in ("chat", "sharegpt"):
+        column = names["messages" if mapping == "chat" else "conversations"]
+        if column not in fields and CHAT_COLUMNS.get(column) in fields:
+            column = CHAT_COLUMNS[column]  # a ShareGPT file read with chat, or the reverse
+        return [_chat(fields.get(column), column)]
     instruction, instances = get("instruction"), fields.get(names["instances"])
     if instruction is None:
         return [(None, ("missing_field", f"{names['instruction']} is missing or null"))]
@@ -374,16 +430,100 @@ def _chat(messages, column: str):
     if not isinstance(messages, list) or not messages:
         return None, ("missing_field", f"{column} is missing or not a list")
     turns = []
-    for m in messages:
-        if not isinstance(m, dict) or _text(m.get("role")) is None or _text(m.get("content")) is None:
-            return None, ("missing_field", "a turn lacks role or content")
-        turns.append({"role": str(m["role"]), "content": _text(m["content"])})
+    for i, m in enumerate(messages):
+        turn, problem = _turn(m, i)
+        if problem:
+            return None, problem
+        turns.append(turn)
     roles = [t["role"] for t in turns]
     body = roles[1:] if roles[0] == "system" else roles
     expected = ["user", "assistant"] * (len(body) // 2)
     if len(body) < 2 or body != expected:
         return None, ("bad_turn_order", f"roles {roles}: expected optional system, then user/assistant pairs")
     return turns, None
+
+
+# ShareGPT's `from` values, and the role each is trained as; function_call and observation (LLaMA-Factory's
+# tool call and result) are turns the chat mapping does not train
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+TOOL_TURNS = ("function_call", "observation", "tool", "function")
+
+
+def _turn(m, i: int) -> tuple[dict | None, tuple | None]:
+    """Turn ``i`` of a conversation as ``{role, content}``: an OpenAI ``{role, content}`` (content a string or a
+    list of parts) or a ShareGPT ``{from, value}``; or (None, (reason, detail))."""
+    if not isinstance(m, dict):
+        return None, ("missing_field", f"turn {i} is not an object")
+    if "role" in m or "from" not in m:
+        role, content = _text(m.get("role")), m.get("content")
+    else:
+        source = _text(m.get("from"))
+        if source in TOOL_TURNS:
+            return None, ("unsupported_content", f"turn {i} is from {source!r}, a tool turn, which is not trained")
+        if source not in SHAREGPT_ROLES:
+            known = ", ".join(SHAREGPT_ROLES)
+            return None, ("unknown_role", f"turn {i} is from {source!r}; a ShareGPT turn is from {known}")
+        role, content = SHAREGPT_ROLES[source], m.get("value")
+    if isinstance(content, list):
+        content, problem = _parts(content, i, role)
+        if problem:
+            return None, problem
+    else:
+        content = _text(content)
+    if role is None or content is None:
+        return None, ("missing_field", f"turn {i} lacks {'role' if role is None else 'content'}")
+    return {"role": role, "content": content}, None
+
+
+def _parts(parts: list, i: int, role) -> tuple[str | None, tuple | None]:
+    """An OpenAI content list's text parts, joined with a newline (as vLLM joins them for a template that takes
+    a string); any other part is an ``unsupported_content`` reject naming its type."""
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = f"a {kind!r} part" if kind != "text" else "a text part without text"
+            return None, ("unsupported_content", f"{role} turn {i} has {what}: only text parts are trained")
+        texts.append(part["text"])
+    return "\n".join(texts), None
+
+
+# ---------------------------------------------------------------- control characters
+
+# C0 controls but tab, LF and CR: a NUL or an escape sequence in a field is a broken export, not text
+CONTROL_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")
+CONTROL_POLICIES = ("reject", "strip")
+
+
+class ControlChars:
+    """data.control_chars on a conversation: ``reject`` a row with a control character in a turn (reason
+    ``control_chars``) or ``strip`` them. Counts the rows and characters found, for the manifest."""
+
+    def __init__(self, policy: str = "reject"):
+        if policy not in CONTROL_POLICIES:
+            raise UserError(f"data.control_chars must be one of {CONTROL_POLICIES}, not {policy!r}")
+        self.policy, self.rows, self.found = policy, 0, Counter()
+
+    def __call__(self, messages: list[dict]) -> tuple[list[dict] | None, tuple | None]:
+        """(the conversation as the policy leaves it, None), or (None, (reason, detail)) to reject it."""
+        for turn in messages:  # a loop, not any(): this runs on every row
+            if CONTROL_CHARS.search(turn["content"]):
+                break
+        else:
+            return messages, None
+        hits = [(i, c) for i, turn in enumerate(messages) for c in CONTROL_CHARS.findall(turn["content"])]
+        self.rows += 1
+        self.found.update(f"U+{ord(c):04X}" for _, c in hits)
+        if self.policy == "reject":
+            i, c = hits[0]
+            name = f"U+{ord(c):04X}" + (" (NUL)" if c == "\0" else "")
+            role = messages[i]["role"]
+            detail = f"{role} turn {i} contains the control character {name} (data.control_chars: strip keeps the row)"
+            return None, ("control_chars", detail)
+        return [turn | {"content": CONTROL_CHARS.sub("", turn["content"])} for turn in messages], None
+
+    def summary(self) -> dict:
+        return {"policy": self.policy, "rows": self.rows, "by_char": dict(sorted(self.found.items()))}
 
 
 # ---------------------------------------------------------------- identity and assignment

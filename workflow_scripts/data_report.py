@@ -41,6 +41,7 @@ def collect(manifest: dict, stats: dict[str, dict], lengths: dict[str, list[int]
         "rejected": manifest["rejects"]["rows"],
         "rejects_by_reason": manifest["rejects"]["by_reason"],
         "special_text": special_text(stats),  # data.special_text: policy, rows and tokens found
+        "control_chars": manifest.get("control_chars"),  # data.control_chars: policy, rows and characters found
         "shards": shards,
     } | funnel(manifest, stats)
 

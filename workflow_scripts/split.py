@@ -33,6 +33,7 @@ from chat_render import ChatRenderer, render_lengths, use_template
 from contracts import REJECT_SCHEMA, SPLIT_SCHEMA
 from data_formats import (
     JSON_TEXT,
+    ControlChars,
     check_columns,
     column_names,
     conversation_hashes,
@@ -54,6 +55,9 @@ REASONS = (
     "invalid_utf8",
     "invalid_json",
     "bad_turn_order",
+    "unsupported_content",
+    "unknown_role",
+    "control_chars",
     "duplicate",
     "eval_overlap",
 )
@@ -69,6 +73,7 @@ class Splitter:
     balance: str = "rows"
     lengths: object = None  # balance: tokens: callable(list of conversations) -> their lengths in tokens
     eval_prompts: set | None = None  # prompt hashes of a separate eval file
+    control: object = None  # ControlChars: data.control_chars on each conversation
     seen: set = field(default_factory=set)
     node_tokens: list = field(default_factory=list)
 
@@ -83,6 +88,8 @@ class Splitter:
                 rejects.append(reject(rec, *rec.error))
                 continue
             for messages, problem in to_examples(rec.fields, mapping, names):
+                if not problem and self.control is not None:
+                    messages, problem = self.control(messages)
                 if problem:
                     rejects.append(reject(rec, *problem))
                 elif not messages[-1]["content"].strip():
@@ -206,6 +213,7 @@ def run_split(
     delimiter = delimiter_arg(cfg.delimiter)
     check_columns(cfg.path, cfg.format, mapping, names, delimiter)
     splitter = Splitter(cfg.nodes, cfg.eval_fraction, cfg.seed, cfg.balance, length_counter(tokenizer, cfg))
+    splitter.control = ControlChars(cfg.control_chars)
     fewer_gc_pauses()
     outputs = Outputs(splits, eval_path, rejects)
     reasons, rows_in, ok = Counter(), 0, False
@@ -244,7 +252,8 @@ def run_split(
         ok = True
     finally:
         outputs.close(ok)
-    return {"rows_in": rows_in, "reasons": dict(reasons), "rows": outputs.rows, "tokens": splitter.node_tokens}
+    result = {"rows_in": rows_in, "reasons": dict(reasons), "rows": outputs.rows, "tokens": splitter.node_tokens}
+    return result | {"control_chars": splitter.control.summary()}
 
 
 def check_shards(cfg: SplitConfig, rows: list[int], reasons: dict, least: int) -> None:
@@ -312,6 +321,7 @@ def main(argv=None) -> None:
             ],
             "eval": {"rows": rows[-2], "path": str(a.eval), "sha256": file_sha256(a.eval)},
             "rejects": {"rows": rows[-1], "by_reason": result["reasons"], "path": str(a.rejects)},
+            "control_chars": result["control_chars"],
             "settings": {
                 "seed": cfg.seed,
                 "eval_fraction": cfg.eval_fraction,
