@@ -11,7 +11,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 from presets import preset_name  # noqa: E402
 from pipeline_io import UserError, interpreter_first_on_path  # noqa: E402
-from data_formats import check_columns, delimiter_arg, resolve_paths  # noqa: E402
+from data_formats import delimiter_arg, resolve_mapping, resolve_paths  # noqa: E402
 from fingerprint import check_model, local_model_folder  # noqa: E402
 from chat_format import has_chat_template, no_template_message, parse_format  # noqa: E402
 from settings import check_grid, validated  # noqa: E402
@@ -90,7 +90,7 @@ DATA = config["data"]
 DATA_SPECS = [spec for spec in (DATA["path"], DATA["eval_path"]) if spec]  # as written: a file, folder or glob
 try:
     for spec in DATA_SPECS:
-        check_columns(spec, DATA["format"], DATA["mapping"], DATA["columns"], delimiter_arg(DATA["delimiter"]))
+        resolve_mapping(spec, DATA["format"], DATA["mapping"], DATA["columns"], delimiter_arg(DATA["delimiter"]))
     DATA_FILES = [str(p) for spec in DATA_SPECS for p in resolve_paths(spec)]  # every input data file
 except UserError as e:
     fail(e)

@@ -9,8 +9,9 @@ from collections import Counter
 import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, split_files, tokenize_config
-from data_formats import column_names, content_hash, to_examples
+from data_formats import column_names, to_examples
 from demo_model import train_tokenizer
+from identity import content_hash
 
 COLUMNS = {"prompt": None, "question": "prompt", "response": "completion"}  # T0-style prompt/completion
 LONG = "alpha beta gamma delta " * 40  # ~160 tokens: the prompt alone fills max_seq_len 128

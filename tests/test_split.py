@@ -8,18 +8,10 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, split_files, tokenize_config, tool_env
-from data_formats import (
-    CONTROL_CHARS,
-    check_columns,
-    column_names,
-    content_hash,
-    is_eval,
-    iter_records,
-    node_by_hash,
-    to_examples,
-)
+from data_formats import CONTROL_CHARS, check_columns, column_names, iter_records, to_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from identity import content_hash, is_eval, node_by_hash
 from pipeline_io import UserError
 
 SHARED = REPO.parent / "shared" / "data"
@@ -346,3 +338,57 @@ def test_estimate_rows_for_progress(tmp_path):
     assert estimate_rows(str(tmp_path / "*.*")) == (8, False)  # a glob: the sum
     (tmp_path / "d.json").write_text('[{"question": "a"}]')
     assert estimate_rows(str(tmp_path / "d.json")) == (None, False)
+
+
+# ---------------------------------------------------------------- data.mapping: auto
+
+AUTO_CASES = [  # (the file's rows, what auto reads them as, the conversation of the first row)
+    ([{"instruction": "Add", "input": "2 and 3", "output": "5"}], "alpaca",
+     [{"role": "user", "content": "Add\n\n2 and 3"}, {"role": "assistant", "content": "5"}]),
+    ([{"instruction": "Say hi", "context": "", "response": "hi", "category": "open_qa"}], "alpaca",
+     [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]),
+    ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}], "chat",
+     [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]),
+    ([{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}], "sharegpt",
+     [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]),
+    ([{"prompt": "q", "completion": "a"}], "columns",
+     [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]),
+    ([{"system": "Be brief.", "question": "q", "answer": "a"}], "columns",
+     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"},
+      {"role": "assistant", "content": "a"}]),
+    ([{"prompt": "Be brief.", "question": "q", "response": "a"}], "columns",
+     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"},
+      {"role": "assistant", "content": "a"}]),
+    ([{"instruction": "Name it", "instances": [{"input": "", "output": "x"}]}], "nested",
+     [{"role": "user", "content": "Name it"}, {"role": "assistant", "content": "x"}]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rows", "mapping", "first"), AUTO_CASES, ids=[c[1] + str(i) for i, c in enumerate(AUTO_CASES)]
+)
+def test_auto_mapping_reads_each_format_by_its_columns(tmp_path, rows, mapping, first):
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps(rows))
+    out = split_files(tmp_path / "s", data, nodes=1, eval_fraction=1e-9)
+    kept = read(out["splits"])
+    assert out["mapping"] == mapping and out["rows_in"] == 1 and out["reasons"] == {}
+    assert json.loads(kept["messages"][0]) == first
+
+
+def test_auto_mapping_without_a_fit_and_a_wrong_mapping_say_which_key(tmp_path):
+    from data_formats import resolve_mapping
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"instruction": "Add", "input": "2 and 3", "output": "5"}) + "\n")
+    with pytest.raises(UserError, match=r"column 'question' .*\(its columns fit data.mapping: alpaca\)"):
+        resolve_mapping(str(data), "auto", "columns", {})
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(json.dumps({"text": "x", "label": 1}) + "\n")
+    with pytest.raises(UserError, match=r"data.mapping auto knows no format with the columns \['text', 'label'\]"):
+        resolve_mapping(str(odd), "auto", "auto", {})
+    # data.columns set under auto: the columns mapping, as when it was the default
+    renamed = tmp_path / "r.jsonl"
+    renamed.write_text(json.dumps({"q": "x", "a": "y"}) + "\n")
+    mapping, names = resolve_mapping(str(renamed), "auto", "auto", {"prompt": None, "question": "q", "response": "a"})
+    assert mapping == "columns" and names == {"prompt": None, "question": "q", "response": "a"}

@@ -17,14 +17,11 @@ folder or a glob). Mappings turn a record into a conversation — a list of
 - ``nested``: one ``instruction`` with a list of ``instances`` ``{input, output}``,
   one example per instance (the self-instruct format of ../shared/data).
 
-A conversation's identity is a hash of its normalized text (``content_hash``); which rows are held
-out for evaluation, and which node a row goes to, are pure functions of that hash and a seed
-(``is_eval``, ``node_by_hash``), so the split and the demo data generator agree on them.
+A conversation's identity (its hashes) and where it goes (eval or which node) are identity.py's.
 """
 
 import codecs
 import glob
-import hashlib
 import json
 import re
 from collections import Counter
@@ -41,7 +38,7 @@ from pipeline_io import UserError
 
 EXTENSIONS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 FORMATS = ("csv", "tsv", "jsonl", "json", "parquet")
-MAPPINGS = ("columns", "alpaca", "chat", "sharegpt", "nested")
+MAPPINGS = ("columns", "alpaca", "chat", "sharegpt", "nested")  # and auto: resolve_mapping
 DEFAULT_COLUMNS = {
     "columns": {"prompt": "prompt", "question": "question", "response": "response"},
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": None},
@@ -329,10 +326,63 @@ def peek_columns(spec: str, fmt: str = "auto", delimiter: str | None = None) -> 
 def column_names(mapping: str, columns: dict) -> dict:
     """The mapping's column names: its defaults, overridden by data.columns where it names them."""
     if mapping not in MAPPINGS:
-        raise UserError(f"data.mapping: unknown mapping {mapping!r} ({', '.join(MAPPINGS)})")
+        raise UserError(f"data.mapping: unknown mapping {mapping!r} ({', '.join(MAPPINGS)}, or auto)")
     names = dict(DEFAULT_COLUMNS[mapping])
     names.update({k: v for k, v in columns.items() if k in names})
     return names
+
+
+# What data.mapping: auto reads a file as, by its columns, the first that fits: (mapping, the columns that
+# tell it, its column names where they are not the mapping's defaults)
+DETECTED = (
+    ("chat", ("messages",), {}),
+    ("sharegpt", ("conversations",), {}),
+    ("nested", ("instruction", "instances"), {}),
+    ("alpaca", ("instruction", "output"), {}),
+    ("alpaca", ("instruction", "context", "response"), {"input": "context", "output": "response"}),  # Dolly
+    ("columns", ("question", "response"), {}),
+    ("columns", ("prompt", "completion"), {"prompt": None, "question": "prompt", "response": "completion"}),
+    ("columns", ("question", "answer"), {"prompt": None, "response": "answer"}),
+    ("columns", ("instruction", "response"), {"prompt": None, "question": "instruction"}),
+)
+
+
+def detect_mapping(present: list[str]) -> tuple[str, dict] | None:
+    """The mapping and column names a file with columns ``present`` fits (DETECTED), or None. A ``system``
+    column is the system turn of a columns mapping that has no ``prompt``."""
+    for mapping, needs, names in DETECTED:
+        if set(needs) <= set(present):
+            if mapping == "columns" and names.get("prompt", "prompt") not in present and "system" in present:
+                names = names | {"prompt": "system"}
+            return mapping, dict(names)
+    return None
+
+
+def resolve_mapping(spec: str, fmt: str, mapping: str, columns: dict, delimiter: str | None = None):
+    """(mapping, column names) as ``spec`` is read, its mapped columns checked (``check_columns``).
+    ``auto``: the mapping the first file's columns fit, with that format's own names; data.columns set
+    away from the columns mapping's defaults under ``auto`` mean the columns mapping (the default before
+    ``auto``); no fit is a one-line UserError naming the columns found."""
+    if mapping == "auto":
+        if any(DEFAULT_COLUMNS["columns"].get(k) != v for k, v in columns.items()):
+            mapping = "columns"
+        else:
+            path, present = peek_columns(spec, fmt, delimiter)
+            found = detect_mapping(present)
+            if found is None:
+                raise UserError(
+                    f"{path}: data.mapping auto knows no format with the columns {present}; set data.mapping"
+                    f" ({', '.join(MAPPINGS)}) and data.columns" + delimiter_hint(path, fmt, present)
+                )
+            mapping, columns = found
+    check_columns(spec, fmt, mapping, columns, delimiter)
+    return mapping, column_names(mapping, columns)
+
+
+def mapping_hint(present: list[str], mapping: str) -> str:
+    """For a column not found: the mapping the file's columns fit, when it is another."""
+    found = detect_mapping(present)
+    return f" (its columns fit data.mapping: {found[0]})" if found and found[0] != mapping else ""
 
 
 def check_columns(spec: str, fmt: str, mapping: str, columns: dict, delimiter: str | None = None) -> None:
@@ -353,7 +403,7 @@ def check_columns(spec: str, fmt: str, mapping: str, columns: dict, delimiter: s
         if present and name not in present and not optional_default and not alternate:
             raise UserError(
                 f"{path}: column {name!r} (data.columns.{field}) not found; the file has {present}"
-                + delimiter_hint(path, fmt, present)
+                + (delimiter_hint(path, fmt, present) or mapping_hint(present, mapping))
             )
 
 
@@ -524,57 +574,6 @@ class ControlChars:
 
     def summary(self) -> dict:
         return {"policy": self.policy, "rows": self.rows, "by_char": dict(sorted(self.found.items()))}
-
-
-# ---------------------------------------------------------------- identity and assignment
-
-JSON_TEXT = json.JSONEncoder(ensure_ascii=False)  # json.dumps(..., ensure_ascii=False), without a new encoder a call
-json_string = (
-    json.encoder.py_encode_basestring if json.encoder.c_encode_basestring is None else json.encoder.c_encode_basestring
-)
-
-
-def normalize(text: str) -> str:
-    """Runs of whitespace as one space, none at the ends (as re.sub(r"\\s+", " ", text).strip(), faster)."""
-    return " ".join(text.split())
-
-
-def turn_texts(messages: list[dict]) -> list[str]:
-    """Each turn's [role, normalized content] as JSON (what json.dumps writes for the pair)."""
-    return [f"[{json_string(t['role'])}, {json_string(normalize(t['content']))}]" for t in messages]
-
-
-def normalized_hash(turns: list[str]) -> str:
-    """Hash of a conversation's stable text: the JSON list of its turns' [role, normalized content] pairs."""
-    return hashlib.sha256(f"[{', '.join(turns)}]".encode()).hexdigest()
-
-
-def content_hash(messages: list[dict]) -> str:
-    """Hash of the normalized conversation; equal for rows that differ only in whitespace."""
-    return normalized_hash(turn_texts(messages))
-
-
-def prompt_hash(messages: list[dict]) -> str:
-    """Hash of all but the final answer: one question never straddles train and eval."""
-    return content_hash(messages[:-1])
-
-
-def conversation_hashes(messages: list[dict]) -> tuple[str, str]:
-    """(content_hash, prompt_hash) of a conversation, each turn normalized and written once."""
-    turns = turn_texts(messages)
-    return normalized_hash(turns), normalized_hash(turns[:-1])
-
-
-def unit(key: str, seed: int, salt: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{salt}:{key}".encode()).digest()[:8], "big")
-
-
-def is_eval(phash: str, seed: int, eval_fraction: float) -> bool:
-    return unit(phash, seed, "eval") / 2**64 < eval_fraction
-
-
-def node_by_hash(chash: str, seed: int, nodes: int) -> int:
-    return unit(chash, seed, "node") % nodes
 
 
 def delimiter_arg(value: str | None) -> str | None:

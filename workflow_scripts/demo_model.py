@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import torch
-from data_formats import column_names, iter_records, to_examples
+from data_formats import iter_records, resolve_mapping, to_examples
 from pipeline_io import cli
 from presets import PRESETS, preset_config, preset_name
 from settings import DemoModelConfig
@@ -58,9 +58,9 @@ def build_model(tokenizer, max_seq_len: int, seed: int, size: str = "demo") -> Q
     return Qwen3ForCausalLM(preset_config(size, len(tokenizer), max_seq_len, **ids))
 
 
-def texts_from(spec: str, fmt: str = "auto", mapping: str = "columns", columns: dict | None = None):
+def texts_from(spec: str, fmt: str = "auto", mapping: str = "auto", columns: dict | None = None):
     """Every turn's text of every readable example, and the chat roles, for tokenizer training."""
-    names = column_names(mapping, columns or {})
+    mapping, names = resolve_mapping(spec, fmt, mapping, columns or {})
     n = 0
     for records in iter_records(spec, fmt):
         for rec in records:

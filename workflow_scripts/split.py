@@ -23,6 +23,7 @@ usable and what to change, so a run never reaches training with nothing to train
 
 import argparse
 import json
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,22 +33,20 @@ import pyarrow.parquet as pq
 from chat_render import ChatRenderer, render_lengths, use_template
 from contracts import REJECT_SCHEMA, SPLIT_SCHEMA
 from data_formats import (
-    JSON_TEXT,
     ControlChars,
     check_columns,
-    column_names,
-    conversation_hashes,
     delimiter_arg,
     estimate_rows,
-    is_eval,
     iter_records,
-    node_by_hash,
-    prompt_hash,
+    resolve_mapping,
     resolve_paths,
     to_examples,
 )
+from identity import JSON_TEXT, conversation_hashes, is_eval, node_by_hash, prompt_hash
 from pipeline_io import Progress, UserError, atomic_path, cli, fewer_gc_pauses, file_sha256, write_json
 from settings import SplitConfig
+
+log = logging.getLogger("split")
 
 REASONS = (
     "missing_field",
@@ -209,9 +208,10 @@ def run_split(
 ) -> dict:  # fmt: skip
     """Split ``cfg.path`` (and ``cfg.eval_path``) into ``splits``, ``eval_path`` and ``rejects``; stop with
     one line when too much is rejected or a shard is short (``check_shards``)."""
-    mapping, names = cfg.mapping, column_names(cfg.mapping, cfg.columns)
     delimiter = delimiter_arg(cfg.delimiter)
-    check_columns(cfg.path, cfg.format, mapping, names, delimiter)
+    mapping, names = resolve_mapping(cfg.path, cfg.format, cfg.mapping, cfg.columns, delimiter)
+    if cfg.mapping == "auto":
+        log.info("data.mapping auto: %s read as %s, columns %s", cfg.path, mapping, names)
     splitter = Splitter(cfg.nodes, cfg.eval_fraction, cfg.seed, cfg.balance, length_counter(tokenizer, cfg))
     splitter.control = ControlChars(cfg.control_chars)
     fewer_gc_pauses()
@@ -253,6 +253,7 @@ def run_split(
     finally:
         outputs.close(ok)
     result = {"rows_in": rows_in, "reasons": dict(reasons), "rows": outputs.rows, "tokens": splitter.node_tokens}
+    result |= {"mapping": mapping, "columns": names}
     return result | {"control_chars": splitter.control.summary()}
 
 
@@ -326,7 +327,8 @@ def main(argv=None) -> None:
                 "seed": cfg.seed,
                 "eval_fraction": cfg.eval_fraction,
                 "balance": cfg.balance,
-                "mapping": cfg.mapping,
+                "mapping": result["mapping"],  # as read: data.mapping auto's choice
+                "columns": result["columns"],
             },  # fmt: skip
         },
     )
