@@ -13,7 +13,7 @@ from presets import preset_name  # noqa: E402
 from pipeline_io import UserError, interpreter_first_on_path  # noqa: E402
 from data_formats import delimiter_arg, resolve_mapping, resolve_paths  # noqa: E402
 from fingerprint import check_model, local_model_folder  # noqa: E402
-from chat_format import has_chat_template, no_template_message, parse_format  # noqa: E402
+from chat_format import format_list, has_chat_template, no_template_message  # noqa: E402
 from settings import check_grid, validated  # noqa: E402
 from settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig  # noqa: E402
 from settings import TEMPLATE_KEYS, PlanConfig, SplitConfig, TokenizeConfig  # noqa: E402
@@ -116,7 +116,7 @@ def check_template():
     if DATA["chat_template"] and DATA["format_template"]:
         raise UserError("data.chat_template and data.format_template are both set; set one")
     if DATA["format_template"]:
-        parse_format(DATA["format_template"])
+        format_list(DATA["format_template"])
     if DEMO or DATA["chat_template"] or DATA["format_template"]:
         return
     try:

@@ -19,6 +19,7 @@ from chat_format import (
     ZERO_WIDTH_SPACE,
     SpecialText,
     format_chat_template,
+    format_list,
     format_prompt,
     parse_format,
     special_texts,
@@ -436,3 +437,50 @@ def test_base_model_trains_evaluates_and_exports_with_the_plain_format(tmp_path,
     assert generation.eos_token_id == llama2_base.eos_token_id and generation.chat_template_kwargs == {"style": "short"}
     summary = pd.read_csv(root / "eval" / "summary.csv")
     assert summary["model"].tolist() == ["base", "node0"]
+
+
+# Stanford Alpaca's own prompts (tatsu-lab/stanford_alpaca, train.py's PROMPT_DICT); its training text is
+# the prompt, the output and the EOS.
+ALPACA_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:"
+)
+ALPACA_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:"
+)
+
+
+def test_alpaca_prompts_reproduce_the_originals_text(base_dir):
+    """data.format_template as a list with the record's own fields: Alpaca's prompt with an input when
+    the record has one, the one without otherwise, exactly as its train.py writes them."""
+    from data_formats import column_names, to_examples
+
+    tok = use_template(AutoTokenizer.from_pretrained(base_dir), "t", None, [ALPACA_INPUT, ALPACA_NO_INPUT])
+    render = ChatRenderer(tok)
+    names = column_names("alpaca", {})
+    for record in (
+        {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+        {"instruction": "Name a colour.", "input": "", "output": "Blue"},
+    ):
+        ((conv, problem),) = to_examples(record, "alpaca", names)
+        original = (ALPACA_INPUT if record["input"] else ALPACA_NO_INPUT).format_map(record)
+        assert problem is None
+        assert (
+            render(conv)
+            == tok.apply_chat_template(conv, tokenize=False)
+            == "<s>" + original + record["output"] + "</s>"
+        )
+        assert format_prompt([ALPACA_INPUT, ALPACA_NO_INPUT], conv[0]["content"], fields=conv[0]["fields"]) == original
+    # the exported model given a plain conversation: the instruction is the turn's text, no input
+    plain = tok.apply_chat_template([{"role": "user", "content": "Name a colour."}], tokenize=False)
+    assert plain == "<s>" + ALPACA_NO_INPUT.format(instruction="Name a colour.")
+    # strip and escape reach the fields the prompt is written from
+    special = SpecialText(["</s>"], "strip")
+    ((conv, _),) = to_examples({"instruction": "Say", "input": "a</s>b", "output": "ok"}, "alpaca", names)
+    fixed, _ = special(conv)
+    assert fixed[0]["fields"]["input"] == "ab" and "</s>" not in render(fixed)[:-4]
+    with pytest.raises(UserError, match="non-empty list"):
+        format_list([])

@@ -344,9 +344,11 @@ def test_estimate_rows_for_progress(tmp_path):
 
 AUTO_CASES = [  # (the file's rows, what auto reads them as, the conversation of the first row)
     ([{"instruction": "Add", "input": "2 and 3", "output": "5"}], "alpaca",
-     [{"role": "user", "content": "Add\n\n2 and 3"}, {"role": "assistant", "content": "5"}]),
+     [{"role": "user", "content": "Add\n\n2 and 3", "fields": {"instruction": "Add", "input": "2 and 3"}},
+      {"role": "assistant", "content": "5"}]),
     ([{"instruction": "Say hi", "context": "", "response": "hi", "category": "open_qa"}], "alpaca",
-     [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]),
+     [{"role": "user", "content": "Say hi", "fields": {"instruction": "Say hi", "input": ""}},
+      {"role": "assistant", "content": "hi"}]),
     ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}], "chat",
      [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]),
     ([{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}], "sharegpt",
@@ -360,7 +362,8 @@ AUTO_CASES = [  # (the file's rows, what auto reads them as, the conversation of
      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"},
       {"role": "assistant", "content": "a"}]),
     ([{"instruction": "Name it", "instances": [{"input": "", "output": "x"}]}], "nested",
-     [{"role": "user", "content": "Name it"}, {"role": "assistant", "content": "x"}]),
+     [{"role": "user", "content": "Name it", "fields": {"instruction": "Name it", "input": ""}},
+      {"role": "assistant", "content": "x"}]),
 ]  # fmt: skip
 
 

@@ -8,7 +8,12 @@ for a base model without a chat template. It is turned into a small Jinja chat t
 evaluation prompts and the template written into the exported model all come from one place:
 
 - each user turn is the format with ``{question}`` = the turn's text and ``{system}`` = the system
-  message (in the first user turn; empty in later turns and when there is none);
+  message (in the first user turn; empty in later turns and when there is none); ``{instruction}``
+  and ``{input}`` are the record's own fields where the mapping keeps them (alpaca, nested: the
+  turn's ``fields``), else the turn's text and "" (a conversation from elsewhere, as the exported
+  model is given one);
+- a list of formats: each user turn takes the first whose placeholders all have a non-empty value,
+  else the last (Alpaca's prompt with an input, then the one without);
 - each assistant turn is its text followed by the tokenizer's EOS, which ends the labels;
 - several turns are concatenated in that layout; roles other than user and assistant (and a first
   system turn) are a ``template_error`` reject;
@@ -31,7 +36,7 @@ from pathlib import Path
 
 from pipeline_io import UserError
 
-FORMAT_FIELDS = ("system", "question")
+FORMAT_FIELDS = ("system", "question", "instruction", "input")
 SPECIAL_TEXT_POLICIES = ("reject", "strip", "escape")
 ZERO_WIDTH_SPACE = "\u200b"
 
@@ -53,8 +58,8 @@ def parse_format(fmt: str) -> list[tuple[str, str | None]]:
             written = name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "")
             raise UserError(f"{key} {fmt!r}: unknown placeholder {{{written}}}; the placeholders are {known}")
         out.append((literal, name))
-    if "question" not in {name for _, name in out}:
-        raise UserError(f"{key} {fmt!r}: has no {{question}} placeholder")
+    if not {"question", "instruction"} & {name for _, name in out}:
+        raise UserError(f"{key} {fmt!r}: has no {{question}} (or {{instruction}}) placeholder")
     if fmt.endswith((" ", "\t")):
         raise UserError(
             f"{key} {fmt!r} ends with a space, which the answer's first token would merge with;"
@@ -63,12 +68,25 @@ def parse_format(fmt: str) -> list[tuple[str, str | None]]:
     return out
 
 
-def format_prompt(fmt: str, question: str, system: str = "") -> str:
-    """One user turn in the format, as Python renders it (what the Jinja template writes)."""
-    return "".join(
-        literal + ({"system": system, "question": question}[name] if name else "")
-        for literal, name in parse_format(fmt)
-    )
+def format_list(value) -> list[str]:
+    """data.format_template as a list of formats (a string is one); each checked by ``parse_format``."""
+    formats = [value] if isinstance(value, str) else value
+    if not isinstance(formats, list) or not formats or not all(isinstance(f, str) for f in formats):
+        raise UserError(f"data.format_template {value!r}: a format string or a non-empty list of them")
+    for fmt in formats:
+        parse_format(fmt)
+    return formats
+
+
+def format_prompt(fmt, question: str, system: str = "", fields: dict | None = None) -> str:
+    """One user turn in the format (or the first of a list that fits), as Python renders it (what the
+    Jinja template writes); ``fields``: the turn's instruction and input, where the mapping keeps them."""
+    fields = fields or {}
+    value = {"system": system, "question": question, "instruction": fields.get("instruction", question),
+             "input": fields.get("input", "")}  # fmt: skip
+    formats = [parse_format(f) for f in format_list(fmt)]
+    chosen = next((f for f in formats[:-1] if all(value[name] for _, name in f if name)), formats[-1])
+    return "".join(literal + (value[name] if name else "") for literal, name in chosen)
 
 
 def _jinja_string(text: str) -> str:
@@ -76,21 +94,35 @@ def _jinja_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def format_chat_template(fmt: str, bos: bool = False) -> str:
-    """The Jinja chat template that renders conversations in the plain format ``fmt``."""
+def _format_expression(pieces: list[tuple[str, str | None]]) -> str:
+    """A Jinja expression writing one user turn in a parsed format, from the turn's ``value`` mapping."""
     parts, text = [], ""
-    for literal, name in parse_format(fmt):
+    for literal, name in pieces:
         text += literal  # "{{" splits a literal in two: one string of both
         if name is None:
             continue
         if text:
             parts.append(_jinja_string(text))
             text = ""
-        if name == "system":
-            parts.append("(system if loop.first else '')")
-        elif name == "question":
-            parts.append("message['content']")
-    user = " + ".join([*parts, *([_jinja_string(text)] if text else [])])
+        parts.append(f"value['{name}']")
+    return " + ".join([*parts, *([_jinja_string(text)] if text else [])])
+
+
+def format_chat_template(fmt, bos: bool = False) -> str:
+    """The Jinja chat template that renders conversations in the plain format ``fmt`` (or a list of them:
+    the first whose placeholders all have a value, else the last)."""
+    formats = [parse_format(f) for f in format_list(fmt)]
+    user = []
+    for i, pieces in enumerate(formats):
+        if i < len(formats) - 1:
+            names = sorted({name for _, name in pieces if name})
+            test = " and ".join(f"value['{name}']" for name in names)
+            user.append(("{%- if " if i == 0 else "{%- elif ") + test + " -%}")
+        elif len(formats) > 1:
+            user.append("{%- else -%}")
+        user.append("{{- " + _format_expression(pieces) + " -}}")
+    if len(formats) > 1:
+        user.append("{%- endif -%}")
     return "\n".join(
         [
             "{#- data.format_template as a chat template: each user turn in the format, each answer followed",
@@ -104,7 +136,10 @@ def format_chat_template(fmt: str, bos: bool = False) -> str:
             *(["{{- bos_token -}}"] if bos else []),
             "{%- for message in turns -%}",
             "{%- if message['role'] == 'user' -%}",
-            "{{- " + user + " -}}",
+            "{%- set fields = message.get('fields') or {} -%}",
+            "{%- set value = {'question': message['content'], 'system': system if loop.first else '',"
+            " 'instruction': fields.get('instruction', message['content']), 'input': fields.get('input', '')} -%}",
+            *user,
             "{%- elif message['role'] == 'assistant' -%}",
             "{%- generation -%}{{- message['content'] + eos_token -}}{%- endgeneration -%}",
             "{%- else -%}",
@@ -164,6 +199,16 @@ def remove_special_text(text: str, tokens) -> str:
     return text
 
 
+def with_text(turn: dict, fix) -> dict:
+    """``turn`` with ``fix`` applied to its text: the content and, where the mapping keeps them, the record's
+    own fields (the format template's {instruction} and {input}: parts of the content, so a search of the
+    content finds what is in them)."""
+    out = turn | {"content": fix(turn["content"])}
+    if turn.get("fields"):
+        out["fields"] = {k: fix(v) for k, v in turn["fields"].items()}
+    return out
+
+
 class SpecialText:
     """data.special_text on a conversation: ``reject`` the row (reason ``special_text``), ``strip`` the
     tokens' text from every turn, or ``escape`` it (a zero-width space after its first character).
@@ -192,7 +237,7 @@ class SpecialText:
             return None, ("special_text", detail)
         new = ZERO_WIDTH_SPACE if self.policy == "escape" else ""
         fix = (lambda m: m.group()[0] + new + m.group()[1:]) if new else ""
-        fixed = [turn | {"content": self.pattern.sub(fix, turn["content"])} for turn in messages]
+        fixed = [with_text(turn, lambda text: self.pattern.sub(fix, text)) for turn in messages]
         if not fixed[-1]["content"].strip():
             return None, ("empty_response", "the answer is only special-token text (data.special_text: strip)")
         return fixed, None

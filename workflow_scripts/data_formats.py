@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
+from chat_format import with_text
 from pipeline_io import UserError
 
 EXTENSIONS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
@@ -429,6 +430,12 @@ def _join(instruction: str, extra: str | None) -> str:
     return f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
 
 
+def _fields(instruction: str, extra: str | None) -> dict:
+    """The record's own fields, kept beside the joined content for data.format_template's {instruction}
+    and {input} (Alpaca's prompt with an input, or the one without)."""
+    return {"instruction": instruction, "input": extra if extra and extra.strip() else ""}
+
+
 def to_examples(fields: dict, mapping: str, names: dict) -> list[tuple[list[dict], None] | tuple[None, tuple]]:
     """Map one record to ``[(messages, None)]`` or ``[(None, (reason, detail))]`` (several for nested)."""
 
@@ -448,7 +455,7 @@ def to_examples(fields: dict, mapping: str, names: dict) -> list[tuple[list[dict
             missing = "instruction" if instruction is None else "output"
             return [(None, ("missing_field", f"{names[missing]} is missing or null"))]
         turns = [{"role": "system", "content": system}] if system and system.strip() else []
-        user = {"role": "user", "content": _join(instruction, extra)}
+        user = {"role": "user", "content": _join(instruction, extra), "fields": _fields(instruction, extra)}
         return [(turns + [user, {"role": "assistant", "content": answer}], None)]
     if mapping in ("chat", "sharegpt"):
         column = names["messages" if mapping == "chat" else "conversations"]
@@ -465,9 +472,9 @@ def to_examples(fields: dict, mapping: str, names: dict) -> list[tuple[list[dict
         if not isinstance(inst, dict) or _text(inst.get(names["output"])) is None:
             out.append((None, ("missing_field", f"an instance has no {names['output']!r}")))
             continue
-        user = _join(instruction, _text(inst.get(names["input"])))
-        answer = {"role": "assistant", "content": _text(inst[names["output"]])}
-        out.append(([{"role": "user", "content": user}, answer], None))
+        extra = _text(inst.get(names["input"]))
+        user = {"role": "user", "content": _join(instruction, extra), "fields": _fields(instruction, extra)}
+        out.append(([user, {"role": "assistant", "content": _text(inst[names["output"]])}], None))
     return out
 
 
@@ -570,7 +577,7 @@ class ControlChars:
             role = messages[i]["role"]
             detail = f"{role} turn {i} contains the control character {name} (data.control_chars: strip keeps the row)"
             return None, ("control_chars", detail)
-        return [turn | {"content": CONTROL_CHARS.sub("", turn["content"])} for turn in messages], None
+        return [with_text(turn, lambda text: CONTROL_CHARS.sub("", text)) for turn in messages], None
 
     def summary(self) -> dict:
         return {"policy": self.policy, "rows": self.rows, "by_char": dict(sorted(self.found.items()))}
