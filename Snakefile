@@ -1,7 +1,11 @@
 """From raw instruction data to evaluated fine-tuned models; see README.md."""
 
 
-configfile: "config/config.yaml"
+# The demo's config, unless a --configfile is given: a user's file replaces it, so a key it leaves out takes
+# the schema's default (config/schema.yaml), never the demo's (its eval.tasks, its data).
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
 
 
 report: "report/workflow.rst"

@@ -157,3 +157,27 @@ def test_paths_reach_the_jobs_as_one_argument_each(tmp_path, demo_assets):
         uses += str(model) in words
     assert uses >= 4, commands  # the split, tokenization, the plan, training and the base evaluation
     assert not list(tmp_path.rglob("pwned*")) and not list(REPO.glob("pwned*"))
+
+
+def test_a_config_file_replaces_the_demos(tmp_path):
+    """A --configfile replaces config/config.yaml: a key it leaves out takes the schema's default, not the
+    demo's (eval.tasks: [demo_mc]); without one, the demo's config is the config."""
+    import shutil
+    import subprocess
+
+    from conftest import REPO, snakemake_cmd, tool_env
+
+    work = tmp_path / "work"
+    (work / "config").mkdir(parents=True)
+    shutil.copy(REPO / "config" / "config.yaml", work / "config" / "config.yaml")
+    (work / "resources").symlink_to(REPO / "resources")
+    demo = subprocess.run(
+        [*snakemake_cmd(work, {}, "-n", "-p")[:5], "--cores", "1", "-n", "-p"], capture_output=True, text=True,
+        env=tool_env(),
+    )  # fmt: skip
+    assert demo.returncode == 0, demo.stderr[-2000:]
+    assert "demo_mc" in demo.stdout
+    mine = subprocess.run(snakemake_cmd(work, tiny_config("mine"), "-n", "-p"), capture_output=True, text=True,
+                          env=tool_env())  # fmt: skip
+    assert mine.returncode == 0, mine.stderr[-2000:]
+    assert "demo_mc" not in mine.stdout and "results/mine/" in mine.stdout
