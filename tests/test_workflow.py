@@ -2,8 +2,10 @@
 
 import json
 import re
+import subprocess
 
 import pytest
+import yaml
 from conftest import DEMO_CSV, check_outputs, planned_jobs, snakemake, status, tiny_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -157,3 +159,36 @@ def test_paths_reach_the_jobs_as_one_argument_each(tmp_path, demo_assets):
         uses += str(model) in words
     assert uses >= 4, commands  # the split, tokenization, the plan, training and the base evaluation
     assert not list(tmp_path.rglob("pwned*")) and not list(REPO.glob("pwned*"))
+
+
+@pytest.mark.e2e
+def test_checkout_with_a_space_and_a_model_named_like_a_command_run(tmp_path, demo_assets):
+    """A real run, not a dry run: a checkout under 'a b/' (its scripts, the data beside them), a work dir under
+    it and a model folder named m$(touch x) train a few steps and evaluate the base model (every job that
+    takes the model folder: the split, tokenization, the plan, training, evaluation), and create no x."""
+    import shutil
+
+    from conftest import BIN, REPO, job_logs, tool_env
+
+    checkout = tmp_path / "a b" / "checkout"
+    junk = (".git", ".venv", "results", "logs", ".snakemake", "__pycache__", ".pytest_cache", ".ruff_cache")
+    shutil.copytree(REPO, checkout, ignore=shutil.ignore_patterns(*junk))
+    model = tmp_path / "a b" / "m$(touch x)"
+    shutil.copytree(demo_assets["base"], model)
+    config = tiny_config("q", procs_per_node=1, max_steps=2, log_every=1, checkpoint_every=2)
+    config |= {"nodes": 1, "model": {"name_or_path": str(model)}}
+    config["data"]["path"] = str(checkout / "resources" / "demo" / "instructions.csv")
+    config["eval"] |= {"max_samples": 8, "soup": False}
+    workdir = tmp_path / "a b" / "work"
+    workdir.mkdir()
+    (workdir / "config.yaml").write_text(yaml.safe_dump(config))
+    targets = ["results/q/train/node0/train_state.json", "results/q/eval/base.json"]
+    cmd = [str(BIN / "snakemake"), "-s", str(checkout / "Snakefile"), "-d", str(workdir),
+           "--configfile", str(workdir / "config.yaml"), "--cores", "2", *targets]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), cwd=tmp_path / "a b", timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:] + job_logs(workdir)
+    state = json.loads((workdir / "results/q/train/node0/train_state.json").read_text())
+    assert state["base_model"] == str(model) and state["step"] == 2
+    assert json.loads((workdir / "results/q/eval/base.json").read_text())["eval_loss"] > 0
+    assert "step 2/2" in (workdir / "logs/q/train_node/node0.log").read_text()
+    assert not list(tmp_path.rglob("x")) and not (REPO / "x").exists()
