@@ -126,3 +126,42 @@ def test_other_errors_in_an_atomic_write_pass_through(tmp_path):
     with pytest.raises(ValueError), atomic_path(tmp_path / "x.json"):
         raise ValueError("not a disk problem")
     assert list(tmp_path.iterdir()) == []
+
+
+TORCHRUN_LOG = """\
+2026-11-25 09:40:01,123 INFO plan: {...}
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "train.py", line 3, in <module>
+[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB
+E1125 09:40:02 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: 1)
+Traceback (most recent call last):
+  File "torchrun", line 8, in <module>
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+"""
+
+
+@pytest.mark.parametrize(
+    "log,reason",
+    [
+        ("x INFO start\nerror: data.csv: no usable rows left\n", "data.csv: no usable rows left"),
+        ("error: first\nTraceback (most recent call last):\nValueError: later\n", "first"),  # ours first
+        ("Traceback (most recent call last):\n  File x\nKeyError: 'question'\n", "KeyError: 'question'"),
+        (TORCHRUN_LOG, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
+        (
+            "2026-11-25 09:40:01,123 ERROR node group 1 exited 1; ending the others\n",
+            "node group 1 exited 1; ending the others",
+        ),  # fmt: skip
+        ("2026-11-25 09:40:01,123 INFO step 4/12 loss 2.1\n", None),  # killed from outside: nothing to say
+        ("", None),
+    ],
+    ids=["user-error", "user-error-first", "traceback", "torchrun", "logged-error", "nothing", "empty"],
+)
+def test_stop_reason_is_the_logs_last_error_line(tmp_path, log, reason):
+    from pipeline_io import log_stop_reason, stop_reason
+
+    assert stop_reason(log) == reason
+    (tmp_path / "job.log").write_text(log)
+    assert log_stop_reason(tmp_path / "job.log") == reason
+    assert log_stop_reason(tmp_path / "missing.log") is None

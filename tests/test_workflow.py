@@ -192,3 +192,17 @@ def test_checkout_with_a_space_and_a_model_named_like_a_command_run(tmp_path, de
     assert json.loads((workdir / "results/q/eval/base.json").read_text())["eval_loss"] > 0
     assert "step 2/2" in (workdir / "logs/q/train_node/node0.log").read_text()
     assert not list(tmp_path.rglob("x")) and not (REPO / "x").exists()
+
+
+def test_a_failed_jobs_reason_reaches_the_console(tmp_path, demo_assets):
+    """A stage that stops with a one-line reason in its log (here the split: every row rejected) says it on
+    Snakemake's console too, naming the rule and its log, not only `Error in rule ...`."""
+    data = tmp_path / "empty-answers.csv"
+    data.write_text("question,response\nhello,\nworld,\nagain,\n")
+    config = tiny_config("t") | {"nodes": 1, "model": {"name_or_path": str(demo_assets["base"])}}
+    config["data"] = {"path": str(data), "max_seq_len": 128}
+    proc = snakemake(tmp_path / "work", config, "results/t/data/manifest.json", check=False)
+    assert proc.returncode != 0
+    reason = f"{data}: no usable rows left (3 read, 3 rejected: {{'empty_response': 3}})"
+    assert reason in (tmp_path / "work/logs/t/split_dataset.log").read_text()
+    assert f"error: split_dataset (logs/t/split_dataset.log): {reason}" in proc.stderr.splitlines(), proc.stderr

@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -73,6 +74,38 @@ def is_disk_full(error: BaseException, free: int | None) -> bool:
     if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
         return True
     return any(text in str(error) for text in DISK_FULL_TEXT) or (free is not None and free < 2**20)
+
+
+# A Python exception's last traceback line ("ValueError: ...", "torch.OutOfMemoryError: ..."), a rank's
+# ("[rank1]: RuntimeError: ..."); torchrun's own ChildFailedError only wraps a rank's and says nothing new
+EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]: )?((\w+\.)*\w*(Error|Exception|Exit|Interrupt)\b(: .*)?)$")
+LOGGED_ERROR = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ (ERROR|CRITICAL) (.+)$")  # cli's logging format
+
+
+def stop_reason(text: str) -> str | None:
+    """Why a job stopped, as one line, from the end of its log: the last `error: ...` line (cli's UserError),
+    else the last exception line of a traceback, else the last ERROR line logged; None when the log says
+    nothing (a job killed from outside)."""
+    found: dict[int, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("error: "):
+            found[0] = line.removeprefix("error: ")
+        elif (m := EXCEPTION_LINE.match(line)) and "ChildFailedError" not in line:
+            found[1] = m.group(2)
+        elif m := LOGGED_ERROR.match(line):
+            found[2] = m.group(2)
+    return found[min(found)] if found else None
+
+
+def log_stop_reason(path, tail: int = 1 << 16) -> str | None:
+    """stop_reason of the last ``tail`` bytes of the log file ``path`` (None when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            return stop_reason(f.read().decode(errors="replace"))
+    except OSError:
+        return None
 
 
 @contextlib.contextmanager
