@@ -150,13 +150,26 @@ train.py FAILED
         ("Traceback (most recent call last):\n  File x\nKeyError: 'question'\n", "KeyError: 'question'"),
         (TORCHRUN_LOG, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
         (
+            "Traceback (most recent call last):\n  File x\n    ^^^^\npyarrow.lib.ArrowInvalid: not Parquet\n",
+            "pyarrow.lib.ArrowInvalid: not Parquet",
+        ),  # fmt: skip
+        (
             "2026-11-25 09:40:01,123 ERROR node group 1 exited 1; ending the others\n",
             "node group 1 exited 1; ending the others",
         ),  # fmt: skip
         ("2026-11-25 09:40:01,123 INFO step 4/12 loss 2.1\n", None),  # killed from outside: nothing to say
         ("", None),
     ],
-    ids=["user-error", "user-error-first", "traceback", "torchrun", "logged-error", "nothing", "empty"],
+    ids=[
+        "user-error",
+        "user-error-first",
+        "traceback",
+        "torchrun",
+        "no-error-suffix",
+        "logged-error",
+        "nothing",
+        "empty",
+    ],
 )
 def test_stop_reason_is_the_logs_last_error_line(tmp_path, log, reason):
     from pipeline_io import log_stop_reason, stop_reason

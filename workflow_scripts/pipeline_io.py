@@ -76,23 +76,26 @@ def is_disk_full(error: BaseException, free: int | None) -> bool:
     return any(text in str(error) for text in DISK_FULL_TEXT) or (free is not None and free < 2**20)
 
 
-# A Python exception's last traceback line ("ValueError: ...", "torch.OutOfMemoryError: ..."), a rank's
-# ("[rank1]: RuntimeError: ..."); torchrun's own ChildFailedError only wraps a rank's and says nothing new
-EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]: )?((\w+\.)*\w*(Error|Exception|Exit|Interrupt)\b(: .*)?)$")
+RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")  # torch's prefix on a rank's traceback lines
 LOGGED_ERROR = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ (ERROR|CRITICAL) (.+)$")  # cli's logging format
 
 
 def stop_reason(text: str) -> str | None:
     """Why a job stopped, as one line, from the end of its log: the last `error: ...` line (cli's UserError),
-    else the last exception line of a traceback, else the last ERROR line logged; None when the log says
-    nothing (a job killed from outside)."""
+    else the exception line that ends the last traceback (a rank's too; torchrun's own ChildFailedError only
+    wraps a rank's), else the last ERROR line logged; None when the log says nothing (killed from outside)."""
     found: dict[int, str] = {}
+    in_traceback = False
     for line in text.splitlines():
-        line = line.strip()
+        line = RANK_PREFIX.sub("", line.rstrip())
         if line.startswith("error: "):
             found[0] = line.removeprefix("error: ")
-        elif (m := EXCEPTION_LINE.match(line)) and "ChildFailedError" not in line:
-            found[1] = m.group(2)
+        elif line.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and line and not line[0].isspace():
+            in_traceback = False
+            if "ChildFailedError" not in line:
+                found[1] = line
         elif m := LOGGED_ERROR.match(line):
             found[2] = m.group(2)
     return found[min(found)] if found else None
