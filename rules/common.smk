@@ -192,6 +192,18 @@ DEMO_MODEL_CONFIG = verbatim(DemoModelConfig.to_json(config))
 DEMO_MODEL_ARGS = cli_args(preset=PRESET)
 
 
+# The training jobs' logs (train_node, train_joint): Snakemake deletes a job's log before each attempt, so the
+# shell starts it with a header (the attempt, when, where, the SLURM job) and hard-links it as
+# <log>.attempts/<n>.log, which keeps each attempt's text; the command then appends to the log.
+ATTEMPT_LOG = (
+    "n=1; while [ -e {log:q}.attempts/$n.log ]; do n=$((n + 1)); done; mkdir -p {log:q}.attempts;"
+    " echo \"=== attempt $n: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), host $(uname -n),"
+    ' SLURM job ${{SLURM_JOB_ID:-none}} (every attempt: {log}.attempts/)" > {log:q};'
+    " ln -f {log:q} {log:q}.attempts/$n.log 2>/dev/null"
+    " || echo 'this attempt is not kept: no hard links here' >> {log:q};"
+)
+
+
 def script_path(name):
     """Path of a workflow script, passed to shell commands through params."""
     return str(SCRIPTS / name)

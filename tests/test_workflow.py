@@ -190,8 +190,18 @@ def test_checkout_with_a_space_and_a_model_named_like_a_command_run(tmp_path, de
     state = json.loads((workdir / "results/q/train/node0/train_state.json").read_text())
     assert state["base_model"] == str(model) and state["step"] == 2
     assert json.loads((workdir / "results/q/eval/base.json").read_text())["eval_loss"] > 0
-    assert "step 2/2" in (workdir / "logs/q/train_node/node0.log").read_text()
+    log = workdir / "logs/q/train_node/node0.log"
+    assert "step 2/2" in log.read_text()
     assert not list(tmp_path.rglob("x")) and not (REPO / "x").exists()
+
+    # a second attempt (here forced) keeps the first one's log: each under node0.log.attempts/, with a header
+    proc = subprocess.run([*cmd[:-2], "--forcerun", "train_node", targets[0]], capture_output=True, text=True,
+                          env=tool_env(), cwd=tmp_path / "a b", timeout=1200)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:] + job_logs(workdir)
+    first, second = (log.parent / "node0.log.attempts" / f"{n}.log" for n in (1, 2))
+    assert first.read_text().startswith("=== attempt 1: ") and "step 2/2" in first.read_text()
+    assert second.read_text() == log.read_text() and log.read_text().startswith("=== attempt 2: ")
+    assert "host " in log.read_text().splitlines()[0] and "step 2/2" in log.read_text()
 
 
 def test_a_failed_jobs_reason_reaches_the_console(tmp_path, demo_assets):
