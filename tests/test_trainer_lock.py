@@ -69,7 +69,7 @@ def read_steps(log_dir):
 def test_a_second_trainer_on_live_checkpoints_stops_at_once(tmp_path, demo_assets):
     """A relaunch while the first trainer runs (after `snakemake --unlock`, or a SLURM retry that starts
     early) stops before it loads anything, with one line naming the first; the first trains on, and its
-    metrics.jsonl has every step once."""
+    metrics.jsonl, though the second job's Snakemake deleted it, has every step once."""
     import time
 
     from conftest import start_trainer, train_command, trainer_env
@@ -89,6 +89,8 @@ def test_a_second_trainer_on_live_checkpoints_stops_at_once(tmp_path, demo_asset
         assert first.poll() is None, "the first trainer ended before the second was refused"
         holder = json.loads((tmp_path / "ckpt" / "trainer.lock").read_text())
         assert b"train.py" in (Path(f"/proc/{holder['pid']}") / "cmdline").read_bytes()  # the first's rank 0
+        # Snakemake deletes a job's outputs before it starts it and after it fails: metrics.jsonl, under the first
+        metrics.unlink()
     finally:
         _, err = first.communicate(timeout=600)
     assert second.returncode != 0
