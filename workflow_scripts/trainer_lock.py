@@ -71,6 +71,7 @@ def hold(folder: Path) -> None:
     record = (json.dumps(holder_record()) + "\n").encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, record, 0)
+    os.fsync(fd)  # the fd stays open: on NFS the record reaches the server (and another host's reader) now
     _held[path] = fd
 
 
