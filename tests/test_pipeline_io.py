@@ -152,11 +152,19 @@ train.py FAILED
         (
             "Traceback (most recent call last):\n  File x\n    ^^^^\npyarrow.lib.ArrowInvalid: not Parquet\n",
             "pyarrow.lib.ArrowInvalid: not Parquet",
-        ),  # fmt: skip
+        ),
         (
             "2026-11-25 09:40:01,123 ERROR node group 1 exited 1; ending the others\n",
             "node group 1 exited 1; ending the others",
-        ),  # fmt: skip
+        ),
+        (
+            "2026-11-25 09:40:01,123 WARNING SIGTERM: checkpointed at step 8; exiting 75 so a retry resumes\n",
+            "SIGTERM: checkpointed at step 8; exiting 75 so a retry resumes",
+        ),
+        (
+            "2026-11-25 09:40:01,123 WARNING ignoring partial checkpoint x\n2026-11-25 09:40:01,123 INFO step 4/12\n",
+            None,
+        ),
         ("2026-11-25 09:40:01,123 INFO step 4/12 loss 2.1\n", None),  # killed from outside: nothing to say
         ("", None),
     ],
@@ -167,6 +175,8 @@ train.py FAILED
         "torchrun",
         "no-error-suffix",
         "logged-error",
+        "preempted",
+        "warning",
         "nothing",
         "empty",
     ],

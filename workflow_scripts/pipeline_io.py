@@ -77,13 +77,14 @@ def is_disk_full(error: BaseException, free: int | None) -> bool:
 
 
 RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")  # torch's prefix on a rank's traceback lines
-LOGGED_ERROR = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ (ERROR|CRITICAL) (.+)$")  # cli's logging format
+LOGGED = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ (ERROR|CRITICAL|WARNING) (.+)$")  # cli's logging format
 
 
 def stop_reason(text: str) -> str | None:
     """Why a job stopped, as one line, from the end of its log: the last `error: ...` line (cli's UserError),
     else the exception line that ends the last traceback (a rank's too; torchrun's own ChildFailedError only
-    wraps a rank's), else the last ERROR line logged; None when the log says nothing (killed from outside)."""
+    wraps a rank's), else the last ERROR line logged (or the trainer's warning that it exits 75 on a stop
+    signal); None when the log says nothing (killed from outside)."""
     found: dict[int, str] = {}
     in_traceback = False
     for line in text.splitlines():
@@ -96,7 +97,7 @@ def stop_reason(text: str) -> str | None:
             in_traceback = False
             if "ChildFailedError" not in line:
                 found[1] = line
-        elif m := LOGGED_ERROR.match(line):
+        elif (m := LOGGED.match(line)) and (m.group(1) != "WARNING" or "exiting 75" in line):
             found[2] = m.group(2)
     return found[min(found)] if found else None
 
