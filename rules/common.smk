@@ -10,7 +10,7 @@ SCRIPTS = Path(workflow.basedir) / "workflow_scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 from presets import preset_name  # noqa: E402
-from pipeline_io import UserError, interpreter_first_on_path  # noqa: E402
+from pipeline_io import UserError, interpreter_first_on_path, log_stop_reason  # noqa: E402
 from data_formats import delimiter_arg, resolve_mapping, resolve_paths  # noqa: E402
 from fingerprint import check_model, local_model_folder  # noqa: E402
 from chat_format import format_list, has_chat_template, no_template_message  # noqa: E402
@@ -28,6 +28,27 @@ def fail(message):
     """Stop at parse time with one line on stderr, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(1)
+
+
+def report_failed_jobs():
+    """After a failed run, each job that failed for good, its log and why, one line each on the console
+    (the reason its log ends with, pipeline_io.stop_reason): Snakemake itself shows only `Error in rule ...`.
+    Local and SLURM jobs alike: their logs are on the shared file system. Never fails itself."""
+    try:
+        failed = list(getattr(workflow.scheduler, "failed", None) or ())
+        jobs = [sub for job in failed for sub in (getattr(job, "jobs", None) or [job])]  # a group's jobs
+        for job in sorted(jobs, key=lambda j: str(j.rule.name)):
+            logs = [str(f) for f in job.log]
+            reason = next(filter(None, map(log_stop_reason, logs)), None)
+            where = f" ({', '.join(logs)})" if logs else ""
+            why = reason or ("no reason in its log: killed from outside?" if logs else "no log")
+            print(f"error: {job.rule.name}{where}: {why}", file=sys.stderr)
+    except Exception as e:  # the report is a courtesy: Snakemake's own error stands without it
+        print(f"(could not list the failed jobs' reasons: {e})", file=sys.stderr)
+
+
+onerror:
+    report_failed_jobs()
 
 
 # config/schema.yaml: every key's default filled in, a wrong key, type or value one line naming it
@@ -174,6 +195,18 @@ NODE_TOKENIZE_ARGS = cli_args(
 )
 DEMO_MODEL_CONFIG = verbatim(DemoModelConfig.to_json(config))
 DEMO_MODEL_ARGS = cli_args(preset=PRESET)
+
+
+# The training jobs' logs (train_node, train_joint): Snakemake deletes a job's log before each attempt, so the
+# shell starts it with a header (the attempt, when, where, the SLURM job) and hard-links it as
+# <log>.attempts/<n>.log, which keeps each attempt's text; the command then appends to the log.
+ATTEMPT_LOG = (
+    "n=1; while [ -e {log:q}.attempts/$n.log ]; do n=$((n + 1)); done; mkdir -p {log:q}.attempts;"
+    " echo \"=== attempt $n: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), host $(uname -n),"
+    ' SLURM job ${{SLURM_JOB_ID:-none}} (every attempt: {log}.attempts/)" > {log:q};'
+    " ln -f {log:q} {log:q}.attempts/$n.log 2>/dev/null"
+    " || echo 'this attempt is not kept: no hard links here' >> {log:q};"
+)
 
 
 def script_path(name):

@@ -24,19 +24,21 @@ rule train_node:
         checkpoints=CHECKPOINTS,
         procs=config["training"]["procs_per_node"],
     shell:
+        # each attempt's log is kept (rules/common.smk)
+        ATTEMPT_LOG
         # Stop signals reach every process of the job step at once: SLURM's SIGURG warning before
         # the time limit (profiles/slurm), SIGTERM at the limit, on preemption or scancel. The ranks
         # finish their step, checkpoint and exit 75. This shell ignores both (SIGURG by default),
         # so that Snakemake sees the job end only after that, and does not delete metrics.jsonl
         # under the checkpoint; torchrun ignores SIGURG and passes SIGTERM on to the ranks.
-        "trap '' TERM;"
+        + "trap '' TERM;"
         # the job's cores are shared among its ranks, not given to each
         " n=$(( {threads} / {params.procs} > 1 ? {threads} / {params.procs} : 1 ));"
         " export OMP_NUM_THREADS=$n MKL_NUM_THREADS=$n OPENBLAS_NUM_THREADS=$n;"
         " torchrun --standalone --nproc_per_node {params.procs} --max-restarts 0"
         " {params.script:q} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
         " --base-model {params.base:q} --log-dir {params.log_dir:q}"
-        " --checkpoint-root {params.checkpoints:q} --state {output.state} > {log} 2>&1"
+        " --checkpoint-root {params.checkpoints:q} --state {output.state} >> {log} 2>&1"
         # torchrun reports a signal as a plain failure; the trainer's marker tells preemption apart
         " || {{ rc=$?; test -f {params.log_dir:q}/preempted.json && exit 75; exit $rc; }}"
 
@@ -75,9 +77,10 @@ rule train_joint:
         nodes=config["nodes"],
         procs=config["training"]["procs_per_node"],
     shell:
-        "python {params.launch:q} --nodes {params.nodes} --procs-per-node {params.procs} --threads {threads}"
+        ATTEMPT_LOG
+        + "python {params.launch:q} --nodes {params.nodes} --procs-per-node {params.procs} --threads {threads}"
         " -- {params.script:q} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
         " --base-model {params.base:q} --log-dir {params.log_dir:q}"
-        " --checkpoint-root {params.checkpoints:q} --state {output.state} > {log} 2>&1"
+        " --checkpoint-root {params.checkpoints:q} --state {output.state} >> {log} 2>&1"
         # srun and torchrun report a signal as a plain failure; the trainer's marker tells preemption apart
         " || {{ rc=$?; test -f {params.log_dir:q}/preempted.json && exit 75; exit $rc; }}"

@@ -1,4 +1,4 @@
-"""pipeline_io's progress lines: rate, ETA and cadence, with a fake clock."""
+"""pipeline_io: progress lines (rate, ETA and cadence, with a fake clock), atomic writes (mode, a full disk)."""
 
 import pytest
 
@@ -80,3 +80,111 @@ def test_the_interpreters_folder_goes_first_on_path_when_it_holds_torchrun(tmp_p
     env = {"PATH": f"{other}:/usr/bin"}
     interpreter_first_on_path(env, str(other / "python3"))
     assert env["PATH"] == f"{other}:/usr/bin"
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o027, 0o640), (0o002, 0o664)])
+def test_outputs_keep_the_users_umask(tmp_path, umask, mode):
+    """Atomic writes give an output the mode any new file gets (not mkstemp's 0600): a group reads a
+    model's weights as it reads its config.json."""
+    import os
+
+    from pipeline_io import atomic_path, write_json
+
+    old = os.umask(umask)
+    try:
+        write_json(tmp_path / "a.json", {"x": 1})
+        with atomic_path(tmp_path / "b.bin") as tmp, open(tmp, "wb") as f:
+            f.write(b"weights")
+        (tmp_path / "c.json").write_text("{}")  # a plain new file, for comparison
+    finally:
+        os.umask(old)
+    for name in ("a.json", "b.bin", "c.json"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == mode, name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.bin", "c.json"]  # no temporary left
+
+
+def test_a_full_disk_names_the_path_and_the_free_space(tmp_path):
+    """ENOSPC inside an atomic write (a real one: /dev/full) is one line naming the output and the space
+    left; the partial file is gone and the output not written."""
+    from pipeline_io import UserError, atomic_path
+
+    out = tmp_path / "tokens" / "node0.parquet"
+    with pytest.raises(UserError) as e, atomic_path(out) as tmp:
+        tmp.write_bytes(b"partial")
+        with open("/dev/full", "wb") as full:
+            full.write(b"x" * 4096)
+            full.flush()
+    message = str(e.value)
+    assert message.startswith(f"{out}: disk full while writing it (") and "\n" not in message
+    assert " free in " in message and "No space left on device" in message
+    assert list(tmp_path.rglob("*")) == [out.parent]
+
+
+def test_other_errors_in_an_atomic_write_pass_through(tmp_path):
+    from pipeline_io import atomic_path
+
+    with pytest.raises(ValueError), atomic_path(tmp_path / "x.json"):
+        raise ValueError("not a disk problem")
+    assert list(tmp_path.iterdir()) == []
+
+
+TORCHRUN_LOG = """\
+2026-11-25 09:40:01,123 INFO plan: {...}
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "train.py", line 3, in <module>
+[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB
+E1125 09:40:02 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: 1)
+Traceback (most recent call last):
+  File "torchrun", line 8, in <module>
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+"""
+
+
+@pytest.mark.parametrize(
+    "log,reason",
+    [
+        ("x INFO start\nerror: data.csv: no usable rows left\n", "data.csv: no usable rows left"),
+        ("error: first\nTraceback (most recent call last):\nValueError: later\n", "first"),  # ours first
+        ("Traceback (most recent call last):\n  File x\nKeyError: 'question'\n", "KeyError: 'question'"),
+        (TORCHRUN_LOG, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
+        (
+            "Traceback (most recent call last):\n  File x\n    ^^^^\npyarrow.lib.ArrowInvalid: not Parquet\n",
+            "pyarrow.lib.ArrowInvalid: not Parquet",
+        ),
+        (
+            "2026-11-25 09:40:01,123 ERROR node group 1 exited 1; ending the others\n",
+            "node group 1 exited 1; ending the others",
+        ),
+        (
+            "2026-11-25 09:40:01,123 WARNING SIGTERM: checkpointed at step 8; exiting 75 so a retry resumes\n",
+            "SIGTERM: checkpointed at step 8; exiting 75 so a retry resumes",
+        ),
+        (
+            "2026-11-25 09:40:01,123 WARNING ignoring partial checkpoint x\n2026-11-25 09:40:01,123 INFO step 4/12\n",
+            None,
+        ),
+        ("2026-11-25 09:40:01,123 INFO step 4/12 loss 2.1\n", None),  # killed from outside: nothing to say
+        ("", None),
+    ],
+    ids=[
+        "user-error",
+        "user-error-first",
+        "traceback",
+        "torchrun",
+        "no-error-suffix",
+        "logged-error",
+        "preempted",
+        "warning",
+        "nothing",
+        "empty",
+    ],
+)
+def test_stop_reason_is_the_logs_last_error_line(tmp_path, log, reason):
+    from pipeline_io import log_stop_reason, stop_reason
+
+    assert stop_reason(log) == reason
+    (tmp_path / "job.log").write_text(log)
+    assert log_stop_reason(tmp_path / "job.log") == reason
+    assert log_stop_reason(tmp_path / "missing.log") is None

@@ -8,6 +8,7 @@ import re
 import time
 
 import pytest
+import yaml
 from conftest import snakemake, tiny_config
 from pipeline_io import UserError
 from status import (
@@ -307,3 +308,49 @@ def test_cli_errors_in_one_line(tmp_path, capsys):
 def test_unreadable_run_errors(tmp_path):
     with pytest.raises(UserError, match="nothing has run yet"):
         run_status(tmp_path, "x")
+
+
+def finish(prefix, nodes=("node0", "node1")):
+    for node in nodes:
+        (prefix / "train" / node / "train_state.json").write_text("{}")
+
+
+def test_a_configured_node_not_started_keeps_the_run_unfinished(tmp_path, capsys):
+    """`make status` counts the config's nodes, not the folders: two done of three is not "training finished"."""
+    prefix = make_run(tmp_path, steps=40, total=40)
+    finish(prefix)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(tiny_config("r") | {"nodes": 3}))
+    main(["-d", str(tmp_path), "--config", "config.yaml", "--plain"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("run r: 3 training job(s)"), lines
+    assert lines[4].split()[:4] == ["node2", "-", "waiting", "-/-"]
+    # the folders alone (another run's config): two done is finished
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(tiny_config("other") | {"nodes": 3}))
+    main(["-d", str(tmp_path), "--config", "config.yaml", "--run", "r", "--plain"])
+    assert capsys.readouterr().out.startswith("run r: training finished")
+
+
+def test_without_the_runs_config_the_splits_nodes_count(tmp_path):
+    prefix = make_run(tmp_path, nodes=("node0",), steps=40, total=40)
+    finish(prefix, ["node0"])
+    (prefix / "data").mkdir()
+    (prefix / "data" / "manifest.json").write_text(json.dumps({"nodes": [{"rows": 5}, {"rows": 5}]}))
+    nodes = run_status(tmp_path, "r", now=NOW, scheduler=False)
+    assert [(n.node, n.state) for n in nodes] == [("node0", "done"), ("node1", "waiting")]
+    assert headline(nodes, prefix) == "2 training job(s)"
+
+
+@pytest.mark.parametrize(
+    "config,expected",
+    [
+        ({"training": {"mode": "joint"}}, [("", "joint")]),
+        ({"grid": {"training.lr": [1e-3, 3e-3]}, "nodes": 1}, [("lr-0.001", "node0"), ("lr-0.003", "node0")]),
+    ],
+    ids=["joint", "grid"],
+)
+def test_the_configured_folders_of_joint_and_grid_runs(tmp_path, config, expected):
+    (tmp_path / "results" / "r").mkdir(parents=True)
+    base = tiny_config("r")
+    config = base | config | {"training": base["training"] | config.get("training", {})}
+    nodes = run_status(tmp_path, "r", now=NOW, scheduler=False, config=config)
+    assert [(n.variant, n.node) for n in nodes] == expected and {n.state for n in nodes} == {"waiting"}

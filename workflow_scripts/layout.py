@@ -7,6 +7,7 @@ a grid those paths are under results/<run>/ itself. The rest (RUN_FILES) is shar
 Logs go under logs/<run>/ (logs/<run>/<variant>/ for a variant's jobs), each rule naming its own file.
 """
 
+import json
 import string
 from pathlib import Path
 
@@ -94,3 +95,31 @@ def file(prefix: Path, name: str, **wildcards) -> Path:
 def matching(prefix: Path, name: str, **wildcards) -> list[Path]:
     """The existing paths of file ``name`` under ``prefix`` whose wildcards are given as globs ("*"), sorted."""
     return sorted(prefix.glob((RUN_FILES | VARIANT_FILES)[name].format(**wildcards)))
+
+
+def expected_train_dirs(results: Path, config: dict | None) -> list[Path]:
+    """Every training folder (TRAIN_DIR) results/<run>/ is to have, made or not yet: with the run's ``config``,
+    each grid variant's `joint` or node0..node<nodes-1> (none for an invalid config); without it, as
+    many nodes as the split's manifest lists (node0.. under results/<run>/), or none before the split or where
+    the folders show a joint or grid run."""
+    if config is not None:
+        from grid import expand_grid
+        from pipeline_io import UserError
+        from settings import validated
+
+        try:
+            config = validated(config)
+            variants = list(expand_grid(config["grid"]))
+        except UserError:
+            return []
+        names = ["joint"] if config["training"]["mode"] == "joint" else [f"node{i}" for i in range(config["nodes"])]
+        prefixes = [results / v for v in variants] or [results]
+        return [file(p, "TRAIN_DIR", node=n) for p in prefixes for n in names]
+    grid = any(matching(p, "TRAIN_DIR", node="*") for p in results.iterdir() if p.is_dir())
+    if grid or matching(results, "TRAIN_DIR", node="joint"):
+        return []
+    try:
+        nodes = json.loads(file(results, "MANIFEST").read_text()).get("nodes")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [file(results, "TRAIN_DIR", node=f"node{i}") for i in range(len(nodes))] if isinstance(nodes, list) else []

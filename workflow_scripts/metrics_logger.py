@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from pipeline_io import atomic_path
 
 log = logging.getLogger("train")
 
@@ -48,11 +49,15 @@ class MetricsLogger:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cfg, self.device, self.plan, self.flops_of = cfg, device, plan, flops_of
         self.path, self.writer = folder / "metrics.jsonl", None
+        self.lines: list[str] = []  # rank 0: every record of the file, the resumed ones (the checkpoint's copy) first
         if self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
             folder.mkdir(parents=True, exist_ok=True)
             self.writer = SummaryWriter(log_dir=str(folder), purge_step=start_step + 1)
+            if self.path.exists():
+                self.lines = self.path.read_text().splitlines(keepends=True)
+        self.bytes = sum(len(line.encode()) for line in self.lines)  # the file's size as this job writes it
         self.tokens, self.flops, self.clock, self.last_logged = 0, 0.0, time.perf_counter(), start_step
 
     def count(self, lengths: list[int]) -> None:
@@ -95,8 +100,8 @@ class MetricsLogger:
     def write(self, record: dict) -> None:
         if self.rank != 0:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.lines.append(json.dumps(record) + "\n")
+        self.keep_file(appended=len(self.lines[-1].encode()))
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float):
                 self.writer.add_scalar(f"train/{key}", value, record["step"])
@@ -106,6 +111,24 @@ class MetricsLogger:
             record["tokens_per_s"],
         )  # fmt: skip
 
+    def keep_file(self, appended: int = 0) -> None:
+        """Append the newest record, or write the file whole where it is not what this job wrote: metrics.jsonl
+        is a declared output, which a second Snakemake starting this job deletes before the trainer lock
+        stops it (and again as it fails), so no step goes missing from a live job's file."""
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            size = None
+        if appended and size == self.bytes:
+            with self.path.open("a") as f:
+                f.write(self.lines[-1])
+        elif size != self.bytes + appended:
+            with atomic_path(self.path) as tmp:
+                tmp.write_text("".join(self.lines))
+        self.bytes += appended
+
     def close(self) -> None:
+        if self.rank == 0:
+            self.keep_file()
         if self.writer:
             self.writer.close()

@@ -1,14 +1,17 @@
 """Small helpers shared by the workflow scripts: one-line errors, atomic writes, hashing, progress lines."""
 
 import contextlib
+import errno
 import functools
 import gc
 import hashlib
 import json
 import logging
 import os
+import re
+import secrets
+import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,16 +35,101 @@ def cli(main):
     return wrapper
 
 
+def new_temp_file(folder: Path, name: str) -> Path:
+    """A new empty hidden file ``.<name>.<random>.tmp`` in ``folder``, with the mode any new file gets (0666 less
+    the umask: 0644 by default), not mkstemp's 0600: renamed onto an output, it is readable as the others are."""
+    for _ in range(100):
+        tmp = folder / f".{name}.{secrets.token_hex(6)}.tmp"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name for {name} in {folder}")
+
+
+def size_text(n: float) -> str:
+    """1.5 GB, 320 MB, 0 B: a size as a person reads it (powers of 1000)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded")
+
+
+def free_bytes(folder: Path) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def is_disk_full(error: BaseException, free: int | None) -> bool:
+    """``error`` is a full disk or quota: its errno or its text says so (pyarrow, C++ streams wrap it), or
+    the file system had less than 1 MiB free when it was raised (torch's `basic_ios::clear: iostream error`)."""
+    if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+        return True
+    return any(text in str(error) for text in DISK_FULL_TEXT) or (free is not None and free < 2**20)
+
+
+RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")  # torch's prefix on a rank's traceback lines
+LOGGED = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ (ERROR|CRITICAL|WARNING) (.+)$")  # cli's logging format
+
+
+def stop_reason(text: str) -> str | None:
+    """Why a job stopped, as one line, from the end of its log: the last `error: ...` line (cli's UserError),
+    else the exception line that ends the last traceback (a rank's too; torchrun's own ChildFailedError only
+    wraps a rank's), else the last ERROR line logged (or the trainer's warning that it exits 75 on a stop
+    signal); None when the log says nothing (killed from outside)."""
+    found: dict[int, str] = {}
+    in_traceback = False
+    for line in text.splitlines():
+        line = RANK_PREFIX.sub("", line.rstrip())
+        if line.startswith("error: "):
+            found[0] = line.removeprefix("error: ")
+        elif line.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and line and not line[0].isspace():
+            in_traceback = False
+            if "ChildFailedError" not in line:
+                found[1] = line
+        elif (m := LOGGED.match(line)) and (m.group(1) != "WARNING" or "exiting 75" in line):
+            found[2] = m.group(2)
+    return found[min(found)] if found else None
+
+
+def log_stop_reason(path, tail: int = 1 << 16) -> str | None:
+    """stop_reason of the last ``tail`` bytes of the log file ``path`` (None when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            return stop_reason(f.read().decode(errors="replace"))
+    except OSError:
+        return None
+
+
 @contextlib.contextmanager
 def atomic_path(path):
-    """Yield a temporary path beside ``path``; rename it onto ``path`` only on success."""
+    """Yield a temporary path beside ``path``; rename it onto ``path`` only on success. The file gets the
+    mode of any new file (the umask's, see new_temp_file). A full disk or quota while writing ends in a
+    UserError naming ``path`` and the free space there (one line, by cli), the partial file removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = new_temp_file(path.parent, path.name)
     try:
-        yield Path(tmp)
+        yield tmp
         os.replace(tmp, path)
+    except Exception as e:
+        free = free_bytes(path.parent)
+        if is_disk_full(e, free):
+            left = "unknown" if free is None else size_text(free)
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UserError(f"{path}: disk full while writing it ({left} free in {path.parent}; {why})") from e
+        raise
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

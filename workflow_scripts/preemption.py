@@ -49,7 +49,7 @@ class StopSignal:
 
     def __init__(self, marker: Path):
         """Install the handlers first thing: a signal during start-up is honoured after the first step."""
-        self.marker, self.received = marker, None
+        self.marker, self.received, self.previous = marker, None, None
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
         die_with_parent()
@@ -62,16 +62,21 @@ class StopSignal:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def resumed_after(self, start_step: int) -> dict | None:
-        """On rank 0: the previous job's record when this job resumes from the checkpoint it wrote
-        (then the marker is removed: this job has taken over)."""
+    def take_over(self) -> None:
+        """On rank 0, at the start, once it holds the trainer lock (trainer_lock.py): the previous job's
+        marker is read and removed, so that a failure of this job is never taken for a preemption (the
+        rule maps a failure with the marker to 75, which a SLURM retry would resume from forever)."""
         if dist.get_rank() != 0:
-            return None
+            return
         try:
-            record = json.loads(self.marker.read_text())
+            self.previous = json.loads(self.marker.read_text())
         except (OSError, ValueError):
-            record = None
+            self.previous = None
         self.marker.unlink(missing_ok=True)
+
+    def resumed_after(self, start_step: int) -> dict | None:
+        """On rank 0: the previous job's record (take_over) when this job resumes from the checkpoint it wrote."""
+        record = self.previous if dist.get_rank() == 0 else None
         return record if record and start_step and record.get("step") == start_step else None
 
     def maybe_exit(self, step: int, last_step: int, device, checkpointer, on_exit) -> None:

@@ -9,6 +9,7 @@ processes. A finished run gets a summary.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from layout import VARIANT_FILES, file, matching
+from layout import VARIANT_FILES, expected_train_dirs, file, matching
 from pipeline_io import UserError, cli, duration
 
 RECENT = 10  # step intervals the ETA and the stall rule take the median of
@@ -213,12 +214,8 @@ def job_comment_matches(comment: str, node: str, variant: str) -> bool:
 
 
 def boot_time() -> float:
-    try:
-        for line in Path("/proc/stat").read_text().splitlines():
-            if line.startswith("btime "):
-                return float(line.split()[1])
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        return next((float(x.split()[1]) for x in Path("/proc/stat").read_text().splitlines() if x[:6] == "btime "), 0)
     return 0.0
 
 
@@ -372,15 +369,17 @@ def node_status(folder: Path, results: Path, root: Path, jobs: dict[str, Job], p
     return s
 
 
-def run_status(root: Path, run: str, now: float | None = None, factor: float = STALL_FACTOR,
-               recent: int = RECENT, scheduler: bool = True) -> list[NodeStatus]:  # fmt: skip
-    """Every training folder of results/<run>/ under ``root``."""
+def run_status(root: Path, run: str, now: float | None = None, factor: float = STALL_FACTOR, recent: int = RECENT,
+               scheduler: bool = True, config: dict | None = None) -> list[NodeStatus]:  # fmt: skip
+    """Every training folder of results/<run>/ under ``root``, made or not yet (layout.expected_train_dirs)."""
     results = root / "results" / run
     if not results.is_dir():
         where = "" if root == Path(".") else f" in {root}"
         raise UserError(f"no results/{run}{where}: nothing has run yet")
     now = time.time() if now is None else now
     folders = train_folders(results)
+    expected = expected_train_dirs(results, config)
+    folders = [*expected, *(f for f in folders if f not in expected)]
     known = set()
     for folder in folders:
         prefix, node = variant_folder(folder), folder.name
@@ -534,15 +533,19 @@ def render_rich(console, run: str, nodes: list[NodeStatus], results: Path, now: 
 # ---------------------------------------------------------------- main
 
 
-def config_run(config: Path) -> str:
-    """The `run:` of a config file (default config/config.yaml)."""
+def run_and_config(path: Path, run: str | None) -> tuple[str, dict | None]:
+    """The run to show (``run``, else the `run:` of config file ``path``) and the config when it is that run's."""
     try:
-        run = (yaml.safe_load(config.read_text()) or {}).get("run")
+        config = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"cannot read the run name from {config}: {e}; pass --run") from e
-    if not run:
-        raise UserError(f"{config} has no run:; pass --run")
-    return str(run)
+        if run:
+            return run, None
+        raise UserError(f"cannot read the run name from {path}: {e}; pass --run") from e
+    config = config if isinstance(config, dict) else {}
+    if not (run or config.get("run")):
+        raise UserError(f"{path} has no run:; pass --run")
+    run = run or str(config["run"])
+    return run, config if str(config.get("run")) == run else None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -557,9 +560,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def show(a: argparse.Namespace, run: str, console) -> None:
+def show(a: argparse.Namespace, run: str, console, config: dict | None = None) -> None:
     now = time.time()
-    nodes = run_status(a.root, run, now, a.stall_factor)
+    nodes = run_status(a.root, run, now, a.stall_factor, config=config)
     results = a.root / "results" / run
     if console is None:
         print(render_plain(run, nodes, results, now), flush=True)
@@ -571,7 +574,7 @@ def show(a: argparse.Namespace, run: str, console) -> None:
 def main(argv=None) -> None:
     a = parse_args(argv)
     config = a.config if a.config.is_absolute() or a.config.exists() else a.root / a.config
-    run = a.run or config_run(config)
+    run, settings = run_and_config(config, a.run)  # settings: the configured nodes and variants, if this run's
     console = None
     if not a.plain and sys.stdout.isatty():
         from rich.console import Console
@@ -581,7 +584,7 @@ def main(argv=None) -> None:
         while True:
             if a.watch and console is not None:
                 console.clear()
-            show(a, run, console)
+            show(a, run, console, settings)
             if not a.watch:
                 return
             if console is None:

@@ -31,6 +31,7 @@ from pipeline_io import cli, write_json
 from preemption import StopSignal
 from settings import TrainConfig
 from token_store import store_root_for
+from trainer_lock import one_trainer
 
 log = logging.getLogger("train")
 
@@ -128,6 +129,8 @@ def main(argv=None) -> None:
     cfg = TrainConfig.from_json(a.config)
     stop = StopSignal(a.log_dir / "preempted.json")  # first: a signal during start-up is not lost
     device = init_distributed(cfg)
+    one_trainer(a.checkpoint_root, device)  # rank 0 locks the checkpoints for the job's life; a second trainer ends
+    stop.take_over()  # the previous job's preempted.json, read and removed: a failure from here is no preemption
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.seed)
     data = TrainingData(cfg, a.data, a.packing, world, rank, store_root_for(a.checkpoint_root))
