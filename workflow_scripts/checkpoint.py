@@ -238,8 +238,10 @@ class Checkpointer:
             writes.write_bytes(folder / name, safetensors_bytes(tensors, metadata))
             if self.rank == 0 and self.metrics_path.exists():
                 writes.copy(self.metrics_path, folder / "metrics.jsonl")
-        except Exception as e:
-            raise UserError(space_message(folder, e)) from e
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            raise UserError(space_message(folder, writes.error or e)) from e
         written = [None] * dist.get_world_size()
         dist.all_gather_object(written, writes.files)  # also the barrier: every rank has written
         if self.rank == 0:

@@ -14,7 +14,9 @@ import errno
 import hashlib
 import io
 import json
+import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 MARKER = "COMPLETE"
@@ -25,9 +27,9 @@ class HashingFile(io.RawIOBase):
     """A file opened for writing that hashes every byte written through it. No ``fileno`` unless asked
     (``fileno=True``): torch.save would write a storage to the descriptor directly, past the hash."""
 
-    def __init__(self, path: Path, on_close, fileno: bool = False):
+    def __init__(self, path: Path, on_close, fileno: bool = False, on_error=lambda e: None):
         super().__init__()
-        self.path, self.on_close, self.has_fileno = Path(path), on_close, fileno
+        self.path, self.on_close, self.on_error, self.has_fileno = Path(path), on_close, on_error, fileno
         self.raw = open(path, "wb")  # noqa: SIM115 (closed by close())
         self.sha, self.size = hashlib.sha256(), 0
 
@@ -36,7 +38,11 @@ class HashingFile(io.RawIOBase):
 
     def write(self, b) -> int:
         view = memoryview(b).cast("B")
-        self.raw.write(view)
+        try:
+            self.raw.write(view)
+        except OSError as e:  # torch's writer reports it as "unexpected pos" or an iostream error
+            self.on_error(e)
+            raise
         self.sha.update(view)
         self.size += view.nbytes
         return view.nbytes
@@ -61,17 +67,21 @@ class HashingFile(io.RawIOBase):
 
 
 class Writes:
-    """What this rank wrote into a checkpoint folder: {path relative to the folder: {size, sha256}}."""
+    """What this rank wrote into a checkpoint folder: {path relative to the folder: {size, sha256}}.
+    ``error``: the last OSError a write raised (the real cause when a library reports another)."""
 
     def __init__(self, folder: Path):
-        self.folder, self.files = Path(folder), {}
+        self.folder, self.files, self.error = Path(folder), {}, None
 
     def _record(self, path: Path, entry: dict) -> None:
         if Path(path).is_relative_to(self.folder):  # else not this checkpoint's (DeepSpeed's ``latest``)
             self.files[Path(path).relative_to(self.folder).as_posix()] = entry
 
     def open(self, path, fileno: bool = False) -> HashingFile:
-        return HashingFile(Path(path), self._record, fileno)
+        return HashingFile(Path(path), self._record, fileno, on_error=self._failed)
+
+    def _failed(self, error: OSError) -> None:
+        self.error = error
 
     def write_bytes(self, path, data: bytes) -> None:
         with self.open(path) as f:
@@ -138,7 +148,7 @@ def read_marker(folder: Path) -> tuple[dict | None, str | None]:
     return marker, None
 
 
-def check_files(folder: Path, files: dict, names) -> str | None:
+def check_files(folder: Path, files: dict, names, threads: int = 1) -> str | None:
     """Why the first of ``names`` whose size or sha256 differs from ``files`` (the manifest) is bad; None: all match."""
     for name in names:
         path, want = Path(folder) / name, files[name]
@@ -148,9 +158,10 @@ def check_files(folder: Path, files: dict, names) -> str | None:
             return f"{name} is missing"
         if size != want["size"]:
             return f"{name} has {size:,} bytes, {want['size']:,} were written"
-    for name in names:
-        if file_sha256(Path(folder) / name) != files[name]["sha256"]:
-            return f"{name}: sha256 differs from the one written"
+    with ThreadPoolExecutor(threads) as pool:  # hashlib lets go of the GIL: files hash in parallel
+        for name, sha in zip(names, pool.map(lambda n: file_sha256(Path(folder) / n), names), strict=True):
+            if sha != files[name]["sha256"]:
+                return f"{name}: sha256 differs from the one written"
     return None
 
 
@@ -166,9 +177,11 @@ def shares(files: dict, world: int) -> list[list[str]]:
 
 
 def verify(folder: Path) -> str | None:
-    """Why ``folder`` cannot be trusted (marker, a file missing, short, or changed), or None: one process."""
+    """Why ``folder`` cannot be trusted (marker, a file missing, short, or changed), or None: one process,
+    a few files hashed at a time."""
     marker, problem = read_marker(folder)
-    return problem or check_files(folder, marker["files"], sorted(marker["files"]))
+    threads = min(4, os.cpu_count() or 1)
+    return problem or check_files(folder, marker["files"], sorted(marker["files"]), threads)
 
 
 def space_message(folder: Path, error: BaseException) -> str:
