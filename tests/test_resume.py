@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import run_trainer, start_trainer, train_command, trainer_env
 from divergence import TEST_HOOK
-from manifest import verify
+from manifest import build_manifest, marker_text, verify
 
 pytestmark = pytest.mark.torchrun
 
@@ -106,25 +106,30 @@ def damage(path: Path, how: str) -> None:
 
 
 def test_damaged_checkpoints_are_set_aside_and_the_newest_good_one_resumed(tmp_path, demo_assets):
-    cfg = CONFIG | {"max_steps": 8, "checkpoint_every": 2, "keep_checkpoints": 4}
+    """One trained run, its four newest checkpoints damaged four ways: the rerun names each, sets it aside and
+    resumes from the fifth; its losses are the undamaged run's."""
+    cfg = CONFIG | {"max_steps": 10, "checkpoint_every": 2, "keep_checkpoints": 5}
     run_trainer(tmp_path, demo_assets, cfg)
     expected = losses(tmp_path)
     (key,) = [p for p in (tmp_path / "ckpt").iterdir() if p.is_dir()]
-    cases = [(8, "flipped", "sha256 differs"), (6, "zeroed", "sha256 differs"), (4, "truncated", "has [0-9,]+ bytes")]
-    for step, how, _ in cases:
+    cases = [(10, "flipped", r"state\.pt: sha256 differs"), (8, "zeroed", r"state\.pt: sha256 differs"),
+             (6, "truncated", r"state\.pt has [0-9,]+ bytes"), (4, "unloadable", "could not be loaded")]  # fmt: skip
+    for step, how, _ in cases[:3]:
         damage(key / f"step-{step}" / "state.pt", how)
+    unloadable = key / "step-4"  # a checkpoint whose files match its marker but do not fit the model
+    torch.save({"model": {}, "optimizer": {}}, unloadable / "state.pt")
+    (unloadable / "COMPLETE").write_text(marker_text(4, build_manifest(unloadable, {})[0], 0.0))
 
     rerun = run_trainer(tmp_path, demo_assets, cfg)
     for step, _, why in cases:  # each named, newest first, then the one before it tried
         assert re.search(
-            rf"checkpoint {re.escape(str(key))}/step-{step} is damaged: state\.pt:? {why}[^;]*; trying the one before",
-            rerun.stderr,
+            rf"checkpoint {re.escape(str(key))}/step-{step} is damaged: {why}[^;]*; trying the one before", rerun.stderr
         )
     assert f"resumed from {key / 'step-2'} at step 2" in rerun.stderr
-    assert losses(tmp_path) == expected  # steps 3-8 trained again from good state, bit for bit, each logged once
-    names = sorted(p.name for p in key.iterdir())
-    assert names == ["damaged-step-4", "damaged-step-6", "damaged-step-8", "step-2", "step-4", "step-6", "step-8"]
-    assert [verify(key / f"step-{s}") for s in (2, 4, 6, 8)] == [None] * 4
+    assert losses(tmp_path) == expected  # steps 3-10 trained again from good state, bit for bit, each logged once
+    names = sorted((p.name for p in key.iterdir()), key=lambda n: (n.startswith("damaged"), int(n.split("-")[-1])))
+    assert names == [f"step-{s}" for s in (2, 4, 6, 8, 10)] + [f"damaged-step-{s}" for s in (4, 6, 8, 10)]
+    assert [verify(key / f"step-{s}") for s in (2, 4, 6, 8, 10)] == [None] * 5
 
 
 def test_a_nan_stops_the_job_and_keeps_the_good_checkpoints(tmp_path, demo_assets):

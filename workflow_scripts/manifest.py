@@ -8,6 +8,12 @@ read back once at commit, right after it was written (from the page cache as a r
 
 Before a checkpoint is read (resume, consolidation) each file's size and sha256 are checked against
 the marker; a marker without them (written before checkpoints were verified) is not trusted.
+
+Cost, measured on this project's 2 shared CPU cores with a 1.07 GB torch.save: sha256 runs at 1.9 s/GB
+(in memory or read back from the page cache); hashing while writing took torch.save from 2.3-5.0 s/GB
+to 3.8-5.7 s/GB (noisy machine); the demo's 41 MB checkpoints commit in 0.02-0.06 s with nothing read
+back (DDP, FSDP, DeepSpeed ZeRO-3). The check before a resume reads every file once, about 1.9 s/GB
+split over the ranks.
 """
 
 import errno
