@@ -316,7 +316,10 @@ def consolidate(
     if not (folder / MARKER).is_file():
         raise UserError(f"{folder}: checkpoint is missing or incomplete (no {MARKER} marker)")
     if problem := verify_checkpoint(folder):  # every file's size and sha256, as written
-        raise UserError(f"{folder}: damaged checkpoint, not consolidated: {problem} (rerun train_node to retrain it)")
+        raise UserError(
+            f"{folder}: damaged checkpoint, not consolidated: {problem} (delete this node's train_state.json"
+            " and rerun: training resumes from its newest good checkpoint)"
+        )
     max_bytes = parse_size(max_shard_size)
     report = {"checkpoint": str(folder), "strategy": state["strategy"], "peft": state["peft"], "step": state["step"]}
     base_dtype = stored_dtype(state["base_model"])

@@ -130,9 +130,9 @@ def build_manifest(folder: Path, written: dict) -> tuple[dict, int]:
     while writing), the others read back. Returns (manifest, bytes read back)."""
     files, read_back = {}, 0
     for name in folder_files(folder):
-        size = (folder / name).stat().st_size
-        entry = written.get(name)
-        if entry is None or entry["size"] != size:  # not written through a HashingFile (or rewritten since)
+        entry = written.get(name)  # the writer's record: another host's stat may lag (NFS attribute cache)
+        if entry is None:  # not written through a HashingFile
+            size = (folder / name).stat().st_size
             entry = {"size": size, "sha256": file_sha256(folder / name)}
             read_back += size
         files[name] = entry
