@@ -3,19 +3,23 @@ consolidate.dtype fp32 keeps fp32, the self-check compares at the precision writ
 wrong weight, and a LoRA adapter stays fp32 while the merged model is bf16.
 
 The checkpoints are written here the way train.py's DDP checkpointer leaves them (rank 0's ``state.pt``
-with the model's fp32 tensors, a COMPLETE marker, train_state.json): no torchrun, a few seconds each.
+with the model's fp32 tensors, a COMPLETE marker listing its size and sha256, train_state.json): no torchrun,
+a few seconds each.
 The base is a tiny random Qwen3 (untied embeddings) with a byte-level BPE and a ChatML template.
 """
 
 import dataclasses
 import json
+import re
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO, bpe_tokenizer, tool_env
+from manifest import MARKER, Writes, build_manifest, marker_text
 from pipeline_io import UserError
 from settings import training_config
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -46,8 +50,9 @@ def write_checkpoint(root, base, tensors: dict, peft: str = "none", **training) 
     """A DDP checkpoint of ``tensors`` (fp32, as training holds them) and its train_state.json."""
     folder = root / "ckpt" / "step_00000004"
     folder.mkdir(parents=True)
-    torch.save({"model": {k: v.detach().float().contiguous() for k, v in tensors.items()}}, folder / "state.pt")
-    (folder / "COMPLETE").write_text("")
+    writes = Writes(folder)
+    writes.torch_save({"model": {k: v.detach().float().contiguous() for k, v in tensors.items()}}, folder / "state.pt")
+    (folder / MARKER).write_text(marker_text(4, build_manifest(folder, writes.files)[0], 0.0))
     cfg = dataclasses.asdict(training_config({"peft": peft, **training}))
     state = {"checkpoint": str(folder), "step": 4, "strategy": "ddp", "zero_stage": 0, "peft": peft,
              "base_model": str(base), "config": cfg}  # fmt: skip
@@ -186,6 +191,32 @@ def test_a_corrupt_bf16_weight_fails_the_check(tmp_path, bf16_checkpoint, where)
         file.write_bytes(bytes(raw).replace(b'"dtype":"BF16"', b'"dtype":"F16" ', 1))
         with pytest.raises(UserError, match="safetensors hold BF16, F16; config.json says bfloat16"):
             verify(out, ids, expected, 1e-5)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "zeroed", "truncated"])
+def test_a_damaged_checkpoint_is_not_consolidated(tmp_path, damage):
+    """The checkpoint's bytes are checked against its marker before anything is read: zeroed bytes used to
+    load, consolidate and pass the self-check (a wrong model with nothing to show it)."""
+    from consolidate import consolidate
+
+    base = tiny_base(tmp_path / "base", torch.float32)
+    state = write_checkpoint(tmp_path / "run", base, trained(base))
+    path = Path(state["checkpoint"]) / "state.pt"
+    raw = bytearray(path.read_bytes())
+    middle = len(raw) // 2
+    if damage == "flipped":
+        raw[middle : middle + 4096] = bytes(b ^ 0xFF for b in raw[middle : middle + 4096])
+    elif damage == "zeroed":
+        raw[middle : middle + 4096] = bytes(4096)
+    else:
+        del raw[middle:]
+    path.write_bytes(bytes(raw))
+    why = r"state\.pt has [0-9,]+ bytes" if damage == "truncated" else r"state\.pt: sha256 differs"
+    with pytest.raises(
+        UserError, match=f"^{re.escape(state['checkpoint'])}: damaged checkpoint, not consolidated: {why}"
+    ):
+        consolidate(state, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_fp32_base_writes_what_it_always_wrote(tmp_path):

@@ -1,8 +1,10 @@
 """Preemption-safe training: SIGTERM checkpoints and exits 75, the rerun resumes exactly; partial
-checkpoints are ignored; one dead rank ends the whole job."""
+checkpoints are ignored; a damaged one is set aside and the one before it resumed; a NaN stops the job
+and keeps the good checkpoints; one dead rank ends the whole job."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -10,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_trainer, start_trainer
+from conftest import run_trainer, start_trainer, train_command, trainer_env
+from divergence import TEST_HOOK
+from manifest import build_manifest, marker_text, verify
 
 pytestmark = pytest.mark.torchrun
 
@@ -85,6 +89,73 @@ def test_partial_checkpoint_is_ignored_and_reported(tmp_path, demo_assets):
     assert "ignoring partial checkpoint" in rerun.stderr and "step-8" in rerun.stderr
     assert "at step 4" in rerun.stderr
     assert losses(b) == losses(tmp_path / "a")
+
+
+def damage(path: Path, how: str) -> None:
+    """The issue's cases: 4 KiB of flipped bytes, 64 KiB of zeroed bytes (both loaded silently before
+    checkpoints were verified), a file cut in half."""
+    raw = bytearray(path.read_bytes())
+    middle = len(raw) // 2
+    if how == "flipped":
+        raw[middle : middle + 4096] = bytes(b ^ 0xFF for b in raw[middle : middle + 4096])
+    elif how == "zeroed":
+        raw[middle : middle + 65536] = bytes(len(raw[middle : middle + 65536]))
+    else:
+        del raw[middle:]
+    path.write_bytes(bytes(raw))
+
+
+def test_damaged_checkpoints_are_set_aside_and_the_newest_good_one_resumed(tmp_path, demo_assets):
+    """One trained run, its four newest checkpoints damaged four ways: the rerun names each, sets it aside and
+    resumes from the fifth; its losses are the undamaged run's."""
+    cfg = CONFIG | {"max_steps": 10, "checkpoint_every": 2, "keep_checkpoints": 5}
+    run_trainer(tmp_path, demo_assets, cfg)
+    expected = losses(tmp_path)
+    (key,) = [p for p in (tmp_path / "ckpt").iterdir() if p.is_dir()]
+    cases = [(10, "flipped", r"state\.pt: sha256 differs"), (8, "zeroed", r"state\.pt: sha256 differs"),
+             (6, "truncated", r"state\.pt has [0-9,]+ bytes"), (4, "unloadable", "could not be loaded")]  # fmt: skip
+    for step, how, _ in cases[:3]:
+        damage(key / f"step-{step}" / "state.pt", how)
+    unloadable = key / "step-4"  # a checkpoint whose files match its marker but do not fit the model
+    torch.save({"model": {}, "optimizer": {}}, unloadable / "state.pt")
+    (unloadable / "COMPLETE").write_text(marker_text(4, build_manifest(unloadable, {})[0], 0.0))
+
+    rerun = run_trainer(tmp_path, demo_assets, cfg)
+    for step, _, why in cases:  # each named, newest first, then the one before it tried
+        assert re.search(
+            rf"checkpoint {re.escape(str(key))}/step-{step} is damaged: {why}[^;]*; trying the one before", rerun.stderr
+        )
+    assert f"resumed from {key / 'step-2'} at step 2" in rerun.stderr
+    assert losses(tmp_path) == expected  # steps 3-10 trained again from good state, bit for bit, each logged once
+    names = sorted((p.name for p in key.iterdir()), key=lambda n: (n.startswith("damaged"), int(n.split("-")[-1])))
+    assert names == [f"step-{s}" for s in (2, 4, 6, 8, 10)] + [f"damaged-step-{s}" for s in (4, 6, 8, 10)]
+    assert [verify(key / f"step-{s}") for s in (2, 4, 6, 8, 10)] == [None] * 5
+
+
+def test_a_nan_stops_the_job_and_keeps_the_good_checkpoints(tmp_path, demo_assets):
+    cfg = CONFIG | {"max_steps": 8, "checkpoint_every": 2}
+    cmd, env = train_command(tmp_path, demo_assets, cfg), trainer_env()
+    nan = subprocess.run(cmd, capture_output=True, text=True, env=env | {TEST_HOOK: "5"}, timeout=600)
+    (key,) = [p for p in (tmp_path / "ckpt").iterdir() if p.is_dir()]
+    errors = [line for line in nan.stderr.splitlines() if line.startswith("error: ")]
+    assert nan.returncode != 0 and len(errors) == 1, nan.stderr[-3000:]
+    step_4 = re.escape(str(key / "step-4"))
+    assert re.fullmatch(rf"error: step 5: loss nan, gradient norm [0-9.e+-]+: not finite; stopped, nothing of it"
+                        rf" saved; a rerun resumes from {step_4}", errors[0]), errors  # fmt: skip
+    assert sorted(p.name for p in key.iterdir()) == ["step-2", "step-4"]  # nothing saved after it, nothing pruned
+    assert verify(key / "step-2") is None and verify(key / "step-4") is None
+    assert [s for s, _ in losses(tmp_path)] == [1, 2, 3, 4] and not (tmp_path / "train" / "train_state.json").exists()
+
+    # no good checkpoint left: one line, nothing trained, nothing deleted
+    damage(key / "step-4" / "state.pt", "truncated")
+    damage(key / "step-2" / "rng-1.safetensors", "flipped")
+    none_good = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    errors = [line for line in none_good.stderr.splitlines() if line.startswith("error: ")]
+    assert none_good.returncode != 0 and len(errors) == 1, none_good.stderr[-3000:]
+    assert re.fullmatch(rf"error: {re.escape(str(key))}: no good checkpoint to resume from \(step-4: state\.pt has "
+                        r"[0-9,]+ bytes, [0-9,]+ were written; step-2: rng-1\.safetensors: sha256 differs from the one"
+                        r" written\); move or delete that folder to train again from step 0", errors[0])  # fmt: skip
+    assert sorted(p.name for p in key.iterdir()) == ["step-2", "step-4"] and "step 1/" not in none_good.stderr
 
 
 def test_one_dead_rank_ends_every_rank(tmp_path, demo_assets):

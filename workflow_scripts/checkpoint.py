@@ -1,9 +1,10 @@
 """Per-node checkpoints: one ``step-<N>`` folder each, committed last by a marker file.
 
-A folder without the marker (a save cut short) is never loaded. The newest K
-complete ones are kept. Each holds the strategy's own state (model, optimizer,
-scheduler), every rank's RNG states and a copy of metrics.jsonl up to that step,
-so a resumed job continues the metrics without repeating a step.
+A folder without the marker (a save cut short) is never loaded; the marker lists every file's size
+and sha256 (manifest.py), checked before a resume loads it. The newest K complete ones are kept.
+Each holds the strategy's own state (model, optimizer, scheduler), every rank's RNG states
+(safetensors: no pickle) and a copy of metrics.jsonl up to that step, so a resumed job continues
+the metrics without repeating a step.
 """
 
 import dataclasses
@@ -14,15 +15,17 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from manifest import MARKER, Writes, build_manifest, check_files, marker_text, read_marker, shares, space_message
+from pipeline_io import UserError
 
 log = logging.getLogger("checkpoint")
-MARKER = "COMPLETE"
 
 
 def list_checkpoints(root: Path) -> tuple[list[Path], list[Path]]:
@@ -49,19 +52,32 @@ def superseded(root: Path) -> list[dict]:
     return out
 
 
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+def rng_files(rank: int) -> tuple[str, dict, dict]:
+    """This rank's RNG states as a safetensors file: (name, tensors, metadata). No pickle: torch's and
+    CUDA's states are byte tensors, numpy's key a tensor, the rest JSON in the metadata."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    tensors = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(keys.astype(np.uint32).view(np.int32))}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    numpy_rest = {"kind": kind, "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
+    metadata = {"python": json.dumps(random.getstate()), "numpy": json.dumps(numpy_rest)}
+    return f"rng-{rank}.safetensors", tensors, metadata
 
 
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def set_rng_state(path: Path) -> None:
+    """Restore the RNG states ``rng_files`` saved (read with safetensors: tensors and JSON only)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118
+    torch.set_rng_state(tensors["torch"])
+    version, state, gauss = json.loads(metadata["python"])
+    random.setstate((version, tuple(state), gauss))
+    n = json.loads(metadata["numpy"])
+    keys = tensors["numpy_keys"].numpy().view(np.uint32)
+    np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda"])
 
 
 def run_key(cfg, data_sha: str, base_fingerprint: str, deepspeed_json_sha: str | None) -> str:
@@ -72,22 +88,87 @@ def run_key(cfg, data_sha: str, base_fingerprint: str, deepspeed_json_sha: str |
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def choose(folders: list[Path], check) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest of ``folders`` (oldest first) that ``check`` passes (``check(folder)``: None, or why
+    not), and the newer ones it failed with their reasons, newest first."""
+    bad = []
+    for folder in reversed(folders):
+        problem = check(folder)
+        if problem is None:
+            return folder, bad
+        bad.append((folder, problem))
+    return None, bad
+
+
+def to_prune(complete: list[Path], partial: list[Path], keep: int, protect: Path | None) -> list[Path]:
+    """What pruning deletes: complete checkpoints beyond the newest ``keep`` and partial ones older than the
+    newest complete one, never ``protect`` (the newest verified checkpoint)."""
+    if not complete:
+        return []
+    newest = step_of(complete[-1])
+    return [p for p in complete[:-keep] + [p for p in partial if step_of(p) < newest] if p != protect]
+
+
+def stop_job(message: str | None, code: int = 2) -> None:
+    """End every rank now: ``message`` (given on one rank only) as one line on stderr, then exit ``code``.
+    os._exit: DeepSpeed's CPU backend can abort in interpreter teardown and hide the reason."""
+    if message:
+        print(f"error: {message}", file=sys.stderr)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    dist.destroy_process_group()
+    os._exit(code)
+
+
 class Checkpointer:
-    """Saves every `every` steps and at the last one, keeps the newest `keep`, resumes the newest."""
+    """Saves every `every` steps and at the last one, keeps the newest `keep`, resumes the newest good one.
+
+    Each file is hashed as it is written (manifest.py) and the marker holds every file's size and
+    sha256. A resume checks a checkpoint before loading it, the ranks each checking a share of its
+    files; a damaged or unloadable one is named in a warning and set aside as ``damaged-step-<N>``,
+    and the next older one is tried. When none is good the job stops with one line."""
 
     def __init__(self, root: Path, strategy, rank: int, keep: int, every: int, metrics_path: Path):
         self.root, self.strategy, self.rank, self.keep = Path(root), strategy, rank, max(2, keep)
         self.every, self.metrics_path = every, metrics_path
+        self.newest_good: Path | None = None  # the checkpoint a rerun resumes from
 
     def maybe_save(self, step: int, last_step: int) -> None:
         """The periodic checkpoint (the last step's is the final save)."""
         if step % self.every == 0 and step < last_step:
             self.save(step)
 
-    def resume(self, last_step: int) -> int:
-        """Load the newest complete checkpoint of an interrupted run; return its step (0 for a fresh start).
+    def agree(self, problem: str | None) -> str | None:
+        """Every rank's problem (None: fine) gathered: the first one, the same on every rank."""
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        return next((p for p in problems if p), None)
 
-        A run whose newest checkpoint is its last step had finished: this job was forced (or its
+    def verify(self, folder: Path) -> str | None:
+        """Why ``folder`` cannot be trusted, or None; each rank checks its share of the files."""
+        marker, problem = read_marker(folder)
+        if problem is None:
+            names = shares(marker["files"], dist.get_world_size())[self.rank]
+            problem = check_files(folder, marker["files"], names)
+        return self.agree(problem)
+
+    def _load(self, folder: Path) -> str | None:
+        """Load ``folder`` on every rank; None, or why it failed (on any rank)."""
+        try:
+            self.strategy.load(folder)
+            rng = folder / rng_files(self.rank)[0]
+            if rng.exists():  # none when this rank did not exist in the run that saved it
+                set_rng_state(rng)
+            problem = None
+        except Exception as e:  # the strategies' loaders raise what their libraries raise
+            problem = f"could not be loaded ({type(e).__name__}: {str(e).strip()[:160]})"
+        return self.agree(problem)
+
+    def resume(self, last_step: int) -> int:
+        """Load the newest good checkpoint of an interrupted run; return its step (0 for a fresh start).
+
+        A run whose newest good checkpoint is its last step had finished: this job was forced (or its
         outputs deleted), so it trains again from step 0 and that run's checkpoints are deleted.
         """
         metrics_path = self.metrics_path
@@ -95,24 +176,36 @@ class Checkpointer:
         if self.rank == 0:
             for p in partial:
                 log.warning("ignoring partial checkpoint %s (no %s marker)", p, MARKER)
-        if complete and step_of(complete[-1]) >= last_step:
+
+        def check(folder: Path) -> str | None:
+            problem = self.verify(folder)
+            if problem is None and step_of(folder) < last_step:
+                problem = self._load(folder)
+            if problem and self.rank == 0:
+                log.warning("checkpoint %s is damaged: %s; trying the one before it", folder, problem)
+            return problem
+
+        folder, bad = choose(complete, check)
+        if folder is None and bad:
+            stop_job(self._none_good(bad) if self.rank == 0 else None)
+        dist.barrier()  # every rank has read the folders before rank 0 moves or deletes any
+        if self.rank == 0:
+            for damaged, _ in bad:  # newer than the one resumed: their steps are trained and saved again
+                aside = damaged.with_name(f"damaged-{damaged.name}")
+                damaged.rename(aside if not aside.exists() else aside.with_name(f"{aside.name}-{time.time():.0f}"))
+        if folder is not None and step_of(folder) >= last_step:
             if self.rank == 0:
-                log.warning("%s: this config had finished training; starting again from step 0", complete[-1])
-            dist.barrier()  # every rank has listed the folders before rank 0 deletes them
-            if self.rank == 0:
+                log.warning("%s: this config had finished training; starting again from step 0", folder)
                 for p in complete + partial:
-                    shutil.rmtree(p)
-            complete = []
-        if not complete:
+                    if p.exists():
+                        shutil.rmtree(p)
+            folder = None
+        if folder is None:
             if self.rank == 0 and metrics_path.exists():
                 metrics_path.unlink()
             return 0
-        folder = complete[-1]
-        self.strategy.load(folder)
-        rng_file = folder / f"rng-{self.rank}.pt"
-        if rng_file.exists():
-            set_rng_state(torch.load(rng_file, weights_only=False))
-        step = json.loads((folder / MARKER).read_text())["step"]
+        self.newest_good = folder
+        step = step_of(folder)
         if self.rank == 0:
             metrics_path.parent.mkdir(parents=True, exist_ok=True)
             if (folder / "metrics.jsonl").exists():
@@ -122,8 +215,14 @@ class Checkpointer:
             log.info("resumed from %s at step %d", folder, step)
         return step
 
+    def _none_good(self, bad: list[tuple[Path, str]]) -> str:
+        reasons = "; ".join(f"{p.name}: {why}" for p, why in bad)
+        return (f"{self.root}: no good checkpoint to resume from ({reasons}); move or delete that folder"
+                " to train again from step 0")  # fmt: skip
+
     def save(self, step: int) -> Path:
-        """Every rank saves its part; rank 0 commits the folder with the marker, then prunes."""
+        """Every rank saves its part, hashing what it writes; rank 0 commits the folder with the marker
+        (the manifest), then prunes. A failed write (a full disk) stops with the folder and the free space."""
         folder = self.root / f"step-{step}"
         if (folder / MARKER).is_file():
             return folder  # already saved (at this step's interval, or by a job that had finished its steps)
@@ -132,32 +231,52 @@ class Checkpointer:
                 shutil.rmtree(folder)
             folder.mkdir(parents=True)
         dist.barrier()
-        self.strategy.save(folder)
-        torch.save(rng_state(), folder / f"rng-{self.rank}.pt")
-        if self.rank == 0 and self.metrics_path.exists():
-            shutil.copyfile(self.metrics_path, folder / "metrics.jsonl")
-        dist.barrier()
+        writes = Writes(folder)
+        try:
+            self.strategy.save(folder, writes)
+            name, tensors, metadata = rng_files(self.rank)
+            writes.write_bytes(folder / name, safetensors_bytes(tensors, metadata))
+            if self.rank == 0 and self.metrics_path.exists():
+                writes.copy(self.metrics_path, folder / "metrics.jsonl")
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            raise UserError(space_message(folder, writes.error or e)) from e
+        written = [None] * dist.get_world_size()
+        dist.all_gather_object(written, writes.files)  # also the barrier: every rank has written
         if self.rank == 0:
-            self._commit(folder, step)
-            self._prune()
+            try:
+                self._commit(folder, step, {k: v for files in written for k, v in files.items()})
+            except OSError as e:
+                raise UserError(space_message(folder, e)) from e
+            self._prune(protect=folder)
+        self.newest_good = folder
         dist.barrier()
         return folder
 
-    def _commit(self, folder: Path, step: int) -> None:
-        """Write the marker last, after everything else is flushed to disk."""
-        for path in folder.rglob("*"):
-            if path.is_file():
-                with open(path, "rb") as f:
-                    os.fsync(f.fileno())
+    def _commit(self, folder: Path, step: int, written: dict) -> None:
+        """Write the marker last, after everything else is flushed to disk: every file's size and sha256."""
+        start = time.monotonic()
+        files, read_back = build_manifest(folder, written)
+        for name in files:
+            with open(folder / name, "rb") as f:
+                os.fsync(f.fileno())
         tmp = folder / f".{MARKER}.tmp"
-        tmp.write_text(json.dumps({"step": step, "time": time.time()}) + "\n")
+        tmp.write_text(marker_text(step, files, time.time()))
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, folder / MARKER)
-        log.info("checkpoint %s committed", folder)
+        total = sum(f["size"] for f in files.values())
+        log.info("checkpoint %s committed: %d files, %.1f MB (%.1f MB read back to hash), commit %.2f s", folder,
+                 len(files), total / 1e6, read_back / 1e6, time.monotonic() - start)  # fmt: skip
 
-    def _prune(self) -> None:
+    def _prune(self, protect: Path) -> None:
         complete, partial = list_checkpoints(self.root)
-        newest = step_of(complete[-1])
-        for p in complete[: -self.keep] + [p for p in partial if step_of(p) < newest]:
+        for p in to_prune(complete, partial, self.keep, protect):
             shutil.rmtree(p, ignore_errors=True)
+
+
+def safetensors_bytes(tensors: dict, metadata: dict) -> bytes:
+    from safetensors.torch import save
+
+    return save(tensors, metadata=metadata)

@@ -37,6 +37,9 @@ base tokenizer's own) as the tokenizer's chat template, and a generation config 
 end-of-turn tokens (``eos_token_id``), pads with the EOS when there is no pad token, and holds
 data.template_kwargs as ``chat_template_kwargs``: ``apply_chat_template`` and ``pipeline`` on it
 render and stop as training did.
+
+Before anything is read, the checkpoint's files are checked against the sizes and sha256 its
+COMPLETE marker lists (manifest.py): a damaged one stops the stage with one line naming the file.
 """
 
 import argparse
@@ -46,6 +49,8 @@ from pathlib import Path
 
 import torch
 from host_memory import PeakRSS, map_large_allocations, page_out
+from manifest import MARKER
+from manifest import verify as verify_checkpoint
 from parallel import strategy_for
 from pipeline_io import UserError, cli, write_json
 from settings import ConsolidateConfig
@@ -308,8 +313,13 @@ def consolidate(
     training-side model's logits on them, its weights rounded to the written dtype)."""
     peaks = peaks or PeakRSS()
     folder = Path(state["checkpoint"])
-    if not (folder / "COMPLETE").is_file():
-        raise UserError(f"{folder}: checkpoint is missing or incomplete (no COMPLETE marker)")
+    if not (folder / MARKER).is_file():
+        raise UserError(f"{folder}: checkpoint is missing or incomplete (no {MARKER} marker)")
+    if problem := verify_checkpoint(folder):  # every file's size and sha256, as written
+        raise UserError(
+            f"{folder}: damaged checkpoint, not consolidated: {problem} (delete this node's train_state.json"
+            " and rerun: training resumes from its newest good checkpoint)"
+        )
     max_bytes = parse_size(max_shard_size)
     report = {"checkpoint": str(folder), "strategy": state["strategy"], "peft": state["peft"], "step": state["step"]}
     base_dtype = stored_dtype(state["base_model"])

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from batching import TrainingData
 from checkpoint import Checkpointer, run_key, superseded
+from divergence import NonFiniteStop
 from fingerprint import cache_file_for, model_fingerprint
 from metrics_logger import MetricsLogger, flops_per_sequence_fn
 from parallel import build_strategy, load_model
@@ -112,9 +113,11 @@ def train_step(strategy, data: TrainingData, step: int, metrics: MetricsLogger) 
 
 def train(strategy, data, metrics, ckpt, stop, start_step: int) -> None:
     last = data.plan.total_steps
+    diverged = NonFiniteStop(strategy, ckpt)  # a NaN/inf loss or grad norm stops before anything saves the step
     strategy.model.train()
     for step in range(start_step + 1, last + 1):
         loss_sum, grad_norm = train_step(strategy, data, step - 1, metrics)
+        diverged.check(step, loss_sum, grad_norm, on_exit=metrics.close)
         metrics.log(step, loss_sum, grad_norm, strategy.current_lr(), strategy.loss_scale_stats())
         ckpt.maybe_save(step, last)
         stop.maybe_exit(step, last, strategy.device, ckpt, on_exit=metrics.close)

@@ -230,7 +230,9 @@ class Strategy:
             self.scaler.load_state_dict(state["scaler"])
             self.skipped = state["skipped"]
 
-    def save(self, folder: Path) -> None:
+    def save(self, folder: Path, writes) -> None:
+        """Write this rank's part of the checkpoint into ``folder``, through ``writes`` (manifest.Writes:
+        each file hashed as it is written) wherever the library lets us hand it the stream."""
         raise NotImplementedError
 
     def load(self, folder: Path) -> None:

@@ -40,14 +40,14 @@ class DDPStrategy(Strategy):
             self.backward(loss)
         return loss
 
-    def save(self, folder: Path) -> None:
+    def save(self, folder: Path, writes) -> None:
         if dist.get_rank() == 0:
             state = {
                 "model": trainable_state_dict(self.inner),
                 "optimizer": self.optimizer.state_dict(),
                 **self.extra_state(),
             }
-            torch.save(state, folder / "state.pt")
+            writes.torch_save(state, folder / "state.pt")
 
     def load(self, folder: Path) -> None:
         state = torch.load(folder / "state.pt", map_location=self.device, weights_only=True)

@@ -88,14 +88,14 @@ class FSDPStrategy(Strategy):
 
         return StateDictOptions(ignore_frozen_params=self.cfg.peft != "none")
 
-    def save(self, folder: Path) -> None:
+    def save(self, folder: Path, writes) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(folder / "dcp"))
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=hashing_writer(folder / "dcp", writes))
         if dist.get_rank() == 0:
-            torch.save(self.extra_state(), folder / "scheduler.pt")
+            writes.torch_save(self.extra_state(), folder / "scheduler.pt")
 
     def load(self, folder: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -135,6 +135,32 @@ class FSDPStrategy(Strategy):
         if t["offload"] != "none":
             return (f.trainable * 16 + f.frozen * f.c) / f.nodes
         return 0.0
+
+
+def hashing_writer(path: Path, writes):
+    """DCP's FileSystemWriter with its files opened through ``writes`` (hashed as they are written)."""
+    import contextlib
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode: str):
+            if mode != "wb":
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with writes.open(path, fileno=True) as stream:  # DCP fsyncs it; torch.save gets a wrapper
+                yield stream
+
+        def rename(self, path, new_path) -> None:
+            super().rename(path, new_path)
+            writes.renamed(path, new_path)
+
+    writer = FileSystemWriter(str(path))
+    writer.fs = HashingFileSystem()
+    return writer
 
 
 class FSDPSource:

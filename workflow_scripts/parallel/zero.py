@@ -207,10 +207,22 @@ class DeepSpeedStrategy(Strategy):
             return {}
         return {"loss_scale": float(self.optimizer.cur_scale), "skipped_steps": int(self.model.skipped_steps)}
 
-    def save(self, folder: Path) -> None:
-        self.model.save_checkpoint(
-            str(folder.parent), tag=folder.name, exclude_frozen_parameters=self.cfg.peft != "none"
-        )
+    def save(self, folder: Path, writes) -> None:
+        # DeepSpeed's default checkpoint engine writes every state file with torch.save of a path: here
+        # through ``writes``, hashed as written. What it writes otherwise (zero_to_fp32.py, another engine
+        # set in the DeepSpeed JSON) is read back at commit.
+        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+        engine = self.model.checkpoint_engine
+        if type(engine) is TorchCheckpointEngine:
+            serialization = {"_use_new_zipfile_serialization": engine.zipfile_serialization}
+            engine.save = lambda state_dict, path: writes.torch_save(state_dict, path, **serialization)
+        try:
+            self.model.save_checkpoint(
+                str(folder.parent), tag=folder.name, exclude_frozen_parameters=self.cfg.peft != "none"
+            )
+        finally:
+            engine.__dict__.pop("save", None)  # the class's own again
 
     def load(self, folder: Path) -> None:
         path, _ = self.model.load_checkpoint(
