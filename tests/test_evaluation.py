@@ -107,6 +107,24 @@ def test_multi_turn_loss_scores_every_answer_run(heldout_run):
     assert math.isclose(scores["eval_loss"], loss, rel_tol=1e-6, abs_tol=0)
 
 
+def test_eval_limit_scores_each_extra_tasks_first_documents_and_every_heldout_row(heldout_run):
+    """eval.limit is lm-eval's limit for the extra tasks only: demo_mc scores its first 5 documents (a fraction:
+    that share, rounded up), the held-out set every row it was given; the counts reach the result."""
+    from heldout import task_samples
+
+    lm, frame, _, _ = heldout_run
+    extra, manager = extra_tasks(["demo_mc"], [str(DEMO_MC)])
+    total = len(extra[0].eval_docs)
+    assert task_samples(extra, 0) is None and task_samples(extra, 0.1) == {
+        "demo_mc": list(range(math.ceil(total / 10)))
+    }
+    out = evaluate_model(lm, frame.iloc[:6], extra, manager, NEW_TOKENS, True, {}, limit=5)
+    assert out["n-samples"]["demo_mc"] == {"original": total, "effective": 5}
+    assert out["n-samples"]["heldout"]["effective"] == 6 and total > 5
+    result = result_json("base", "b", frame.iloc[:6], out, lm.tokenizer)
+    assert result["tasks_documents"] == {"demo_mc": {"scored": 5, "of": total}}
+
+
 def test_result_keeps_every_key(heldout_run):
     _, _, _, result = heldout_run
     assert {"model", "path", "examples", "label_tokens", "eval_loss", "perplexity", "exact_match", "rouge_l", "bleu",
@@ -197,9 +215,10 @@ def test_missing_task_data_stops_at_parse_time(tmp_path):
 def test_demo_mc_task_in_the_workflows_results(tmp_path):
     """evaluate_model with eval.tasks: [demo_mc] writes its scores and lm-eval's own JSON (results, configs)."""
     config = tiny_config("t")
-    config["eval"] |= {"tasks": ["demo_mc"], "task_data": [str(DEMO_MC)]}
+    config["eval"] |= {"tasks": ["demo_mc"], "task_data": [str(DEMO_MC)], "limit": 7}
     snakemake(tmp_path, config, "results/t/eval/base.json")
     result = json.loads((tmp_path / "results/t/eval/base.json").read_text())
+    assert result["tasks_documents"]["demo_mc"]["scored"] == 7  # eval.limit
     assert set(result["tasks"]) == {"demo_mc"} and result["examples"] == config["eval"]["max_samples"]
     assert set(result["tasks"]["demo_mc"]) == {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"}
     assert 0 <= result["tasks"]["demo_mc"]["acc"] <= 1

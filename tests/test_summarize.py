@@ -91,6 +91,19 @@ def test_leaderboard_has_a_line_per_extra_task_only_when_there_are_tasks():
     line = leaderboard_text(summary_table(worse), tasks_table(worse)).splitlines()[3]
     assert line.split() == "demo_mc acc 0.300 vs base 0.400: -0.100 (best on this task: soup_uniform 0.500)".split()
 
+    # eval.limit: the documents each task's scores are over, in tasks.csv and on the leaderboard
+    limited = [r | {"tasks_documents": {"demo_mc": {"scored": 20, "of": 1319}}} for r in results()]
+    table = tasks_table(limited).set_index(["model", "task", "metric"])
+    assert table.loc[("node0", "demo_mc", "acc"), ["documents", "of_documents"]].tolist() == [20, 1319]
+    line = leaderboard_text(summary_table(limited), tasks_table(limited)).splitlines()[3]
+    assert line.endswith("[first 20 of 1319 documents: eval.limit]"), line
+    assert "eval.limit" not in leaderboard_text(summary_table(results()), tasks_table(results()))
+
+    # a long task and metric name keeps a space before its value (lm-eval's gsm8k metric names)
+    long = [r | {"tasks": {"gsm8k": {"exact_match,flexible-extract": 0.25}}} for r in results()]
+    line = leaderboard_text(summary_table(long), tasks_table(long)).splitlines()[3]
+    assert line.startswith("  gsm8k exact_match") and " 0.250 vs base 0.250" in line, line
+
 
 def test_task_panels_never_empty():
     from summarize import task_panels, tasks_table

@@ -96,6 +96,8 @@ def result_json(name: str, path: str, frame: pd.DataFrame, out: dict, tokenizer)
         for ids, n, r, p in zip(frame["input_ids"], frame["prompt_length"], references[:20], predictions, strict=False)
     ]
     result["tasks"] = {k: v for k, v in scores.items() if k not in (HELDOUT, HELDOUT_LOSS)}
+    counts = {k: v for k, v in (out.get("n-samples") or {}).items() if k not in (HELDOUT, HELDOUT_LOSS)}
+    result["tasks_documents"] = {k: {"scored": v["effective"], "of": v["original"]} for k, v in counts.items()}
     return result
 
 
@@ -128,7 +130,9 @@ def main(argv=None) -> None:
     frame = pd.read_parquet(a.eval).iloc[: c.max_samples or None]
     extra, manager = extra_tasks(c.tasks, c.task_data)  # before the model loads: missing data stops at once
     lm = load_model(c.backend, a.model, c.dtype, c.batch_size)
-    out = evaluate_model(lm, frame, extra, manager, c.max_new_tokens, c.apply_chat_template, c.template_kwargs)
+    out = evaluate_model(
+        lm, frame, extra, manager, c.max_new_tokens, c.apply_chat_template, c.template_kwargs, limit=c.limit
+    )
     result = result_json(a.name, a.model, frame, out, lm.tokenizer)
     from lm_eval.utils import handle_non_serializable  # lm-eval's JSON as its EvaluationTracker writes it
 

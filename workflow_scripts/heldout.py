@@ -158,11 +158,33 @@ def stop_ids(model, tokenizer) -> list[int]:
     return list(dict.fromkeys(generation_settings(tokenizer)["eos_token_id"] + own))
 
 
+def leaf_tasks(tasks) -> list:
+    """The Task objects in ``tasks`` (Tasks, lists and a group's {group: tasks} dicts, nested)."""
+    if isinstance(tasks, dict):
+        tasks = list(tasks.values())
+    if isinstance(tasks, list):
+        return [leaf for t in tasks for leaf in leaf_tasks(t)]
+    return [tasks]
+
+
+def task_samples(extra, limit: float) -> dict[str, list[int]] | None:
+    """eval.limit as lm-eval's ``samples``: the first ``limit`` documents of each extra (leaf) task, or that
+    fraction of them rounded up below 1 (lm-eval's own limit rule); the held-out tasks keep all of theirs.
+    None for no limit."""
+    if not limit or not extra:
+        return None
+    from lm_eval.evaluator_utils import get_sample_size
+
+    return {t.config.task: list(range(get_sample_size(t, limit))) for t in leaf_tasks(extra)}
+
+
 def evaluate_model(
-    lm, frame, extra, manager, max_new_tokens, chat_template, template_kwargs, heldout=(HELDOUT, HELDOUT_LOSS)
-) -> dict:
-    """lm-eval's output for the held-out tasks named in ``heldout`` and ``extra`` (loaded Task objects) on
-    ``lm``. Environment info without torch's collect_env (3-4 s a job; env/check.json records the machine)."""
+    lm, frame, extra, manager, max_new_tokens, chat_template, template_kwargs, heldout=(HELDOUT, HELDOUT_LOSS),
+    limit: float = 0,
+) -> dict:  # fmt: skip
+    """lm-eval's output for the held-out tasks named in ``heldout`` and ``extra`` (loaded Task objects, their
+    first documents under ``limit``: task_samples) on ``lm``. Environment info without torch's collect_env
+    (3-4 s a job; env/check.json records the machine)."""
     import lm_eval.evaluator
     import transformers
     from lm_eval.api.task import ConfigurableTask
@@ -178,8 +200,9 @@ def evaluate_model(
     )
     tasks = [ConfigurableTask(config=c) for c in configs if c["task"] in heldout] + extra
     return lm_eval.evaluator.simple_evaluate(
-        lm, tasks=tasks, task_manager=manager, apply_chat_template=chat_template, bootstrap_iters=1000
-    )
+        lm, tasks=tasks, task_manager=manager, apply_chat_template=chat_template, bootstrap_iters=1000,
+        samples=task_samples(extra, limit),
+    )  # fmt: skip
 
 
 def heldout_loss(model, tokenizer, frame: pd.DataFrame) -> float:

@@ -278,7 +278,8 @@ EvalConfig = stage_config(
     "EvalConfig",
     "evaluate_model's keys: the eval section but eval.soup (make_soup's), and data.template_kwargs (the held-out "
     "prompts' template arguments).",
-    "eval.batch_size", "eval.max_new_tokens", "eval.max_samples", "eval.backend", "eval.precision", "eval.tasks",
+    "eval.batch_size", "eval.max_new_tokens", "eval.max_samples", "eval.limit", "eval.backend", "eval.precision",
+    "eval.tasks",
     "eval.task_data", "eval.apply_chat_template", "data.template_kwargs",
     base=EvalPrecision,
 )  # fmt: skip

@@ -11,7 +11,17 @@ from pipeline_io import atomic_path, cli
 from plotting import plt, save_png
 
 COLUMNS = ["model", *LOSSES, *SCORES]  # summary.csv's first columns; HELDOUT is the held-out set's task in tasks.csv
-TASK_COLUMNS = ["model", "task", "metric", "value", "stderr", "base_value", "delta_to_base"]
+TASK_COLUMNS = [
+    "model",
+    "task",
+    "metric",
+    "value",
+    "stderr",
+    "documents",
+    "of_documents",
+    "base_value",
+    "delta_to_base",
+]
 
 
 def model_rank(model: str) -> int:
@@ -56,11 +66,16 @@ def tasks_table(results: list[dict]) -> pd.DataFrame:
     rows = []
     for r in results:
         scores = {HELDOUT: {c: (number(r.get(c)), number(r.get(f"{c}_stderr"))) for c in heldout}} | task_scores(r)
+        # the documents each score is over (eval.limit scores a task's first ones), and of how many
+        documents = {HELDOUT: {"scored": r.get("examples"), "of": r.get("examples")}} | r.get("tasks_documents", {})
         for task, metrics in tasks.items():
+            count = documents.get(task) or {}
             for metric in metrics:
                 value, stderr = scores.get(task, {}).get(metric, (math.nan, math.nan))
-                rows.append({"model": r["model"], "task": task, "metric": metric, "value": value, "stderr": stderr})
-    table = pd.DataFrame(rows, columns=TASK_COLUMNS[:5])
+                scored, of = number(count.get("scored")), number(count.get("of"))
+                rows.append({"model": r["model"], "task": task, "metric": metric, "value": value, "stderr": stderr,
+                             "documents": scored, "of_documents": of})  # fmt: skip
+    table = pd.DataFrame(rows, columns=TASK_COLUMNS[:7])
     base = table[table["model"] == "base"].set_index(["task", "metric"])["value"]
     table["base_value"] = [base.get((t, m), math.nan) for t, m in zip(table["task"], table["metric"], strict=True)]
     table["delta_to_base"] = table["value"] - table["base_value"]
@@ -78,13 +93,18 @@ def task_lines(tasks: pd.DataFrame, best_model: str) -> list[str]:
         if not len(rows):
             continue
         top = rows["value"].idxmin() if lower_is_better(metric) else rows["value"].idxmax()
-        label = f"  {task} {metric}".ljust(15)  # the value under the eval loss's and exact match's
+        label = f"  {task} {metric} ".ljust(
+            15
+        )  # the value under the eval loss's and exact match's; a space after a long one
         line = f"{label}{rows.loc[best_model, 'value']:.3f}" if best_model in rows.index else f"{label}n/a"
         if "base" in rows.index and best_model in rows.index:
             b = rows.loc["base", "value"]
             line += f" vs base {b:.3f}: {rows.loc[best_model, 'value'] - b:+.3f}"
         if top != best_model:
             line += f" (best on this task: {top} {rows.loc[top, 'value']:.3f})"
+        scored, of = rows["documents"].max(), rows["of_documents"].max()
+        if scored < of:  # eval.limit
+            line += f" [first {scored:.0f} of {of:.0f} documents: eval.limit]"
         lines.append(line)
     return lines
 
