@@ -19,6 +19,7 @@ from settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, Eval
 from settings import TEMPLATE_KEYS, PlanConfig, SplitConfig, TokenizeConfig  # noqa: E402
 from grid import expand_grid, variant_training  # noqa: E402
 from layout import patterns  # noqa: E402
+from task_data import check_names as check_task_names  # noqa: E402
 
 # The rules call `python` and `torchrun` by name: .venv/bin/snakemake works without activating .venv.
 interpreter_first_on_path()
@@ -123,6 +124,10 @@ EVAL = config["eval"]
 for path in EVAL["task_data"]:
     if not Path(path).exists():
         fail(f"eval.task_data: {path} does not exist (evaluation runs offline: a task's data must be local)")
+try:
+    check_task_names(EVAL["tasks"], EVAL["task_data"])
+except UserError as e:
+    fail(e)
 EVAL_TASK_FILES = EVAL["task_data"]  # evaluate_model's inputs: a changed task reruns it
 VLLM = EVAL["backend"] == "vllm"  # vLLM pins an older transformers: its own environment
 EVAL_ENV = "../envs/eval-vllm.yaml" if VLLM else "../envs/eval.yaml"  # with --sdm conda

@@ -161,7 +161,7 @@ def test_task_without_offline_data_stops_with_one_line(tmp_path):
 def test_a_data_file_serves_the_task_it_is_named_after(tmp_path):
     """eval.task_data: arc_easy.jsonl is lm-eval's arc_easy over local data (here: the task YAML's include
     path holds a copy of demo_mc renamed, and the data file replaces its data)."""
-    from evaluation import data_override, task_sources
+    from task_data import data_override, task_sources
 
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "mine.yaml").write_text(DEMO_MC.read_text().replace("task: demo_mc", "task: mine"))
@@ -278,3 +278,56 @@ def test_hf_and_vllm_give_the_same_greedy_answers(demo_assets, tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+def few_shot_task(tmp_path, splits: dict[str, list[dict]] | None = None, single: list[dict] | None = None):
+    """A 2-shot multiple-choice task "fs" (demo_mc's YAML with a train split for its few-shot examples) and its
+    local data: a folder fs/ of split files, or one file fs.jsonl; returns eval.task_data."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir(parents=True)
+    own = 'task: fs\ntraining_split: train\nfewshot_split: train\nnum_fewshot: 2\nfewshot_delimiter: "\\n\\n"\n'
+    (tasks / "fs.yaml").write_text(DEMO_MC.read_text().replace("task: demo_mc\n", own))
+    rows = lambda docs: "".join(json.dumps(d) + "\n" for d in docs)  # noqa: E731
+    if single is not None:
+        (tmp_path / "fs.jsonl").write_text(rows(single))
+        return [str(tasks), str(tmp_path / "fs.jsonl")]
+    (tmp_path / "fs").mkdir()
+    for split, docs in splits.items():
+        (tmp_path / "fs" / f"{split}.jsonl").write_text(rows(docs))
+    return [str(tasks), str(tmp_path / "fs")]
+
+
+def mc(question: str) -> dict:
+    return {"question": question, "choices": ["yes", "no"], "answer": 0}
+
+
+def test_task_data_by_split_draws_few_shot_examples_from_the_train_file_only(heldout_run, tmp_path):
+    """A folder named after the task, one file per split: the scored documents are test.jsonl's, the few-shot
+    examples train.jsonl's, never a scored question. A missing few-shot split, or one file for every split of a
+    few-shot task, stops with one line."""
+    lm, frame, _, _ = heldout_run
+    train, test = [mc(f"TRAIN question {i}?") for i in range(4)], [mc(f"TEST question {i}?") for i in range(5)]
+    extra, manager = extra_tasks(["fs"], few_shot_task(tmp_path / "ok", {"train": train, "test": test}))
+    out = evaluate_model(lm, frame.iloc[:4], extra, manager, NEW_TOKENS, False, {}, limit=3)
+    assert out["n-samples"]["fs"] == {"original": 5, "effective": 3}
+    for sample in out["samples"]["fs"]:
+        context = sample["arguments"]["gen_args_0"]["arg_0"] if isinstance(sample["arguments"], dict) else None
+        context = context or sample["arguments"][0][0]
+        assert context.count("TRAIN question") == 2 and context.count("TEST question") == 1, context
+    with pytest.raises(UserError, match=r"fs's folder has no train file for a split it reads .*fs/train.jsonl"):
+        extra_tasks(["fs"], few_shot_task(tmp_path / "no-train", {"test": test}))
+    with pytest.raises(
+        UserError, match=r"fs.jsonl serves every split of fs, whose 2-shot examples come from its train"
+    ):
+        extra_tasks(["fs"], few_shot_task(tmp_path / "one-file", single=train + test))
+
+
+def test_task_data_named_after_no_task_stops_at_parse_time(tmp_path):
+    from task_data import check_names
+
+    (tmp_path / "test.jsonl").write_text(json.dumps(mc("q")) + "\n")
+    with pytest.raises(UserError, match=r"test.jsonl is named after no task of eval.tasks \(gsm8k\)"):
+        check_names(["gsm8k"], [str(tmp_path / "test.jsonl")])
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text(json.dumps(mc("q")) + "\n")
+    check_names(["gsm8k"], [str(tmp_path / "gsm8k")])  # a folder named after it: fine

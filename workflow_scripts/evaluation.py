@@ -10,41 +10,12 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from heldout import evaluate_model, exact_match, flat_metrics, model_class
+from heldout import evaluate_model, exact_match, flat_metrics, leaf_tasks, model_class
 from metrics import HELDOUT, HELDOUT_LOSS, SCORES
 from pipeline_io import UserError, atomic_path, cli, write_json
 from settings import EvalConfig
+from task_data import check_local_splits, data_override, missing_split, task_sources
 from weights import DTYPES, dtype_name
-
-DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-def task_sources(task_data: list[str]) -> tuple[list[str], dict[str, Path]]:
-    """eval.task_data: include paths (a task YAML's folder, a folder of task YAMLs) and data files by task."""
-    include, files = set(), {}
-    for p in map(Path, task_data):
-        if p.is_dir() or p.suffix in (".yaml", ".yml"):
-            include.add(str((p if p.is_dir() else p.parent).resolve()))
-        elif p.suffix in DATA_SUFFIXES:
-            files[p.stem] = p.resolve()
-        else:
-            raise UserError(f"eval.task_data: {p} is no task YAML, folder or {'/'.join(DATA_SUFFIXES)} file")
-    return sorted(include), files
-
-
-def data_override(entry, files: dict[str, Path], include: list[str]) -> dict | None:
-    """lm-eval config keys for a task's local data: a data file named after it serves every split it reads;
-    relative data files in a task YAML of eval.task_data are relative to the YAML's folder (datasets' data_dir)."""
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    if path := files.get(entry.name):
-        splits = dict.fromkeys(("train", "validation", "test"), str(path))
-        return dict(dataset_path=DATA_SUFFIXES[path.suffix], dataset_name=None, dataset_kwargs={"data_files": splits})
-    folder = Path(entry.yaml_path).resolve().parent if entry.yaml_path else None
-    if folder is None or not any(folder.is_relative_to(d) for d in include):
-        return None  # lm-eval's own task, or a YAML outside eval.task_data
-    kwargs = load_yaml(entry.yaml_path, resolve_func=False).get("dataset_kwargs") or {}
-    return {"dataset_kwargs": {"data_dir": str(folder)} | kwargs} if kwargs.get("data_files") else None
 
 
 def extra_tasks(names: list[str], task_data: list[str]):
@@ -67,9 +38,14 @@ def extra_tasks(names: list[str], task_data: list[str]):
             overrides = data_override(entry, files, include)
             built = manager._factory.build(entry, overrides=overrides, registry=manager._index)  # noqa: SLF001
         except Exception as e:  # datasets' offline and missing-file errors, whatever their class
+            local = files.get(name)
+            if isinstance(e, KeyError) and isinstance(local, dict) and e.args and e.args[0] not in local:
+                raise missing_split(name, e.args[0], local) from None  # a split the task reads, not in its folder
             reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise UserError(f"eval.tasks: {name}: its data is not available offline ({reason}); "
                             "point eval.task_data at local files") from None  # fmt: skip
+        for task in leaf_tasks(built):
+            check_local_splits(task, files)
         loaded += built if isinstance(built, list) else [built]
     return loaded, manager
 
