@@ -16,7 +16,7 @@ from fingerprint import check_model, local_model_folder  # noqa: E402
 from chat_format import format_list, has_chat_template, no_template_message  # noqa: E402
 from settings import check_grid, validated  # noqa: E402
 from settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig  # noqa: E402
-from settings import TEMPLATE_KEYS, PlanConfig, SplitConfig, TokenizeConfig  # noqa: E402
+from settings import TEMPLATE_KEYS, DecontaminateConfig, PlanConfig, SplitConfig, TokenizeConfig  # noqa: E402
 from grid import expand_grid, variant_training  # noqa: E402
 from layout import patterns  # noqa: E402
 from task_data import check_names as check_task_names  # noqa: E402
@@ -185,6 +185,10 @@ SPLIT_CONFIG = verbatim(SplitConfig.to_json(config, without=() if BY_TOKENS else
 SPLIT_TOKENIZER_INPUT = BASE_MODEL_INPUT if BY_TOKENS else []
 SPLIT_TOKENIZER = verbatim(cli_args(tokenizer=BASE_MODEL if BY_TOKENS else None))
 TOKENIZE_CONFIG = verbatim(TokenizeConfig.to_json(config))
+DECONTAMINATE_CONFIG = verbatim(DecontaminateConfig.to_json(config))
+# data.decontaminate: drop: tokenization reads each node's shard without the contaminated rows
+DROP_CONTAMINATED = config["data"]["decontaminate"] == "drop"
+NODE_SHARD = DECONTAMINATED if DROP_CONTAMINATED else SPLIT
 CONSOLIDATE_CONFIG = verbatim(ConsolidateConfig.to_json(config))  # the dtype, the template training used
 EVAL_CONFIG = verbatim(EvalConfig.to_json(config))
 ENV_CONFIG = verbatim(EnvironmentConfig.to_json(config))

@@ -3,6 +3,7 @@ rule data_report:
         manifest=MANIFEST,
         tokenized=expand(TOKENIZED, shard=[*NODES, "eval"]),
         stats=expand(TOKEN_STATS, shard=[*NODES, "eval"]),
+        decontamination=DECONTAMINATION,
     output:
         json=report(DATA_REPORT, caption="../report/data.rst", category="Data"),
         plot=report(DATA_PLOT, caption="../report/data.rst", category="Data"),
@@ -14,4 +15,4 @@ rule data_report:
         script=script_path("data_report.py"),
     shell:
         "python {params.script:q} --manifest {input.manifest} --tokenized {input.tokenized}"
-        " --json {output.json} --plot {output.plot} > {log} 2>&1"
+        " --decontamination {input.decontamination} --json {output.json} --plot {output.plot} > {log} 2>&1"

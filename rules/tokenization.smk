@@ -1,6 +1,6 @@
 rule tokenize_shard:
     input:
-        shard=SPLIT,
+        shard=NODE_SHARD,
         tokenizer=BASE_MODEL_INPUT,
     output:
         tokens=TOKENIZED,

@@ -18,7 +18,7 @@ from pipeline_io import cli, write_json
 from plotting import plt, save_png
 
 
-def collect(manifest: dict, stats: dict[str, dict], lengths: dict[str, list[int]]) -> dict:
+def collect(manifest: dict, stats: dict[str, dict], lengths: dict[str, list[int]], decon: dict | None = None) -> dict:
     shards = {}
     for name, s in stats.items():
         n = lengths[name]
@@ -43,7 +43,8 @@ def collect(manifest: dict, stats: dict[str, dict], lengths: dict[str, list[int]
         "special_text": special_text(stats),  # data.special_text: policy, rows and tokens found
         "control_chars": manifest.get("control_chars"),  # data.control_chars: policy, rows and characters found
         "shards": shards,
-    } | funnel(manifest, stats)
+        "decontamination": decontamination(decon),
+    } | funnel(manifest, stats, decon)
 
 
 def special_text(stats: dict[str, dict]) -> dict | None:
@@ -58,14 +59,26 @@ def special_text(stats: dict[str, dict]) -> dict | None:
     return found[0] | {"rows": sum(f["rows"] for f in found), "by_token": dict(by_token)}
 
 
-def funnel(manifest: dict, stats: dict[str, dict]) -> dict:
-    """Where the input rows went: per shard, the rows the split gave it, the examples tokenization left
-    out (by reason; each in data/tokenized/<shard>.rejects.parquet) and the examples training reads.
-    Training draws every tokenized example for whole epochs (eval/summary.csv: examples_trained)."""
+def decontamination(decon: dict | None) -> dict | None:
+    """data/decontamination.json in brief: the policy, the training rows involved, and per evaluation set the
+    documents sharing an n-gram with them (the examples stay in that file)."""
+    if decon is None:
+        return None
+    sets = {name: {k: v for k, v in s.items() if k != "examples"} for name, s in decon["sets"].items()}
+    keep = ("ngram", "policy", "training_rows", "training_rows_contaminated", "training_rows_by_shard")
+    return {k: decon[k] for k in keep} | {"sets": sets}
+
+
+def funnel(manifest: dict, stats: dict[str, dict], decon: dict | None = None) -> dict:
+    """Where the input rows went: per shard, the rows the split gave it, those data.decontaminate: drop left
+    out (``contaminated``, in data/contaminated.parquet), the examples tokenization left out (by reason; each
+    in data/tokenized/<shard>.rejects.parquet) and the examples training reads. Training draws every
+    tokenized example for whole epochs (eval/summary.csv: examples_trained)."""
+    dropped = decon["training_rows_by_shard"] if decon and decon["policy"] == "drop" else {}
     shards, by_reason = {}, {}
     split_rows = {f"node{n['node']}": n["rows"] for n in manifest["nodes"]} | {"eval": manifest["eval"]["rows"]}
     for name, s in stats.items():
-        rejected = s.get("rejected", {})
+        rejected = s.get("rejected", {}) | ({"contaminated": dropped[name]} if dropped.get(name) else {})
         shards[name] = {
             "split": split_rows.get(name, s.get("rows")),
             "left_out": sum(rejected.values()),
@@ -73,7 +86,8 @@ def funnel(manifest: dict, stats: dict[str, dict]) -> dict:
             "tokenized": s["examples"],
         }
         for reason, n in rejected.items():
-            by_reason[reason] = by_reason.get(reason, 0) + n
+            if reason != "contaminated":
+                by_reason[reason] = by_reason.get(reason, 0) + n
     tokenized = sum(s["tokenized"] for s in shards.values())
     return {
         "max_seq_len": next((s["settings"]["max_seq_len"] for s in stats.values() if "settings" in s), None),
@@ -146,13 +160,15 @@ def main(argv=None) -> None:
     p.add_argument(
         "--tokenized", nargs="+", required=True, type=Path, help="tokenized shards (.parquet; their stats beside them)"
     )
+    p.add_argument("--decontamination", type=Path, help="data/decontamination.json")
     p.add_argument("--json", required=True, type=Path)
     p.add_argument("--plot", required=True, type=Path)
     a = p.parse_args(argv)
     manifest = json.loads(a.manifest.read_text())
     stats = {t.stem: json.loads(t.with_suffix(".json").read_text()) for t in a.tokenized}
     lengths = {t.stem: pq.read_table(t, columns=["length"]).column("length").to_pylist() for t in a.tokenized}
-    report = collect(manifest, stats, lengths)
+    decon = json.loads(a.decontamination.read_text()) if a.decontamination else None
+    report = collect(manifest, stats, lengths, decon)
     write_json(a.json, report)
     full = lengths_before(stats)
     plot(report, full or {name: Counter(n) for name, n in lengths.items()}, a.plot, before=bool(full))
@@ -175,7 +191,7 @@ def funnel_text(report: dict) -> str:
     lines = [f"{f['rows_in']} rows in, {f['split_rejected']} rejected by the split {report['rejects_by_reason']}"]
     for name, s in f["shards"].items():
         why = f" {s['left_out_by_reason']}" if s["left_out"] else ""
-        lines.append(f"  {name}: {s['split']} rows → {s['left_out']} left out at tokenization{why} → {s['tokenized']}")
+        lines.append(f"  {name}: {s['split']} rows → {s['left_out']} left out{why} → {s['tokenized']}")
     return "\n".join(lines)
 
 

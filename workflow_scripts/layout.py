@@ -27,6 +27,9 @@ RUN_FILES = {
     "PACKING": "data/tokenized/{shard}.packing.parquet",
     "TOKEN_STATS": "data/tokenized/{shard}.json",
     "TOKEN_REJECTS": "data/tokenized/{shard}.rejects.parquet",  # examples tokenization left out
+    "DECONTAMINATION": "data/decontamination.json",  # data.decontaminate's report
+    "DECONTAMINATED": "data/decontaminated/{shard}.parquet",  # data.decontaminate: drop: the shard without them
+    "CONTAMINATED": "data/contaminated.parquet",  # data.decontaminate: drop: the rows left out
     "DATA_REPORT": "data/report.json",
     "DATA_PLOT": "data/overview.png",
     "BASE_EVAL": "eval/{model}.json",  # model: base; shared by a grid's variants (evaluate_base)

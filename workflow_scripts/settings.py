@@ -248,6 +248,11 @@ TokenizeConfig = stage_config(
     *TEMPLATE_KEYS, "data.special_text", "data.train_on", "data.max_seq_len", "data.overlength", "data.cache_dir",
     "data.max_reject_fraction",
 )  # fmt: skip
+DecontaminateConfig = stage_config(
+    "DecontaminateConfig",
+    "decontaminate's keys: the policy, the n-gram length, and the evaluation tasks whose documents it checks.",
+    "data.decontaminate", "data.decontaminate_ngram", "eval.tasks", "eval.task_data",
+)  # fmt: skip
 DemoModelConfig = stage_config(
     "DemoModelConfig",
     "build_demo_model's keys: the data its tokenizer is trained on, the vocabulary, the context length and "
