@@ -50,15 +50,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def process_group_backend(cfg: TrainConfig, device_type: str) -> str:
+    """gloo on CPU; NCCL on GPUs, plus gloo for CPU tensors when FSDP2 offloads to the host: its
+    sharded gradients are CPU DTensors there, and clipping them all-reduces their norms on the CPU."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cfg.strategy == "fsdp" and cfg.offload != "none" else "nccl"
+
+
 def init_distributed(cfg: TrainConfig) -> torch.device:
-    """The process group: NCCL on GPUs, gloo on CPU; this rank's device."""
+    """The process group (process_group_backend); this rank's device."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     timeout = timedelta(seconds=cfg.collective_timeout_s)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    dist.init_process_group(process_group_backend(cfg, device.type), timeout=timeout)
     return device
 
 
