@@ -53,3 +53,36 @@ def test_fsdp_cpu_offload_path_runs_a_clipped_step_on_cpu(tiny_qwen3, tmp_path, 
     assert result["shard_devices"] == ["cpu"] and result["grad_devices"] == ["cpu"]
     assert result["backend"] == "gloo"
     assert result["grad_norm"] > 1e-3 and result["grad_norm"] == pytest.approx(result["grad_norm"])  # finite
+
+
+@pytest.mark.parametrize(
+    ("installed", "capability", "dtype", "expected", "reason"),
+    [
+        ("2.8.3", (8, 0), torch.bfloat16, "flash_attention_2", "flash-attn 2.8.3 on compute capability 8.0"),
+        ("2.8.3", (9, 0), torch.float16, "flash_attention_2", "compute capability 9.0"),
+        ("2.8.3", (7, 5), torch.float16, "sdpa", "needs compute capability 8.0 or more, this GPU has 7.5"),  # T4
+        ("2.8.3", (7, 0), torch.float16, "sdpa", "this GPU has 7.0"),  # V100
+        ("2.8.3", (8, 6), torch.float32, "sdpa", "fp16/bf16 only, training.precision is float32"),
+        (None, (9, 0), torch.bfloat16, "sdpa", "flash-attn not installed"),
+        ("2.8.3", None, torch.bfloat16, "sdpa", "no GPU"),
+    ],
+)
+def test_flash_attention_only_where_the_gpu_and_dtype_support_it(installed, capability, dtype, expected, reason):
+    from model_loading import choose_attention
+
+    impl, why = choose_attention(installed, capability, dtype)
+    assert impl == expected and reason in why
+
+
+def test_env_check_says_the_attention_and_why(monkeypatch):
+    import environment
+
+    monkeypatch.setattr("model_loading.flash_attn_version", lambda: "2.8.3")
+    t4 = {"gpus": [{"name": "Tesla T4", "memory_gb": 14.7, "capability": "7.5"}]}
+    assert environment.attention_backend(t4, "fp16") == {
+        "attention": "sdpa",
+        "attention_reason": "flash-attn 2.8.3 needs compute capability 8.0 or more, this GPU has 7.5",
+    }
+    a100 = {"gpus": [{"name": "NVIDIA A100-SXM4-80GB", "memory_gb": 79.3, "capability": "8.0"}]}
+    assert environment.attention_backend(a100, "bf16")["attention"] == "flash_attention_2"
+    assert environment.attention_backend({"gpus": []}, "bf16")["attention"] == "sdpa"

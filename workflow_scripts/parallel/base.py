@@ -130,7 +130,7 @@ class Strategy:
         from fingerprint import local_model_folder
         from transformers import AutoConfig
 
-        attn = attention_implementation(device)
+        attn = attention_implementation(device, compute_dtype(cfg))
         config = AutoConfig.from_pretrained(base)
         files = CheckpointFiles(local_model_folder(base))
         model = cls.create(config, cfg, attn, files)
