@@ -40,19 +40,62 @@ def tiny_qwen3(tmp_path_factory):
 @pytest.mark.parametrize("peft", ["none", "lora"])
 def test_fsdp_cpu_offload_path_runs_a_clipped_step_on_cpu(tiny_qwen3, tmp_path, peft):
     """CPUOffloadPolicy on every FSDP module, the shards and gradients on the host, a finite clipped norm."""
-    out = tmp_path / "check.json"
     config = {"strategy": "fsdp", "offload": "all", "precision": "fp32", "max_grad_norm": 1e-3}
     if peft == "lora":
         config |= {"peft": "lora", "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}}
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(REPO / "tests/fsdp_offload_check.py"),
-           str(tiny_qwen3), json.dumps(config), str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=trainer_env(), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+    result = offload_check(tiny_qwen3, config, tmp_path)
     assert result["policies"] == ["CPUOffloadPolicy"], result
     assert result["shard_devices"] == ["cpu"] and result["grad_devices"] == ["cpu"]
     assert result["backend"] == "gloo"
     assert result["grad_norm"] > 1e-3 and result["grad_norm"] == pytest.approx(result["grad_norm"])  # finite
+    assert result["optimizer"] == "AdamW"
+
+
+def offload_check(base, config: dict, tmp_path) -> dict:
+    out = tmp_path / "check.json"
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(REPO / "tests/offload_check.py"),
+           str(base), json.dumps(config), str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=trainer_env(), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.torchrun
+def test_zero3_optimizer_offload_steps_with_deepspeeds_cpu_adam(tiny_qwen3, tmp_path):
+    """The cpu_adam op builds on the CPU accelerator too (compiled once, minutes; then cached)."""
+    config = {"strategy": "deepspeed", "zero_stage": 3, "offload": "optimizer", "precision": "fp32"}
+    result = offload_check(tiny_qwen3, config, tmp_path)
+    assert result["optimizer"] == "DeepSpeedCPUAdam", result
+    assert result["grad_norm"] > 0 and result["loss"] == pytest.approx(result["loss"])
+
+
+def adamw():
+    return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+
+
+def test_offloaded_optimizer_states_get_cpu_adam_or_say_why_not():
+    from parallel.zero import choose_optimizer
+
+    marker = object()
+    opt, why = choose_optimizer({"offload_optimizer": {"device": "cpu"}}, lambda: marker, adamw)
+    assert opt is marker and why == "DeepSpeedCPUAdam (optimizer states offloaded to cpu)"
+    assert choose_optimizer({"offload_optimizer": {"device": "nvme"}}, lambda: marker, adamw)[0] is marker
+    for zero in ({"stage": 3}, {"offload_optimizer": {"device": "none"}}, {"offload_optimizer": None}):
+        opt, why = choose_optimizer(zero, lambda: marker, adamw)
+        assert isinstance(opt, torch.optim.AdamW) and why.startswith("torch AdamW (optimizer states on the accel")
+
+    def no_compiler():
+        try:
+            raise OSError("g++: command not found")
+        except OSError as e:
+            raise RuntimeError("DeepSpeedCPUAdam requires the cpu_adam op, which failed to build/load.") from e
+
+    opt, why = choose_optimizer({"offload_optimizer": {"device": "cpu"}}, no_compiler, adamw)
+    assert isinstance(opt, torch.optim.AdamW)
+    assert (
+        why
+        == "torch AdamW on the host: DeepSpeed's cpu_adam op did not build or load (OSError: g++: command not found)"
+    )
 
 
 @pytest.mark.parametrize(

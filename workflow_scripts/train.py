@@ -25,6 +25,7 @@ import torch.distributed as dist
 from batching import TrainingData
 from checkpoint import Checkpointer, run_key, superseded
 from fingerprint import cache_file_for, model_fingerprint
+from host_memory import map_large_allocations
 from metrics_logger import MetricsLogger, flops_per_sequence_fn
 from parallel import build_strategy, load_model
 from pipeline_io import cli, write_json
@@ -133,6 +134,12 @@ def train(strategy, data, metrics, ckpt, stop, start_step: int) -> None:
 @cli
 def main(argv=None) -> None:
     a = parse_args(argv)
+    # Before any weights exist: every allocation over 1 MiB gets its own mapping, returned to the kernel
+    # when freed. glibc otherwise raises its mmap threshold after the first large free (up to 32 MiB) and
+    # keeps freed partitions in its heap: ZeRO-3 kept 1.43-1.52x its by-design host state after
+    # deepspeed.initialize at 2 ranks (docs/benchmarks.md, bench_scale.py --part zero3-host). mallopt is
+    # what MALLOC_MMAP_THRESHOLD_ sets at process start, without depending on how the job was launched.
+    map_large_allocations()
     cfg = TrainConfig.from_json(a.config)
     stop = StopSignal(a.log_dir / "preempted.json")  # first: a signal during start-up is not lost
     device = init_distributed(cfg)

@@ -1,8 +1,9 @@
-"""Run under torchrun by tests/test_gpu_paths.py: FSDP2 with CPU offload as the trainer runs it (its
-process group, load, wrap and step), on CPU: which offload policy each FSDP module got, where the
-shards live, and one clipped optimizer step (the gradient norm all-reduced over CPU DTensors).
+"""Run under torchrun by tests/test_gpu_paths.py: a strategy with CPU offload as the trainer runs it (its
+process group, load, wrap and step), on CPU: the optimizer class that steps; for FSDP2 which offload policy
+each FSDP module got and where the shards live; one clipped optimizer step (FSDP2: the gradient norm
+all-reduced over CPU DTensors).
 
-    torchrun --nproc_per_node 2 tests/fsdp_offload_check.py <base folder> <training config JSON> <out.json>
+    torchrun --nproc_per_node 2 tests/offload_check.py <base folder> <training config JSON> <out.json>
 """
 
 import json
@@ -10,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow_scripts"))
 
 import torch  # noqa: E402
@@ -38,7 +40,8 @@ def main() -> None:
     strategy.model.train()
     loss = strategy.forward_backward({"input_ids": inputs, "labels": inputs}, last_micro=True)
     grads = {p.grad.to_local().device.type for p in strategy.model.parameters() if isinstance(p.grad, DTensor)}
-    norm = strategy.step()
+    norm = strategy.step()  # DeepSpeed: its engine stepped at the boundary, this reads the norm
+    optimizer = getattr(strategy.optimizer, "optimizer", strategy.optimizer)  # DeepSpeed wraps the client's
     if dist.get_rank() == 0:
         record = {
             "backend": str(dist.get_backend()),
@@ -47,6 +50,7 @@ def main() -> None:
             "grad_devices": sorted(grads),
             "loss": float(loss),
             "grad_norm": norm,
+            "optimizer": type(optimizer).__name__,
         }
         out.write_text(json.dumps(record))
     dist.barrier()
