@@ -21,6 +21,7 @@ RSS is VmRSS from /proc/self/status, split into anonymous memory (the rank's own
     .venv/bin/python bench/bench_scale.py --part step --workdir /tmp/bench_scale   # (e): FSDP2 vs ZeRO-3 through
                                                                                    # the first optimizer step
     .venv/bin/python bench/bench_scale.py --part zero3-host --workdir /tmp/bench_scale  # issue 24 item 7
+    .venv/bin/python bench/bench_scale.py --part phases --workdir /tmp/bench_scale      # FSDP2 + LoRA per phase
 
 Parts load and world (issue 13, bench parts a, b and d): a Qwen3-0.6B-shaped checkpoint (28 layers,
 hidden 1024, vocab 151936, untied head: 751.6M parameters) built once with random weights and saved in
@@ -272,6 +273,9 @@ dist.init_process_group("gloo")
 if sys.argv[7] == "1":  # as train.py does first: every allocation over 1 MiB its own mapping
     from host_memory import map_large_allocations
     map_large_allocations()
+if sys.argv[7] == "before":  # the trainer before issue 24: no malloc_trim after deepspeed.initialize
+    import parallel.zero
+    parallel.zero.trim = lambda: None
 imports = status("VmRSS:")
 base, config, legacy, out = sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
 cfg = training_config(config)
@@ -304,6 +308,48 @@ os._exit(0)
 """
 
 
+PHASES_WORKER = r"""
+import json, os, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+def status():
+    f = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
+    return {k: int(f[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
+import torch, torch.distributed as dist, transformers, deepspeed, peft
+from host_memory import map_large_allocations
+from settings import training_config
+from parallel import build_strategy, load_model
+map_large_allocations()  # as train.py
+dist.init_process_group("gloo")
+base, cfg, out, tokens = sys.argv[2], training_config(json.loads(sys.argv[3])), Path(sys.argv[4]), int(sys.argv[5])
+device, phases = torch.device("cpu"), []
+def phase(name, fn):
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the current RSS
+    before = status()["VmRSS"]
+    result = fn()
+    now = status()
+    phases.append({"phase": name, "before": before, "peak": now["VmHWM"], "after": now["VmRSS"]})
+    return result
+phases.append({"phase": "imports", "before": 0, "peak": status()["VmRSS"], "after": status()["VmRSS"]})
+model, _ = phase("load", lambda: load_model(base, cfg, device))
+strategy = phase("wrap", lambda: build_strategy(cfg, model, device, total_steps=10))
+ids = torch.randint(0, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
+strategy.model.train()
+for step in (1, 2):
+    phase(f"forward+backward {step}", lambda: strategy.forward_backward({"input_ids": ids, "labels": ids}, True))
+    phase(f"optimizer step {step}", strategy.step)
+folder = out.parent / "ckpt" / "step"
+folder.mkdir(parents=True, exist_ok=True)
+phase("save", lambda: strategy.save(folder))
+rows = [None] * dist.get_world_size()
+dist.all_gather_object(rows, phases)
+if dist.get_rank() == 0:
+    out.write_text(json.dumps(rows))
+dist.barrier()
+os._exit(0)
+"""
+
+
 def build_checkpoint(folder: Path) -> tuple[Path, int]:
     """The Qwen3-0.6B-shaped bf16 checkpoint (built once); its parameter count."""
     import torch
@@ -324,7 +370,8 @@ def measure(
     base: Path, training: dict, ranks: int, legacy: bool, workdir: Path, step: bool = False, malloc: str = "mallopt"
 ) -> dict:
     """One torchrun of WORKER. ``malloc``: "mallopt" as the trainer (host_memory.map_large_allocations at
-    start), "default" glibc's dynamic mmap threshold, "env" MALLOC_MMAP_THRESHOLD_=1048576 in the environment."""
+    start), "default" glibc's dynamic mmap threshold, "env" MALLOC_MMAP_THRESHOLD_=1048576 in the environment,
+    "before" the trainer before issue 24 (glibc's default, no malloc_trim after deepspeed.initialize)."""
     out = workdir / "rows.json"
     out.unlink(missing_ok=True)
     config = {"precision": "bf16", "gradient_checkpointing": True} | training
@@ -336,7 +383,7 @@ def measure(
     script.write_text(WORKER)
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(ranks), str(script),
            str(REPO / "workflow_scripts"), str(base), json.dumps(config), "1" if legacy else "0", str(out),
-           "1" if step else "0", "1" if malloc == "mallopt" else "0"]  # fmt: skip
+           "1" if step else "0", {"mallopt": "1", "before": "before"}.get(malloc, "0")]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir)
     if proc.returncode != 0:
         raise SystemExit(f"{training} x{ranks}: failed\n{proc.stderr[-3000:]}")
@@ -398,10 +445,15 @@ def model_part(cases, args, step: bool = False) -> list[dict]:
     return rows
 
 
+MALLOC_LABELS = {"before": "before: glibc default, no trim", "default": "glibc default + trim",
+                 "env": "MALLOC_MMAP_THRESHOLD_=1048576 + trim", "mallopt": "mallopt + trim (train.py)"}  # fmt: skip
+
+
 def zero3_host_part(args) -> list[dict]:
     """Issue 24 item 7: ZeRO-3's resident set after deepspeed.initialize against DeepSpeed's floor (the bf16
     partition, fp32 master and bf16 gradient partitions, 8 bytes a parameter over N ranks), at 2 and 4 ranks,
-    with glibc's default malloc, MALLOC_MMAP_THRESHOLD_ in the environment and the trainer's mallopt."""
+    as before issue 24, with glibc's default malloc, MALLOC_MMAP_THRESHOLD_ in the environment and the trainer's
+    mallopt (each but "before" with the malloc_trim that follows deepspeed.initialize)."""
     base, n = build_checkpoint(args.workdir / "qwen3-0.6b-shape-bf16")
     rows = []
     for ranks in args.ranks:
@@ -409,12 +461,38 @@ def zero3_host_part(args) -> list[dict]:
         for malloc in args.malloc:
             m = measure(base, {"strategy": "deepspeed", "zero_stage": 3}, ranks, False, args.workdir, malloc=malloc)
             rows.append({
-                "malloc": {"default": "glibc default", "env": "MALLOC_MMAP_THRESHOLD_=1048576",
-                           "mallopt": "mallopt (train.py)"}[malloc],
+                "malloc": MALLOC_LABELS[malloc],
                 "ranks": ranks, "floor GiB": floor / 2**30, "after initialize GiB": m["after"] / 2**30,
                 "after / floor": m["after"] / floor, "peak GiB": m["above"] / 2**30, "peak / floor": m["above"] / floor,
             })  # fmt: skip
             print(rows[-1], flush=True)
+    return rows
+
+
+def phases_part(args) -> list[dict]:
+    """Issue 24 item 7: FSDP2 + LoRA per phase (2 ranks, bf16, gradient checkpointing, one micro-batch of
+    --tokens tokens): each phase's peak and what it leaves, the largest rank, x the model's fp32 bytes."""
+    base, n = build_checkpoint(args.workdir / "qwen3-0.6b-shape-bf16")
+    out = args.workdir / "phases.json"
+    out.unlink(missing_ok=True)
+    script = args.workdir / "phases_worker.py"
+    script.write_text(PHASES_WORKER)
+    config = {"precision": "bf16", "gradient_checkpointing": True, "strategy": "fsdp"} | LORA
+    env = os.environ | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(script), str(REPO / "workflow_scripts"),
+           str(base), json.dumps(config), str(out), str(args.phase_tokens)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=args.workdir)
+    if proc.returncode != 0:
+        raise SystemExit(f"phases failed\n{proc.stderr[-3000:]}")
+    ranks = json.loads(out.read_text())
+    fp32, rows = 4 * n, []
+    for i, name in enumerate(p["phase"] for p in ranks[0]):
+        worst = max((r[i] for r in ranks), key=lambda p: p["peak"])
+        rows.append({
+            "phase": name, "RSS before GiB": worst["before"] / 2**30, "phase peak GiB": worst["peak"] / 2**30,
+            "peak - before GiB": (worst["peak"] - worst["before"]) / 2**30 if i else None,
+            "RSS after GiB": worst["after"] / 2**30, "after x fp32": worst["after"] / fp32,
+        })  # fmt: skip
     return rows
 
 
@@ -463,6 +541,7 @@ PARTS = {
     "world": (world_part, model_summary),
     "step": (step_part, model_summary),
     "zero3-host": (zero3_host_part, zero3_host_summary),
+    "phases": (phases_part, lambda rows: None),
 }
 
 
@@ -477,6 +556,7 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, default=100)
     p.add_argument("--workdir", type=Path, default=None, help="kept: shards are reused by a later run")
     p.add_argument("--only", nargs="+", help="load/world/step: only these runs (as the table names them)")
+    p.add_argument("--phase-tokens", type=int, default=512, help="phases: tokens of the one micro-batch")
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4], help="zero3-host: world sizes")
     p.add_argument(
         "--malloc",

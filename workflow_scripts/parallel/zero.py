@@ -196,6 +196,7 @@ class DeepSpeedStrategy(Strategy):
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=self.make_scheduler, config=config
         )
+        trim()  # initialize's freed transients below the mmap threshold (flattening, the fp32 casts)
 
     def cpu_adam(self, params):
         """DeepSpeed's vectorized AdamW for states on the host (5-7x torch's there, DeepSpeed says); its
