@@ -561,9 +561,9 @@ def main() -> None:
     p.add_argument(
         "--malloc",
         nargs="+",
-        default=["default", "env", "mallopt"],
-        choices=["default", "env", "mallopt"],
-        help="zero3-host: glibc's default, MALLOC_MMAP_THRESHOLD_ in the environment, the trainer's mallopt",
+        default=["before", "default", "env", "mallopt"],
+        choices=["before", "default", "env", "mallopt"],
+        help="zero3-host: before issue 24, glibc's default, MALLOC_MMAP_THRESHOLD_ in the env, the trainer's mallopt",
     )
     a = p.parse_args()
     a.workdir = a.workdir or Path(tempfile.mkdtemp(prefix=f"bench_scale_{a.part}_"))
