@@ -20,6 +20,8 @@ RSS is VmRSS from /proc/self/status, split into anonymous memory (the rank's own
     .venv/bin/python bench/bench_scale.py --part world --workdir /tmp/bench_scale  # (b): FSDP at 1, 2, 4 ranks
     .venv/bin/python bench/bench_scale.py --part step --workdir /tmp/bench_scale   # (e): FSDP2 vs ZeRO-3 through
                                                                                    # the first optimizer step
+    .venv/bin/python bench/bench_scale.py --part zero3-host --workdir /tmp/bench_scale  # issue 24 item 7
+    .venv/bin/python bench/bench_scale.py --part phases --workdir /tmp/bench_scale      # FSDP2 + LoRA per phase
 
 Parts load and world (issue 13, bench parts a, b and d): a Qwen3-0.6B-shaped checkpoint (28 layers,
 hidden 1024, vocab 151936, untied head: 751.6M parameters) built once with random weights and saved in
@@ -268,6 +270,12 @@ import torch, torch.distributed as dist, transformers, deepspeed, peft  # everyt
 from settings import training_config
 from parallel import build_strategy, load_model
 dist.init_process_group("gloo")
+if sys.argv[7] == "1":  # as train.py does first: every allocation over 1 MiB its own mapping
+    from host_memory import map_large_allocations
+    map_large_allocations()
+if sys.argv[7] == "before":  # the trainer before issue 24: no malloc_trim after deepspeed.initialize
+    import parallel.zero
+    parallel.zero.trim = lambda: None
 imports = status("VmRSS:")
 base, config, legacy, out = sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
 cfg = training_config(config)
@@ -283,7 +291,8 @@ else:
     model, _ = load_model(base, cfg, device)
 loaded = status("VmHWM:")
 strategy = build_strategy(cfg, model, device, total_steps=10)
-record = {"rank": dist.get_rank(), "imports": imports, "load": loaded, "peak": status("VmHWM:")}
+record = {"rank": dist.get_rank(), "imports": imports, "load": loaded, "peak": status("VmHWM:"),
+          "after": status("VmRSS:")}
 if sys.argv[6] == "1":  # one optimizer step: gradients and optimizer states exist in every strategy now
     ids = torch.randint(0, 1000, (1, 32))
     strategy.model.train()
@@ -294,6 +303,48 @@ rows = [None] * dist.get_world_size()
 dist.all_gather_object(rows, record)
 if dist.get_rank() == 0:
     open(out, "w").write(json.dumps(rows))
+dist.barrier()
+os._exit(0)
+"""
+
+
+PHASES_WORKER = r"""
+import json, os, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+def status():
+    f = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
+    return {k: int(f[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
+import torch, torch.distributed as dist, transformers, deepspeed, peft
+from host_memory import map_large_allocations
+from settings import training_config
+from parallel import build_strategy, load_model
+map_large_allocations()  # as train.py
+dist.init_process_group("gloo")
+base, cfg, out, tokens = sys.argv[2], training_config(json.loads(sys.argv[3])), Path(sys.argv[4]), int(sys.argv[5])
+device, phases = torch.device("cpu"), []
+def phase(name, fn):
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the current RSS
+    before = status()["VmRSS"]
+    result = fn()
+    now = status()
+    phases.append({"phase": name, "before": before, "peak": now["VmHWM"], "after": now["VmRSS"]})
+    return result
+phases.append({"phase": "imports", "before": 0, "peak": status()["VmRSS"], "after": status()["VmRSS"]})
+model, _ = phase("load", lambda: load_model(base, cfg, device))
+strategy = phase("wrap", lambda: build_strategy(cfg, model, device, total_steps=10))
+ids = torch.randint(0, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
+strategy.model.train()
+for step in (1, 2):
+    phase(f"forward+backward {step}", lambda: strategy.forward_backward({"input_ids": ids, "labels": ids}, True))
+    phase(f"optimizer step {step}", strategy.step)
+folder = out.parent / "ckpt" / "step"
+folder.mkdir(parents=True, exist_ok=True)
+phase("save", lambda: strategy.save(folder))
+rows = [None] * dist.get_world_size()
+dist.all_gather_object(rows, phases)
+if dist.get_rank() == 0:
+    out.write_text(json.dumps(rows))
 dist.barrier()
 os._exit(0)
 """
@@ -315,17 +366,24 @@ def build_checkpoint(folder: Path) -> tuple[Path, int]:
     return folder, n
 
 
-def measure(base: Path, training: dict, ranks: int, legacy: bool, workdir: Path, step: bool = False) -> dict:
+def measure(
+    base: Path, training: dict, ranks: int, legacy: bool, workdir: Path, step: bool = False, malloc: str = "mallopt"
+) -> dict:
+    """One torchrun of WORKER. ``malloc``: "mallopt" as the trainer (host_memory.map_large_allocations at
+    start), "default" glibc's dynamic mmap threshold, "env" MALLOC_MMAP_THRESHOLD_=1048576 in the environment,
+    "before" the trainer before issue 24 (glibc's default, no malloc_trim after deepspeed.initialize)."""
     out = workdir / "rows.json"
     out.unlink(missing_ok=True)
     config = {"precision": "bf16", "gradient_checkpointing": True} | training
     env = os.environ | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1",
                         "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    if malloc == "env":
+        env["MALLOC_MMAP_THRESHOLD_"] = "1048576"
     script = workdir / "worker.py"
     script.write_text(WORKER)
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(ranks), str(script),
            str(REPO / "workflow_scripts"), str(base), json.dumps(config), "1" if legacy else "0", str(out),
-           "1" if step else "0"]  # fmt: skip
+           "1" if step else "0", {"mallopt": "1", "before": "before"}.get(malloc, "0")]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir)
     if proc.returncode != 0:
         raise SystemExit(f"{training} x{ranks}: failed\n{proc.stderr[-3000:]}")
@@ -333,8 +391,9 @@ def measure(base: Path, training: dict, ranks: int, legacy: bool, workdir: Path,
     worst = max(rows, key=lambda r: r["peak"] - r["imports"])
     load = max(r["load"] - r["imports"] for r in rows)
     step_peak = max((r["step"] - r["imports"] for r in rows), default=None) if step else None
+    after = max(r["after"] - r["imports"] for r in rows)
     return {"imports": worst["imports"], "peak": worst["peak"], "load": load, "above": worst["peak"] - worst["imports"],
-            "step": step_peak}  # fmt: skip
+            "step": step_peak, "after": after}  # fmt: skip
 
 
 def label(training: dict) -> str:
@@ -386,6 +445,63 @@ def model_part(cases, args, step: bool = False) -> list[dict]:
     return rows
 
 
+MALLOC_LABELS = {"before": "before: glibc default, no trim", "default": "glibc default + trim",
+                 "env": "MALLOC_MMAP_THRESHOLD_=1048576 + trim", "mallopt": "mallopt + trim (train.py)"}  # fmt: skip
+
+
+def zero3_host_part(args) -> list[dict]:
+    """Issue 24 item 7: ZeRO-3's resident set after deepspeed.initialize against DeepSpeed's floor (the bf16
+    partition, fp32 master and bf16 gradient partitions, 8 bytes a parameter over N ranks), at 2 and 4 ranks,
+    as before issue 24, with glibc's default malloc, MALLOC_MMAP_THRESHOLD_ in the environment and the trainer's
+    mallopt (each but "before" with the malloc_trim that follows deepspeed.initialize)."""
+    base, n = build_checkpoint(args.workdir / "qwen3-0.6b-shape-bf16")
+    rows = []
+    for ranks in args.ranks:
+        floor = 8 * n / ranks
+        for malloc in args.malloc:
+            m = measure(base, {"strategy": "deepspeed", "zero_stage": 3}, ranks, False, args.workdir, malloc=malloc)
+            rows.append({
+                "malloc": MALLOC_LABELS[malloc],
+                "ranks": ranks, "floor GiB": floor / 2**30, "after initialize GiB": m["after"] / 2**30,
+                "after / floor": m["after"] / floor, "peak GiB": m["above"] / 2**30, "peak / floor": m["above"] / floor,
+            })  # fmt: skip
+            print(rows[-1], flush=True)
+    return rows
+
+
+def phases_part(args) -> list[dict]:
+    """Issue 24 item 7: FSDP2 + LoRA per phase (2 ranks, bf16, gradient checkpointing, one micro-batch of
+    --tokens tokens): each phase's peak and what it leaves, the largest rank, x the model's fp32 bytes."""
+    base, n = build_checkpoint(args.workdir / "qwen3-0.6b-shape-bf16")
+    out = args.workdir / "phases.json"
+    out.unlink(missing_ok=True)
+    script = args.workdir / "phases_worker.py"
+    script.write_text(PHASES_WORKER)
+    config = {"precision": "bf16", "gradient_checkpointing": True, "strategy": "fsdp"} | LORA
+    env = os.environ | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(script), str(REPO / "workflow_scripts"),
+           str(base), json.dumps(config), str(out), str(args.phase_tokens)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=args.workdir)
+    if proc.returncode != 0:
+        raise SystemExit(f"phases failed\n{proc.stderr[-3000:]}")
+    ranks = json.loads(out.read_text())
+    fp32, rows = 4 * n, []
+    for i, name in enumerate(p["phase"] for p in ranks[0]):
+        worst = max((r[i] for r in ranks), key=lambda p: p["peak"])
+        rows.append({
+            "phase": name, "RSS before GiB": worst["before"] / 2**30, "phase peak GiB": worst["peak"] / 2**30,
+            "peak - before GiB": (worst["peak"] - worst["before"]) / 2**30 if i else None,
+            "RSS after GiB": worst["after"] / 2**30, "after x fp32": worst["after"] / fp32,
+        })  # fmt: skip
+    return rows
+
+
+def zero3_host_summary(rows: list[dict]) -> None:
+    for r in rows:
+        ok = "meets" if r["after / floor"] <= 1.15 else "MISSES"
+        print(f"ZeRO-3 x{r['ranks']}, {r['malloc']}: after initialize {r['after / floor']:.2f}x the floor ({ok} 1.15x)")
+
+
 def load_part(args) -> list[dict]:
     return model_part(load_cases(), args)
 
@@ -424,6 +540,8 @@ PARTS = {
     "load": (load_part, model_summary),
     "world": (world_part, model_summary),
     "step": (step_part, model_summary),
+    "zero3-host": (zero3_host_part, zero3_host_summary),
+    "phases": (phases_part, lambda rows: None),
 }
 
 
@@ -438,6 +556,15 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, default=100)
     p.add_argument("--workdir", type=Path, default=None, help="kept: shards are reused by a later run")
     p.add_argument("--only", nargs="+", help="load/world/step: only these runs (as the table names them)")
+    p.add_argument("--phase-tokens", type=int, default=512, help="phases: tokens of the one micro-batch")
+    p.add_argument("--ranks", nargs="+", type=int, default=[2, 4], help="zero3-host: world sizes")
+    p.add_argument(
+        "--malloc",
+        nargs="+",
+        default=["before", "default", "env", "mallopt"],
+        choices=["before", "default", "env", "mallopt"],
+        help="zero3-host: before issue 24, glibc's default, MALLOC_MMAP_THRESHOLD_ in the env, the trainer's mallopt",
+    )
     a = p.parse_args()
     a.workdir = a.workdir or Path(tempfile.mkdtemp(prefix=f"bench_scale_{a.part}_"))
     a.workdir.mkdir(parents=True, exist_ok=True)

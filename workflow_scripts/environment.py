@@ -58,12 +58,17 @@ def gpu_report() -> dict:
     return info
 
 
-def attention_backend() -> str:
-    try:
-        importlib.import_module("flash_attn")
-        return f"flash_attention_2 (flash-attn {version('flash-attn')})"
-    except ImportError:
-        return "SDPA fallback (flash-attn not installed)"
+def attention_backend(gpu: dict, precision: str) -> dict:
+    """The attention implementation training will get on this node's first GPU, and why
+    (model_loading.choose_attention: flash-attn 2 needs compute capability 8.0+ and fp16/bf16)."""
+    from model_loading import choose_attention, flash_attn_version
+    from weights import DTYPES
+
+    gpus = gpu.get("gpus") or []
+    capability = tuple(int(v) for v in gpus[0]["capability"].split(".")) if gpus else None
+    installed = flash_attn_version() if capability else version("flash-attn")
+    impl, reason = choose_attention(installed, capability, DTYPES[precision])
+    return {"attention": impl, "attention_reason": reason}
 
 
 def problems(report: dict, strategy: str, peft: str, procs_per_node: int, precision: str) -> list[str]:
@@ -92,7 +97,6 @@ def collect() -> dict:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "packages": {name: version(name) for name in PACKAGES},
-        "attention": attention_backend(),
     }
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401
@@ -257,14 +261,14 @@ def main(argv=None) -> None:
         raise UserError("--config and --output are required")
     c = EnvironmentConfig.from_json(a.config)
     report = collect()
+    if report["packages"]["torch"]:
+        report |= attention_backend(report["gpu"], c.precision)
     found = problems(report, c.strategy, c.peft, c.procs_per_node, c.precision)
     report["ok"], report["problems"] = not found, found
     if found:
         raise UserError("; ".join(found))
-    gpu = report["gpu"]
-    print(
-        f"environment ok: torch {report['packages']['torch']}, {gpu.get('gpu_count', 0)} GPU(s), {report['attention']}"
-    )
+    gpu, attn = report["gpu"], f"attention {report.get('attention')} ({report.get('attention_reason')})"
+    print(f"environment ok: torch {report['packages']['torch']}, {gpu.get('gpu_count', 0)} GPU(s), {attn}")
     if not a.no_benchmark:
         a.output.parent.mkdir(parents=True, exist_ok=True)
         report["benchmark"] = run_benchmark(c.procs_per_node, a.output.parent)

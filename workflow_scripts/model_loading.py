@@ -10,22 +10,51 @@ not, starts from the same adapters.
 """
 
 import hashlib
+import logging
 import math
 
 import torch
 from pipeline_io import UserError
 from weights import READ_BYTES, CheckpointFiles, checkpoint_name
 
+log = logging.getLogger("train")
 
-def attention_implementation(device: torch.device) -> str:
-    if device.type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
 
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return "sdpa"
+FLASH_ATTN_MIN_CAPABILITY = (8, 0)  # flash-attn 2 runs on Ampere and newer; T4 (7.5) and V100 (7.0) do not
+
+
+def choose_attention(installed: str | None, capability: tuple[int, int] | None, dtype: torch.dtype) -> tuple[str, str]:
+    """The attention implementation and why: flash-attn 2 where it is installed (``installed``: its
+    version), the GPU's compute capability (None: no GPU) is 8.0 or more and training runs in 16 bits;
+    else PyTorch's SDPA. A T4 or V100 with flash-attn installed would fail at the first forward."""
+    if capability is None:
+        return "sdpa", "no GPU (flash-attn runs on CUDA only)"
+    if not installed:
+        return "sdpa", "flash-attn not installed"
+    cap = ".".join(map(str, capability))
+    if tuple(capability) < FLASH_ATTN_MIN_CAPABILITY:
+        need = ".".join(map(str, FLASH_ATTN_MIN_CAPABILITY))
+        return "sdpa", f"flash-attn {installed} needs compute capability {need} or more, this GPU has {cap}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return "sdpa", f"flash-attn runs in fp16/bf16 only, training.precision is {str(dtype).removeprefix('torch.')}"
+    return "flash_attention_2", f"flash-attn {installed} on compute capability {cap}"
+
+
+def flash_attn_version() -> str | None:
+    """flash-attn's version if it imports (a build for another torch fails here, not at the first forward)."""
+    try:
+        import flash_attn
+
+        return getattr(flash_attn, "__version__", None) or "installed"
+    except ImportError:
+        return None
+
+
+def attention_implementation(device: torch.device, dtype: torch.dtype) -> str:
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    impl, reason = choose_attention(flash_attn_version() if capability else None, capability, dtype)
+    log.info("attention: %s (%s)", impl, reason)
+    return impl
 
 
 # ---------------------------------------------------------------- LoRA

@@ -26,6 +26,7 @@ from batching import TrainingData
 from checkpoint import Checkpointer, run_key, superseded
 from divergence import NonFiniteStop
 from fingerprint import cache_file_for, model_fingerprint
+from host_memory import map_large_allocations
 from metrics_logger import MetricsLogger, flops_per_sequence_fn
 from parallel import build_strategy, load_model
 from pipeline_io import cli, write_json
@@ -52,15 +53,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def process_group_backend(cfg: TrainConfig, device_type: str) -> str:
+    """gloo on CPU; NCCL on GPUs, plus gloo for CPU tensors when FSDP2 offloads to the host: its
+    sharded gradients are CPU DTensors there, and clipping them all-reduces their norms on the CPU."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cfg.strategy == "fsdp" and cfg.offload != "none" else "nccl"
+
+
 def init_distributed(cfg: TrainConfig) -> torch.device:
-    """The process group: NCCL on GPUs, gloo on CPU; this rank's device."""
+    """The process group (process_group_backend); this rank's device."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     timeout = timedelta(seconds=cfg.collective_timeout_s)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    dist.init_process_group(process_group_backend(cfg, device.type), timeout=timeout)
     return device
 
 
@@ -129,6 +138,12 @@ def train(strategy, data, metrics, ckpt, stop, start_step: int) -> None:
 @cli
 def main(argv=None) -> None:
     a = parse_args(argv)
+    # Before any weights exist: every allocation over 1 MiB gets its own mapping, returned to the kernel
+    # when freed. glibc otherwise raises its mmap threshold after the first large free (up to 32 MiB) and
+    # keeps freed partitions in its heap: ZeRO-3 kept 1.43-1.52x its by-design host state after
+    # deepspeed.initialize at 2 ranks (docs/benchmarks.md, bench_scale.py --part zero3-host). mallopt is
+    # what MALLOC_MMAP_THRESHOLD_ sets at process start, without depending on how the job was launched.
+    map_large_allocations()
     cfg = TrainConfig.from_json(a.config)
     stop = StopSignal(a.log_dir / "preempted.json")  # first: a signal during start-up is not lost
     device = init_distributed(cfg)

@@ -130,7 +130,7 @@ class Strategy:
         from fingerprint import local_model_folder
         from transformers import AutoConfig
 
-        attn = attention_implementation(device)
+        attn = attention_implementation(device, compute_dtype(cfg))
         config = AutoConfig.from_pretrained(base)
         files = CheckpointFiles(local_model_folder(base))
         model = cls.create(config, cfg, attn, files)
@@ -167,11 +167,15 @@ class Strategy:
 
     # ------------------------------------------------------------ training
 
-    def make_optimizer(self, params) -> torch.optim.Optimizer:
+    def param_groups(self, params) -> list[dict]:
+        """The trainable parameters: weight decay on matrices, none on norms and biases."""
         params = [p for p in params if p.requires_grad]
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return [{"params": decay, "weight_decay": self.cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def make_optimizer(self, params) -> torch.optim.Optimizer:
+        groups = self.param_groups(params)
         fused = self.device.type == "cuda" or None
         return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=tuple(self.cfg.adam_betas), fused=fused)
 

@@ -16,8 +16,11 @@ from parallel.base import Footprint, Strategy, compute_dtype, loss_scaler
 
 
 def offloaded(cfg, device: torch.device) -> bool:
-    """FSDP2 CPU offload; on a CPU run there is nothing to offload to."""
-    return cfg.offload != "none" and device.type == "cuda"
+    """FSDP2 CPU offload (training.offload optimizer or all: FSDP2 offloads parameters, gradients and
+    optimizer states together). Taken on a CPU run too, where the shards already live on the host, so
+    that CPU tests run the offload path (CPUOffloadPolicy, gradient clipping of CPU DTensors over the
+    process group's CPU backend: train.process_group_backend)."""
+    return cfg.offload != "none"
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -35,7 +38,10 @@ def fsdp_kwargs(cfg, device) -> dict:
 
     return {
         "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype(cfg), reduce_dtype=torch.float32),
-        "offload_policy": CPUOffloadPolicy() if offloaded(cfg, device) else OffloadPolicy(),
+        # pinned host memory needs an accelerator; a CPU run offloads to pageable memory
+        "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        if offloaded(cfg, device)
+        else OffloadPolicy(),
     }
 
 

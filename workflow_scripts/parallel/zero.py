@@ -15,6 +15,7 @@
 import contextlib
 import functools
 import json
+import logging
 import math
 import sys
 import warnings
@@ -28,6 +29,8 @@ from pipeline_io import UserError
 from weights import READ_BYTES
 
 from parallel.base import SHARDED_LOAD, Footprint, Strategy, compute_dtype
+
+log = logging.getLogger("train")
 
 DS_BUFFER = 1.5  # DeepSpeed's additional_buffer_factor (its memory estimators)
 _KEEP_ALIVE = []  # HfDeepSpeedConfig: transformers holds it by weak reference until deepspeed.initialize
@@ -183,11 +186,25 @@ class DeepSpeedStrategy(Strategy):
 
         super().__init__(cfg, device, total_steps)
         quiet_deepspeed_collectives()
+        config = deepspeed_config(cfg, dist.get_world_size(), model.config)
+        optimizer, why = choose_optimizer(
+            config["zero_optimization"],
+            lambda: self.cpu_adam(model.parameters()),
+            lambda: self.make_optimizer(model.parameters()),
+        )
+        (log.warning if "did not" in why else log.info)("optimizer: %s", why)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model,
-            optimizer=self.make_optimizer(model.parameters()),
-            lr_scheduler=self.make_scheduler,
-            config=deepspeed_config(cfg, dist.get_world_size(), model.config),
+            model=model, optimizer=optimizer, lr_scheduler=self.make_scheduler, config=config
+        )
+        trim()  # initialize's freed transients below the mmap threshold (flattening, the fp32 casts)
+
+    def cpu_adam(self, params):
+        """DeepSpeed's vectorized AdamW for states on the host (5-7x torch's there, DeepSpeed says); its
+        cpu_adam op is prebuilt or compiled on first use (a minute or more; cached in ~/.cache/torch_extensions)."""
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(
+            self.param_groups(params), lr=self.cfg.lr, betas=tuple(self.cfg.adam_betas), adamw_mode=True
         )
 
     def forward_backward(self, batch, last_micro: bool):
@@ -281,6 +298,22 @@ class DeepSpeedStrategy(Strategy):
     @classmethod
     def sharded_alternative(cls, t: dict) -> dict | None:
         return SHARDED_LOAD if t.get("zero_stage", 0) < 3 else None
+
+
+def choose_optimizer(zero: dict, cpu_adam, torch_adamw) -> tuple[torch.optim.Optimizer, str]:
+    """The optimizer for this ZeRO section and why: DeepSpeedCPUAdam (``cpu_adam()``) when the optimizer
+    states are offloaded (offload_optimizer on cpu or nvme: DeepSpeed steps them on the host), else torch's
+    AdamW (``torch_adamw()``); torch's AdamW too, said as a warning, where the cpu_adam op cannot be built
+    or loaded (no compiler, an unsupported CPU)."""
+    device = (zero.get("offload_optimizer") or {}).get("device", "none")
+    if device not in ("cpu", "nvme"):
+        return torch_adamw(), "torch AdamW (optimizer states on the accelerator)"
+    try:
+        return cpu_adam(), f"DeepSpeedCPUAdam (optimizer states offloaded to {device})"
+    except Exception as e:  # DeepSpeed raises RuntimeError over the build's own errors
+        cause = e.__cause__ or e
+        why = f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1][:200] if str(cause).strip() else ''}"
+        return torch_adamw(), f"torch AdamW on the host: DeepSpeed's cpu_adam op did not build or load ({why})"
 
 
 # ---------------------------------------------------------------- ZeRO-3 load plan
