@@ -191,6 +191,7 @@ class DeepSpeedStrategy(Strategy):
             config["zero_optimization"],
             lambda: self.cpu_adam(model.parameters()),
             lambda: self.make_optimizer(model.parameters()),
+            on_gpu=device.type == "cuda",
         )
         (log.warning if "did not" in why else log.info)("optimizer: %s", why)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -300,14 +301,17 @@ class DeepSpeedStrategy(Strategy):
         return SHARDED_LOAD if t.get("zero_stage", 0) < 3 else None
 
 
-def choose_optimizer(zero: dict, cpu_adam, torch_adamw) -> tuple[torch.optim.Optimizer, str]:
-    """The optimizer for this ZeRO section and why: DeepSpeedCPUAdam (``cpu_adam()``) when the optimizer
-    states are offloaded (offload_optimizer on cpu or nvme: DeepSpeed steps them on the host), else torch's
-    AdamW (``torch_adamw()``); torch's AdamW too, said as a warning, where the cpu_adam op cannot be built
-    or loaded (no compiler, an unsupported CPU)."""
+def choose_optimizer(zero: dict, cpu_adam, torch_adamw, on_gpu: bool = True) -> tuple[torch.optim.Optimizer, str]:
+    """The optimizer for this ZeRO section and why: DeepSpeedCPUAdam (``cpu_adam()``) when a GPU run's
+    optimizer states are offloaded (offload_optimizer on cpu or nvme: DeepSpeed steps them on the host), else
+    torch's AdamW (``torch_adamw()``); torch's AdamW too, said as a warning, where the cpu_adam op cannot be
+    built or loaded (no compiler, an unsupported CPU). A CPU run (DS_ACCELERATOR=cpu) keeps torch's AdamW: its
+    states are host memory already, and the op's first build takes minutes there."""
     device = (zero.get("offload_optimizer") or {}).get("device", "none")
     if device not in ("cpu", "nvme"):
         return torch_adamw(), "torch AdamW (optimizer states on the accelerator)"
+    if not on_gpu:
+        return torch_adamw(), f"torch AdamW (a CPU run: offload_optimizer {device} steps on the host either way)"
     try:
         return cpu_adam(), f"DeepSpeedCPUAdam (optimizer states offloaded to {device})"
     except Exception as e:  # DeepSpeed raises RuntimeError over the build's own errors
