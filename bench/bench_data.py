@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_data.py --rows 200000            # the table in docs/benchmarks.md
     .venv/bin/python bench/bench_data.py --rows 2000000 --only-ours  # bounded memory on ~1 GB of CSV
+    .venv/bin/python bench/bench_data.py --rows 1000000 --decontaminate  # data.decontaminate's cost
 
 Generates a long-tailed synthetic dataset (log-normal answer lengths, seed 000's
 ``prompt, question, response`` CSV), trains an 8k byte-level BPE tokenizer on a
@@ -78,6 +79,49 @@ def generate(path: Path, rows: int, seed: int = 0) -> None:
             w.writerow(["You are a helpful assistant.", f"{i}: {q}?", body])
 
 
+def bench_decontaminate(work: Path, rows: int, env: dict) -> None:
+    """data.decontaminate on ``rows`` generated training rows (50 of them planted with 20 words of a document)
+    against a GSM8K-sized evaluation set (1,319 documents of 40-120 words): the split, then decontaminate, each
+    its own one-core process; the ratio is decontaminate's time over the split's, the extra a user pays."""
+    import csv
+
+    rng = random.Random(1)
+    docs = [" ".join(rng.choices(WORDS, k=rng.randint(40, 120))) for _ in range(1319)]
+    data, held = work / f"decon_train_{rows}.csv", work / "decon_eval.csv"
+    if not data.exists():
+        generate(data, rows)
+        with data.open("a", newline="") as f:
+            w = csv.writer(f)
+            for i in range(50):
+                words = docs[i * 7].split()
+                w.writerow(["", f"planted {i}: " + " ".join(words[5:25]), "an answer"])
+    with held.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["prompt", "question", "response"])
+        w.writerows(["", f"doc {i}: {d}", f"the answer is {i}"] for i, d in enumerate(docs))
+    py = sys.executable
+    config = json.dumps({"path": str(data), "eval_path": str(held), "nodes": 1, "max_reject_fraction": 0.9})
+    split = [py, str(SCRIPTS / "split.py"), "--config", config, "--splits", str(work / "d0.parquet"),
+             "--eval", str(work / "deval.parquet"), "--rejects", str(work / "drej.parquet"),
+             "--manifest", str(work / "dman.json")]  # fmt: skip
+    split_s, split_rss, _ = rss_of(split, env)
+    decon = [py, str(SCRIPTS / "decontaminate.py"), "--config", json.dumps({"decontaminate": "report"}),
+             "--shards", str(work / "d0.parquet"), "--eval", str(work / "deval.parquet"),
+             "--output", str(work / "decon.json")]  # fmt: skip
+    decon_s, decon_rss, _ = rss_of(decon, env)
+    report = json.loads((work / "decon.json").read_text())
+    print(f"\ndecontamination: {report['training_rows']:,} training rows against 1,319 documents, 13-grams\n")
+    print(f"| {'step':<46} | {'seconds':>8} | {'rows/s':>9} | {'peak RSS MB':>11} |")
+    print(f"|{'-' * 48}|{'-' * 10}|{'-' * 11}|{'-' * 13}|")
+    n = report["training_rows"]
+    for name, secs, rss in (("split (baseline: the pass a user runs anyway)", split_s, split_rss),
+                            ("decontaminate (report)", decon_s, decon_rss)):  # fmt: skip
+        print(f"| {name:<46} | {secs:8.1f} | {n / secs:9,.0f} | {rss:11,.0f} |")
+    found = report["sets"]["heldout"]["docs_contaminated"]
+    print(f"\ndecontaminate / split: {decon_s / split_s:.2f}x; planted 50, found {report['training_rows_contaminated']}"
+          f" rows touching {found} documents")  # fmt: skip
+
+
 def rss_of(cmd: list[str], env: dict) -> tuple[float, float, str]:
     """Run through /usr/bin/time-like wrapper: a fresh Python parent so RUSAGE_CHILDREN is per command."""
     wrapper = [
@@ -100,12 +144,15 @@ def main() -> None:
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--only-ours", action="store_true", help="skip the datasets baseline")
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--decontaminate", action="store_true", help="only data.decontaminate's table (1M rows: --rows)")
     a = p.parse_args()
     work = a.workdir or Path(tempfile.mkdtemp(prefix="bench_data_"))
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", RAYON_NUM_THREADS="1")
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
 
+    if a.decontaminate:
+        return bench_decontaminate(work, a.rows, env)
     data = work / f"data_{a.rows}.csv"
     if not data.exists():
         generate(data, a.rows)
