@@ -79,6 +79,16 @@ HUB_SHARD_BYTES = 5 * 10**9  # hub checkpoints: files of at most 5 GB (transform
 SAVE_SHARD_BYTES = 50 * 10**9  # save_pretrained's max_shard_size (transformers 5): build_demo_model's files
 
 
+def load_config(model: str, t: dict):
+    """The model's config: a from-scratch preset's shape (before the possibly huge model is built), or config.json."""
+    from presets import preset_config, preset_name
+
+    preset = preset_name(model)
+    if preset:
+        return preset_config(preset, t["demo_vocab_size"], t["max_seq_len"])
+    return AutoConfig.from_pretrained(model)
+
+
 def model_to_params(config) -> tuple[int, int]:
     """The parameters of the model and of its largest module (its own parameters, not its children's),
     as DeepSpeed's ``model_to_params`` counts them, on the meta device."""
@@ -254,13 +264,10 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     t = dataclasses.asdict(PlanConfig.from_json(a.config))
     seq_len = t["max_seq_len"]
-    from presets import preset_config, preset_name
+    from presets import preset_name
 
     preset = preset_name(a.model)
-    if preset:  # the from-scratch shape, before the (possibly huge) model is built
-        config = preset_config(preset, t["demo_vocab_size"], seq_len)
-    else:
-        config = AutoConfig.from_pretrained(a.model)
+    config = load_config(a.model, t)
     n, largest_layer = model_to_params(config)
     world = t["procs_per_node"] * (t["nodes"] if t["mode"] == "joint" else 1)  # joint: every node's ranks
     est = estimate(config, n, t, world, seq_len)

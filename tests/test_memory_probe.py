@@ -1,0 +1,80 @@
+"""The planner's memory probe (workflow_scripts/memory_probe.py): the workflow's own training step on fake
+tensors gives a rank's peak by category; held against the same step on real tensors under torchrun."""
+
+import dataclasses
+import json
+import subprocess
+
+import pytest
+from conftest import BIN, REPO, trainer_env
+from memory_probe import categories, probe
+from settings import PlanConfig
+from transformers import Qwen3Config
+
+SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)  # fmt: skip
+LORA = {"peft": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}}
+
+
+def plan(**keys) -> dict:
+    return dataclasses.asdict(PlanConfig.build({"max_seq_len": 64, "micro_batch_size": 2} | keys))
+
+
+CASES = {
+    "fsdp, grad_accum 2": plan(strategy="fsdp", grad_accum=2),
+    "fsdp, grad_accum 2, no sync": plan(strategy="fsdp", grad_accum=2, fsdp_no_sync=True),
+    "fsdp, LoRA, checkpointing": plan(strategy="fsdp", gradient_checkpointing=True, **LORA),
+    "ddp, grad_accum 2": plan(strategy="ddp", grad_accum=2),
+    "ddp, LoRA, fp32, padded": plan(strategy="ddp", precision="fp32", packing=False, **LORA),
+}
+
+
+def tiny_probe(t: dict, world: int = 2) -> dict:
+    return probe(Qwen3Config(**SHAPE), t, world)
+
+
+def test_probe_reports_the_peak_by_component():
+    result = tiny_probe(CASES["fsdp, LoRA, checkpointing"])
+    parts = result["components_bytes"]
+    assert set(parts) == {"params", "grads", "optimizer", "activations", "buffers", "other"}
+    assert sum(parts.values()) == result["peak_bytes"] == result["tracker_categories_bytes"]["Total"]
+    assert parts["params"] > 0 and parts["activations"] > 0 and parts["optimizer"] > 0
+    assert categories({"Parameter": 3, "Optstate": 4, "Total": 10}) == {
+        "params": 3, "grads": 0, "optimizer": 4, "activations": 0, "buffers": 0, "other": 3,
+    }  # fmt: skip
+
+
+def test_fsdp_accumulation_holds_only_the_gradient_shard():
+    """grad_accum 2 costs at most one sharded fp32 gradient over grad_accum 1 (reduce-scatter every
+    micro-batch); training.fsdp_no_sync holds the unsharded one, and the probe prices it."""
+    one = tiny_probe(plan(strategy="fsdp", grad_accum=1))
+    two = tiny_probe(CASES["fsdp, grad_accum 2"])
+    no_sync = tiny_probe(CASES["fsdp, grad_accum 2, no sync"])
+    shard = one["tracker_categories_bytes"]["Sharded Param"]  # the fp32 shard: its gradient is as large
+    assert two["peak_bytes"] - one["peak_bytes"] <= shard + 64  # and a few scalars (the summed loss)
+    assert no_sync["peak_bytes"] - one["peak_bytes"] > shard
+
+
+def test_probe_scales_with_the_world():
+    small, large = tiny_probe(plan(strategy="fsdp"), 2), tiny_probe(plan(strategy="fsdp"), 8)
+    assert large["tracker_categories_bytes"]["Sharded Param"] < small["tracker_categories_bytes"]["Sharded Param"]
+    assert large["world_size"] == 8
+
+
+def test_probe_refuses_deepspeed():
+    with pytest.raises(ValueError, match="no fake-tensor path"):
+        tiny_probe(plan(strategy="deepspeed"))
+
+
+@pytest.mark.torchrun
+def test_fake_probe_matches_the_real_step_within_one_percent(tmp_path):
+    """The same training steps on real tensors, 2 ranks over gloo, measured the same way: within 1%."""
+    out = tmp_path / "real.json"
+    script = REPO / "tests" / "memory_probe_check.py"
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(script), json.dumps(SHAPE),
+           json.dumps(list(CASES.values())), str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=trainer_env(), timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for (name, t), real in zip(CASES.items(), json.loads(out.read_text()), strict=True):
+        fake = tiny_probe(t)["peak_bytes"]
+        assert abs(fake - real["Total"]) <= 0.01 * real["Total"], (name, fake, real)
