@@ -78,3 +78,62 @@ def test_fake_probe_matches_the_real_step_within_one_percent(tmp_path):
     for (name, t), real in zip(CASES.items(), json.loads(out.read_text()), strict=True):
         fake = tiny_probe(t)["peak_bytes"]
         assert abs(fake - real["Total"]) <= 0.01 * real["Total"], (name, fake, real)
+
+
+def run_plan(tmp_path, t: dict, *extra):
+    """preflight.py on a folder holding only the tiny model's config.json."""
+    import sys
+
+    from conftest import tool_env
+
+    folder = tmp_path / "model"
+    if not folder.exists():
+        Qwen3Config(**SHAPE).save_pretrained(folder)
+    cmd = [sys.executable, str(REPO / "workflow_scripts" / "preflight.py"), "--model", str(folder),
+           "--config", json.dumps(t | {"procs_per_node": 2}), "--output", str(tmp_path / "m.json"),
+           "--table", str(tmp_path / "m.csv"), *extra]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = dict(line.split(",", 1) for line in (tmp_path / "m.csv").read_text().splitlines())
+    return proc, json.loads((tmp_path / "m.json").read_text()), table
+
+
+def test_plan_is_the_probe_with_the_formula_beside_it(tmp_path):
+    from memory_probe import ALLOCATOR_HEADROOM, GB, GPU_CONSTANTS_GB
+
+    proc, est, table = run_plan(tmp_path, CASES["fsdp, grad_accum 2, no sync"])
+    assert est["method"].startswith("by the fake-tensor probe") and est["method"] in proc.stdout
+    gb = est["per_gpu_gb"]
+    live = est["probe"]["peak_bytes"] / GB
+    assert set(gb) == {"params", "grads", "optimizer", "activations", "buffers", "other", "allocator_headroom",
+                       "cuda_context", "nccl_buffers"}  # fmt: skip
+    assert sum(v for k, v in gb.items() if k not in ("allocator_headroom", *GPU_CONSTANTS_GB)) == pytest.approx(live)
+    assert gb["allocator_headroom"] == pytest.approx(live * ALLOCATOR_HEADROOM)
+    assert est["total_gb"] == pytest.approx(sum(gb.values()))
+    assert est["probe"]["world_size"] == 2 and est["probe"]["tracker_categories_bytes"]["Total"] > 0
+    formula = est["formula"]
+    assert formula["total_gb"] == pytest.approx(sum(formula["per_gpu_gb"].values()))
+    assert formula["per_gpu_gb"]["unsharded_gradients"] > 0  # fsdp_no_sync with grad_accum 2, priced
+    assert float(table["total per GPU"]) == pytest.approx(est["total_gb"], abs=0.01)
+    assert float(table["formula (cross-check): total per GPU"]) == pytest.approx(formula["total_gb"], abs=0.01)
+
+
+def test_plan_falls_back_to_the_formula_and_says_why(tmp_path):
+    proc, est, table = run_plan(tmp_path, plan(strategy="ddp"), "--probe-timeout", "0.01")
+    assert "by the formula" in est["method"] and "took over 0 s" in est["method"], est["method"]
+    assert est["method"] in proc.stdout and est["probe"] is None
+    assert est["per_gpu_gb"] == est["formula"]["per_gpu_gb"] and est["total_gb"] == est["formula"]["total_gb"]
+    _, est, table = run_plan(tmp_path, plan(strategy="deepspeed", zero_stage=3))
+    assert est["method"] == "by the formula (module docstring): DeepSpeed has no fake-tensor path"
+    assert table["estimated by"] == est["method"]
+
+
+def test_formula_prices_fsdp_no_sync():
+    from preflight import GB, estimate
+
+    config = Qwen3Config(**SHAPE)
+    t = plan(strategy="fsdp", grad_accum=2)
+    n = 1_000_000
+    default = estimate(config, n, t, 2, 64)["per_gpu_gb"]
+    no_sync = estimate(config, n, t | {"fsdp_no_sync": True}, 2, 64)["per_gpu_gb"]
+    assert default["unsharded_gradients"] == 0 and no_sync["unsharded_gradients"] == pytest.approx(4 * n / GB)

@@ -232,27 +232,65 @@ class NoHook:
 NO_HOOK = NoHook()
 
 
+PROPAGATING = [0]  # > 0 while DTensor propagates sharding (propagation_untracked)
+
+
+@contextlib.contextmanager
+def propagation_untracked():
+    """DTensor computes an op's output metadata by running it on tensors of the global shape, under the
+    fake mode it finds active: the probe's own, so the trackers would count those shadow tensors (a
+    whole-model-sized transient in the optimizer step). They are marked here and not tracked."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def marked(self, *args, **kwargs):
+        PROPAGATING[0] += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            PROPAGATING[0] -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = marked
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
 def tracker_for(strategy):
     """FSDPMemTracker around an FSDP2 model (it tells sharded from unsharded parameters and gradients),
-    MemTracker with the model and optimizer registered otherwise."""
+    MemTracker with the model and optimizer registered otherwise; neither counts DTensor's shadow tensors."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(strategy.model, FSDPModule):
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    fsdp = isinstance(strategy.model, FSDPModule)
 
-        return FSDPMemTracker(strategy.model, strategy.optimizer)
+    class Tracker(FSDPMemTracker if fsdp else MemTracker):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if PROPAGATING[0]:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
 
-    class Tracker(MemTracker):
-        """MemTracker hooks every parameter's gradient, which a frozen one (LoRA's base) refuses: those
-        are marked hooked with no hook."""
+        def _update_peak_stats(self, peak_state) -> None:
+            """The global peak only: torch's also walks every module's own peak on every op (most of
+            the probe's time at billions of parameters), which the plan does not use."""
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = dict(snap)
 
         def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            """MemTracker hooks every parameter's gradient, which a frozen one (LoRA's base) refuses: those
+            are marked hooked with no hook."""
             for p in module.parameters():
                 if not p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
                     self._param_to_grad_hook_handles[p] = (NO_HOOK, NO_HOOK)
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
+    if fsdp:
+        return Tracker(strategy.model, strategy.optimizer)
     tracker = Tracker()
     tracker.track_external(getattr(strategy, "inner", strategy.model), strategy.optimizer)
     return tracker
@@ -265,7 +303,7 @@ def run_steps(strategy, data, steps: int = STEPS) -> dict:
     tracker = tracker_for(strategy)
     data.before_micro = tracker.reset_mod_stats  # module-wise stats only: the global peak stays
     strategy.model.train()
-    with tracker:
+    with propagation_untracked(), tracker:
         for step in range(steps):
             train_step(strategy, data, step, NullMetrics())
     snap = tracker.get_tracker_snapshot("peak")
