@@ -26,6 +26,8 @@ CASES = {
     "fsdp, LoRA, checkpointing": plan(strategy="fsdp", gradient_checkpointing=True, **LORA),
     "ddp, grad_accum 2": plan(strategy="ddp", grad_accum=2),
     "ddp, LoRA, fp32, padded": plan(strategy="ddp", precision="fp32", packing=False, **LORA),
+    "ddp, fp16 (loss scaling)": plan(strategy="ddp", precision="fp16"),
+    "fsdp, fp16 (sharded loss scaling)": plan(strategy="fsdp", precision="fp16"),
 }
 
 

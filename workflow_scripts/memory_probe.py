@@ -144,8 +144,10 @@ def fake_world(world: int):
 def shims():
     """What torch does not do under fake tensors by itself: functions that compute metadata (ranks,
     offsets) with data-dependent tensor ops run on real tensors: fully_shard's default device mesh
-    (its rank map's ``tolist``), a DTensor shard's offset (model_loading.local_index)."""
+    (its rank map's ``tolist``), a DTensor shard's offset (model_loading.local_index); DDP's cross-rank
+    checks are skipped; fp16's overflow test is taken as no overflow."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.amp.grad_scaler import GradScaler
     from torch.distributed.fsdp._fully_shard import _fully_shard
     from torch.distributed.tensor import _utils
     from torch.nn.parallel import distributed as ddp_module
@@ -160,12 +162,21 @@ def shims():
     def skipped(*args, **kwargs):
         return None
 
+    def stepped(fn):
+        def no_overflow(self, optimizer, optimizer_state, *args, **kwargs):
+            return optimizer.step(*args, **kwargs)
+
+        return no_overflow
+
     patched = {
         (_fully_shard, "_init_default_mesh"): real,
         (_utils, "compute_local_shape_and_global_offset"): real,
         # DDP's start: a cross-rank check of the parameters' shapes and rank 0's broadcast of the weights
         (ddp_module, "_verify_param_shape_across_processes"): lambda fn: skipped,
         (ddp_module, "_sync_module_states"): lambda fn: skipped,
+        # fp16: the loss scaler's overflow test reads found_inf (no value): the step is taken, as an
+        # overflow-free real step, and allocates the optimizer's states
+        (GradScaler, "_maybe_opt_step"): stepped,
     }
     saved = {where: getattr(*where) for where in patched}
     for (module, name), wrap in patched.items():
@@ -179,7 +190,8 @@ def shims():
 
 class FakeScalars(TorchDispatchMode):
     """A fake tensor read as a Python number (the step's ``float(grad_norm)``, the load's finite-buffer
-    check, fp16's overflow test) has no value: it reads as 1 (True), which allocates nothing."""
+    check, Adam's step count) has no value: a bool reads True, a number 1 (fp16's overflow test is
+    shimmed: ``shims``)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and is_fake(args[0]):
