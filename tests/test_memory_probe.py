@@ -139,3 +139,21 @@ def test_formula_prices_fsdp_no_sync():
     default = estimate(config, n, t, 2, 64)["per_gpu_gb"]
     no_sync = estimate(config, n, t | {"fsdp_no_sync": True}, 2, 64)["per_gpu_gb"]
     assert default["unsharded_gradients"] == 0 and no_sync["unsharded_gradients"] == pytest.approx(4 * n / GB)
+
+
+def test_plan_with_fsdp_offload_leaves_the_shards_on_the_host():
+    """CPUOffloadPolicy keeps the sharded parameters, gradients and optimizer states on the host: the
+    probe (which runs without offload on a CPU) counts them, the plan takes them off the GPU."""
+    from memory_probe import GB
+    from preflight import planned
+
+    cats = {"Sharded Param": 4 * GB, "Unsharded Param": GB, "Sharded Grad": 4 * GB, "OptState": 8 * GB}
+    probed = {"components_bytes": categories(cats | {"Activation": 2 * GB, "Total": 19 * GB}),
+              "tracker_categories_bytes": cats}  # fmt: skip
+    formula = {"per_gpu_gb": {"weights": 1.0}, "total_gb": 1.0, "without_checkpointing_gb": None}
+    on_gpu = planned(dict(formula), probed, "probe", plan(strategy="fsdp"))["per_gpu_gb"]
+    offloaded = planned(dict(formula), probed, "probe", plan(strategy="fsdp", offload="optimizer"))
+    assert (on_gpu["params"], on_gpu["grads"], on_gpu["optimizer"]) == (5, 4, 8)
+    assert (offloaded["per_gpu_gb"]["params"], offloaded["per_gpu_gb"]["grads"]) == (1, 0)
+    assert offloaded["per_gpu_gb"]["optimizer"] == 0 and offloaded["per_gpu_gb"]["activations"] == 2
+    assert "on the host" in offloaded["method"] and offloaded["formula"]["total_gb"] == 1.0
