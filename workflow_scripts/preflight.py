@@ -1,6 +1,15 @@
 """plan_training: estimate GPU and host memory before any training job is queued, and stop if either cannot fit.
 
-GPU, per GPU, in bytes, by the usual accounting (ZeRO paper; Korthikanti et al. 2022 for
+GPU, per GPU, for DDP and FSDP2: the workflow's own training step run on fake tensors (memory_probe.py,
+in a subprocess bounded by --probe-timeout): rank 0's peak of live tensor bytes by component (params,
+grads, optimizer, activations, buffers) over two optimizer steps of the configured micro-batch ×
+max_seq_len × grad_accum, plus memory_probe's stated constants (allocator headroom, CUDA context, NCCL
+buffers); FSDP2 with offload leaves out the shards CPUOffloadPolicy keeps on the host. plan/memory.json
+keeps the formula below as ``formula`` (the cross-check; memory.csv shows both) and says in ``method``
+how the plan's numbers were made. For DeepSpeed (no fake-tensor path), or when the probe fails or runs
+out of time, the formula is the plan, and ``method`` and the console say why.
+
+The formula, per GPU, in bytes, by the usual accounting (ZeRO paper; Korthikanti et al. 2022 for
 activations):
 
 - weights: 2 per parameter in bf16 or fp16 (4 in fp32), sharded by ZeRO-3 / FSDP, on the CPU with
@@ -11,6 +20,7 @@ activations):
 - activations per layer and token: about 34 × hidden bytes in 16-bit (attention is SDPA/flash,
   so no sequence² term), only the layer inputs (2 × hidden) with gradient checkpointing plus one
   layer's worth; the logits: vocab × 4 bytes per token, twice (values and gradient);
+- FSDP2 with ``fsdp_no_sync`` and grad_accum > 1: the unsharded fp32 gradient, 4 per trainable parameter;
 - a fixed 1.5 GB for the CUDA context, NCCL buffers and allocator slack.
 
 Host RAM, per node (its ``procs_per_node`` ranks; the world is nodes × procs_per_node in joint mode,
@@ -63,7 +73,11 @@ Each strategy's terms are its own (workflow_scripts/parallel/: ``shards``, ``hos
 
 import argparse
 import dataclasses
+import json
 import math
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 from parallel import strategy_for
@@ -77,6 +91,17 @@ OVERHEAD_GB = 1.5
 HOST_OVERHEAD_GB = 1.5  # per rank: Python with torch and transformers (0.4 GB), the CUDA context's host side
 HUB_SHARD_BYTES = 5 * 10**9  # hub checkpoints: files of at most 5 GB (transformers 4's max_shard_size)
 SAVE_SHARD_BYTES = 50 * 10**9  # save_pretrained's max_shard_size (transformers 5): build_demo_model's files
+PROBE_TIMEOUT_S = 600  # the fake-tensor probe's bound; past it the formula's estimate stands, and says so
+
+
+def load_config(model: str, t: dict):
+    """The model's config: a from-scratch preset's shape (before the possibly huge model is built), or config.json."""
+    from presets import preset_config, preset_name
+
+    preset = preset_name(model)
+    if preset:
+        return preset_config(preset, t["demo_vocab_size"], t["max_seq_len"])
+    return AutoConfig.from_pretrained(model)
 
 
 def model_to_params(config) -> tuple[int, int]:
@@ -125,6 +150,9 @@ def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
     master = trainable * (4 if half else 0)
     optim = (trainable * 8 + master) / (world if shard_optim else 1) * (0 if offload != "none" else 1)
     grads = trainable * w / (world if shard_grads else 1)
+    # FSDP2 with training.fsdp_no_sync: every rank holds the unsharded fp32 gradient until the last micro-batch
+    no_sync = t["strategy"] == "fsdp" and t.get("fsdp_no_sync") and t.get("grad_accum", 1) > 1
+    unsharded_grads = trainable * 4 if no_sync else 0
     tokens = t["micro_batch_size"] * seq_len
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     per_layer = 34 * h * tokens * (w / 2)
@@ -137,6 +165,7 @@ def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
         "weights": weights,
         "optimizer_states": optim,
         "gradients": grads,
+        "unsharded_gradients": unsharded_grads,
         "activations": activations,
         "logits": logits,
     }
@@ -151,6 +180,51 @@ def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
         "total_gb": sum(gb.values()),
         "without_checkpointing_gb": None,
     }
+
+
+def probe_memory(model: str, t: dict, world: int, timeout: float) -> tuple[dict | None, str]:
+    """memory_probe.py's run of the training step on fake tensors, in a subprocess (its own fake process
+    group, bounded in time): its result and how the GPU memory was estimated, or None and why not."""
+    from memory_probe import FAKE_PATH_STRATEGIES
+
+    formula = "by the formula (module docstring)"
+    if t["strategy"] not in FAKE_PATH_STRATEGIES:
+        return None, f"{formula}: DeepSpeed has no fake-tensor path"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "probe.json"
+        cmd = [sys.executable, str(Path(__file__).with_name("memory_probe.py")), "--model", model,
+               "--config", json.dumps(t), "--world", str(world), "--output", str(out)]  # fmt: skip
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None, f"{formula}: the fake-tensor probe took over {timeout:.0f} s (--probe-timeout)"
+        if proc.returncode != 0 or not out.exists():
+            why = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+            return None, f"{formula}: the fake-tensor probe failed ({why})"
+        result = json.loads(out.read_text())
+    return result, f"by the fake-tensor probe of the training step ({result['seconds']:.0f} s), plus stated constants"
+
+
+def planned(est: dict, probed: dict | None, note: str, t: dict) -> dict:
+    """The plan's GPU memory: the probe's components where it ran (the formula's as the cross-check),
+    else the formula's, with how it was estimated."""
+    from memory_probe import ALLOCATOR_HEADROOM, GPU_CONSTANTS_GB
+
+    formula = {k: est.pop(k) for k in ("per_gpu_gb", "total_gb", "without_checkpointing_gb")}
+    est |= {"method": note, "formula": formula, "probe": probed}
+    if probed is None:
+        return est | {"per_gpu_gb": formula["per_gpu_gb"], "total_gb": formula["total_gb"]}
+    parts = dict(probed["components_bytes"])
+    if t["strategy"] == "fsdp" and t["offload"] != "none":  # CPUOffloadPolicy: the shards live on the host
+        cats = probed["tracker_categories_bytes"]
+        parts["params"] -= cats.get("Sharded Param", 0)
+        parts["grads"] -= cats.get("Sharded Grad", 0)
+        parts["optimizer"] = 0
+        est["method"] += "; FSDP2 offload: sharded parameters, gradients and optimizer states on the host"
+    gb = {k: v / GB for k, v in parts.items()}
+    gb["allocator_headroom"] = sum(gb.values()) * ALLOCATOR_HEADROOM
+    gb |= GPU_CONSTANTS_GB
+    return est | {"per_gpu_gb": gb, "total_gb": sum(gb.values())}
 
 
 def footprint(n_params: int, trainable: int, largest_layer: int, t: dict, world: int) -> Footprint:
@@ -251,16 +325,16 @@ def main(argv=None) -> None:
     )
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--table", required=True, type=Path)
+    p.add_argument(
+        "--probe-timeout", type=float, default=PROBE_TIMEOUT_S, help="seconds the fake-tensor probe may take"
+    )
     a = p.parse_args(argv)
     t = dataclasses.asdict(PlanConfig.from_json(a.config))
     seq_len = t["max_seq_len"]
-    from presets import preset_config, preset_name
+    from presets import preset_name
 
     preset = preset_name(a.model)
-    if preset:  # the from-scratch shape, before the (possibly huge) model is built
-        config = preset_config(preset, t["demo_vocab_size"], seq_len)
-    else:
-        config = AutoConfig.from_pretrained(a.model)
+    config = load_config(a.model, t)
     n, largest_layer = model_to_params(config)
     world = t["procs_per_node"] * (t["nodes"] if t["mode"] == "joint" else 1)  # joint: every node's ranks
     est = estimate(config, n, t, world, seq_len)
@@ -268,6 +342,8 @@ def main(argv=None) -> None:
         "total_gb"
     ]
     capacity = t["gpu_memory_gb"]
+    probed, note = probe_memory(a.model, t, world, a.probe_timeout)
+    est = planned(est, probed, note, t)
     largest_file, file_source = largest_checkpoint_file(a.model, config, n, preset is not None)
 
     def host_peak(alt: dict, alt_world: int) -> float:
@@ -292,6 +368,9 @@ def main(argv=None) -> None:
     write_json(a.output, est)
     rows = [("component", "GB")] + [(k, f"{v:.2f}") for k, v in est["per_gpu_gb"].items()]
     rows += [("total per GPU", f"{est['total_gb']:.2f}"), ("GPU memory (training.gpu_memory_gb)", f"{capacity:.0f}")]
+    rows += [("estimated by", est["method"].replace(",", ";"))]
+    rows += [(f"formula (cross-check): {k}", f"{v:.2f}") for k, v in est["formula"]["per_gpu_gb"].items()]
+    rows += [("formula (cross-check): total per GPU", f"{est['formula']['total_gb']:.2f}")]
     rows += [
         ("host RAM per node at load", f"{host['at_load_gb']:.2f}"),
         ("host RAM per node in training", f"{host['in_training_gb']:.2f}"),
@@ -301,7 +380,8 @@ def main(argv=None) -> None:
     if not gpu_fits:
         raise UserError(
             f"training needs about {est['total_gb']:.1f} GB per GPU but training.gpu_memory_gb is {capacity:.0f} "
-            f"({n / 1e9:.2f}B parameters, {t['strategy']}, world size {world}); try: {advice(t, est)}"
+            f"({n / 1e9:.2f}B parameters, {t['strategy']}, world size {world}; {est['method']}); try: "
+            f"{advice(t, est['formula'])}"
         )
     moment = "in training" if host["in_training_gb"] >= host["at_load_gb"] else "at load"
     if host["fits"] is False:
@@ -311,6 +391,7 @@ def main(argv=None) -> None:
             f"parameters, {t['strategy']}, offload {t['offload']}, {host['ranks_per_node']} ranks per node); try: "
             f"{host_advice(t, host, host_peak)}"
         )
+    print(f"preflight: GPU memory {est['method']}")
     print(
         f"preflight: {est['total_gb']:.2f} GB per GPU of {capacity:.0f} GB; host {host['peak_gb']:.1f} GB per node "
         f"({moment}) of {host_limit(a.host_memory_mb)}"

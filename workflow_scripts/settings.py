@@ -112,6 +112,7 @@ class TrainConfig:
     micro_batch_size: int
     packing: bool
     grad_accum: int
+    fsdp_no_sync: bool
     epochs: float
     max_steps: int | None
     max_grad_norm: float
@@ -305,6 +306,7 @@ PlanConfig = stage_config(
     "a from-scratch preset's vocabulary, and the nodes (joint mode shards over all of their ranks).",
     "training.mode", "training.strategy", "training.zero_stage", "training.offload", "training.peft",
     "training.lora", "training.procs_per_node", "training.precision", "training.micro_batch_size",
-    "training.gradient_checkpointing", "training.gpu_memory_gb", "nodes", "data.max_seq_len",
+    "training.gradient_checkpointing", "training.grad_accum", "training.fsdp_no_sync", "training.packing",
+    "training.gpu_memory_gb", "nodes", "data.max_seq_len",
     "model.demo_vocab_size",
 )  # fmt: skip

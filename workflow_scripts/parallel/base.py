@@ -133,6 +133,16 @@ class Strategy:
         attn = attention_implementation(device, compute_dtype(cfg))
         config = AutoConfig.from_pretrained(base)
         files = CheckpointFiles(local_model_folder(base))
+        model = cls.build(config, cfg, attn, files, device)
+        files.close()
+        how = cls.sharded_load(cfg) or "one replica per rank"
+        log.info("loaded %s from %s (%s)", type(model).__name__, files.folder, how)
+        return model, attn
+
+    @classmethod
+    def build(cls, config, cfg, attn: str, files, device: torch.device):
+        """The model from its config and weight files (the planner's memory probe passes stand-in files
+        under fake tensors): created, prepared for training, LoRA added, placed on ``device``."""
         model = cls.create(config, cfg, attn, files)
         # No KV cache in training: with one, transformers ignores the position ids when building the
         # attention mask, and packed sequences would attend to each other.
@@ -142,10 +152,7 @@ class Strategy:
         if cfg.peft == "lora":
             model = add_lora(model, cfg, materialize=cls.filled_on_creation(cfg))
         cls.place(model, files, cfg, device)
-        files.close()
-        how = cls.sharded_load(cfg) or "one replica per rank"
-        log.info("loaded %s from %s (%s)", type(model).__name__, files.folder, how)
-        return model, attn
+        return model
 
     @classmethod
     def create(cls, config, cfg, attn: str, files: CheckpointFiles):

@@ -84,7 +84,10 @@ class FSDPStrategy(Strategy):
         materialize(model, files, cfg.seed, torch.device("cpu") if offloaded(cfg, device) else device, tie=False)
 
     def forward_backward(self, batch, last_micro: bool):
-        self.model.set_requires_gradient_sync(last_micro)
+        # By default every micro-batch reduce-scatters its gradients, so a rank only ever holds its
+        # shard; training.fsdp_no_sync holds the unsharded fp32 gradients until the last micro-batch.
+        if self.cfg.fsdp_no_sync:
+            self.model.set_requires_gradient_sync(last_micro)
         loss = self.model(**batch).loss
         self.backward(loss)
         return loss
