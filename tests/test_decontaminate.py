@@ -1,6 +1,7 @@
 """decontaminate: training rows sharing a word n-gram with the held-out set or an eval task's scored documents."""
 
 import json
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -36,7 +37,10 @@ def test_gsm8k_test_docs_overlaps_are_found_as_lm_eval_renders_them(tmp_path):
     ("Question: ...\\nAnswer:") with its target; training rows sharing a 13-gram are found, one sharing 12
     words is not. With drop, rows in = rows kept + contaminated rejects, row for row."""
     folder, test = gsm8k_folder(tmp_path)
-    (name, docs), *_ = task_sets(["gsm8k"], [str(folder)])
+    import lm_eval.tasks
+
+    own = Path(lm_eval.tasks.__file__).parent / "gsm8k" / "gsm8k.yaml"  # lm-eval's own task: no 10 s index of all
+    (name, docs), *_ = task_sets(["gsm8k"], [str(own), str(folder)])
     docs = list(docs)
     assert name == "gsm8k" and len(docs) == 3
     assert docs[0].startswith("Question: Question 0: alpha0") and docs[0].endswith("Answer: So 0.\n#### 0")
