@@ -65,7 +65,7 @@ def test_slurm_run_matches_local_run(slurm_cluster, slurm_run, ddp_run):
     submitted = submissions(output)
     rules = sorted(rule for _, rule in submitted)
     assert rules == sorted(
-        ["check_environment", "split_dataset", "build_demo_model", "tokenize_eval"]
+        ["check_environment", "split_dataset", "decontaminate", "build_demo_model", "tokenize_eval"]
         + ["tokenize_shard", "train_node", "consolidate_node"] * 2
         + ["evaluate_model"] * 3
         + ["summarize", "data_report", "provenance"]  # plan_training is a local rule: it runs before any job
