@@ -308,7 +308,7 @@ def test_preflight_fails_with_advice(tmp_path):
     cmd = [
         sys.executable, str(REPO / "workflow_scripts/preflight.py"), "--model", "preset:7b",
         "--config", json.dumps(memory_config(procs_per_node=1, max_seq_len=4096, demo_vocab_size=32000)),
-        "--output", str(tmp_path / "m.json"), "--table", str(tmp_path / "m.csv"),
+        "--output", str(tmp_path / "m.json"), "--table", str(tmp_path / "m.csv"), "--probe-timeout", "0",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env())
     assert proc.returncode == 2

@@ -190,6 +190,8 @@ def probe_memory(model: str, t: dict, world: int, timeout: float) -> tuple[dict 
     formula = "by the formula (module docstring)"
     if t["strategy"] not in FAKE_PATH_STRATEGIES:
         return None, f"{formula}: DeepSpeed has no fake-tensor path"
+    if timeout <= 0:
+        return None, f"{formula}: the fake-tensor probe is off (--probe-timeout 0)"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "probe.json"
         cmd = [sys.executable, str(Path(__file__).with_name("memory_probe.py")), "--model", model,
@@ -326,7 +328,10 @@ def main(argv=None) -> None:
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--table", required=True, type=Path)
     p.add_argument(
-        "--probe-timeout", type=float, default=PROBE_TIMEOUT_S, help="seconds the fake-tensor probe may take"
+        "--probe-timeout",
+        type=float,
+        default=PROBE_TIMEOUT_S,
+        help="seconds the fake-tensor probe may take (0: off, the formula only)",
     )
     a = p.parse_args(argv)
     t = dataclasses.asdict(PlanConfig.from_json(a.config))
