@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 from chat_format import with_text
+from contracts import batches
 from pipeline_io import UserError
 
 EXTENSIONS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
@@ -237,7 +238,7 @@ def _parquet_batches(path: Path, batch_rows: int) -> Iterator[list[dict | tuple]
         file = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as e:
         raise UserError(f"{path}: cannot read as Parquet: {str(e).splitlines()[0]}") from None
-    for batch in file.iter_batches(batch_size=batch_rows):
+    for batch in batches(file, batch_rows):
         yield batch.to_pylist()
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from contracts import REJECT_SCHEMA, SPLIT_SCHEMA
+from contracts import REJECT_SCHEMA, SPLIT_SCHEMA, batches
 from pipeline_io import Progress, atomic_path, cli, write_json
 from settings import DecontaminateConfig
 
@@ -64,7 +64,7 @@ class EvalIndex:
 
 def heldout_docs(eval_split: Path) -> Iterator[str]:
     """The held-out set's conversations (prompt and answer), as the split wrote them."""
-    for batch in pq.ParquetFile(eval_split).iter_batches(columns=["messages"]):
+    for batch in batches(pq.ParquetFile(eval_split), 4096, ["messages"]):
         yield from (conversation_text(json.loads(m)) for m in batch.column("messages").to_pylist())
 
 
@@ -98,7 +98,7 @@ def scan(shard: Path, index: EvalIndex, hits: dict) -> Iterator[tuple[pa.RecordB
     """Stream a node's shard: each batch, which of its rows share an n-gram with an evaluation set, and those
     rows (with their conversation); the documents hit are recorded in ``hits`` ((set, doc) -> training rows)."""
     keys = index.grams.keys()
-    for batch in pq.ParquetFile(shard).iter_batches(batch_size=4096):
+    for batch in batches(pq.ParquetFile(shard), 4096):
         cols = batch.to_pydict()
         flags, rows = [], []
         for i, text in enumerate(cols["messages"]):

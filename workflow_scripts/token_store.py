@@ -32,6 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from contracts import batches
 from fingerprint import locked
 from pipeline_io import UserError, file_sha256
 
@@ -97,10 +98,8 @@ def list_column(batch: pa.RecordBatch, name: str, shard: Path) -> tuple[np.ndarr
 
 
 def record_batches(file: pq.ParquetFile, batch_rows: int):
-    """The token columns, a few rows at a time. One reader per row group: a reader over the whole file
-    keeps what it has decoded until it ends (Arrow's pool grew by the shard's size)."""
-    for group in range(file.num_row_groups):
-        yield from file.iter_batches(batch_size=batch_rows, row_groups=[group], columns=list(COLUMNS))
+    """The token columns, a few rows at a time (contracts.batches: one reader per row group)."""
+    return batches(file, batch_rows, list(COLUMNS))
 
 
 def write_store(shard: Path, folder: Path, sha256: str, batch_rows: int = 1024) -> None:

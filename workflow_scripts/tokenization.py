@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from chat_format import SpecialText, special_texts
 from chat_render import ChatRenderer, encode_messages, use_template
-from contracts import IGNORE, REJECT_SCHEMA, TOKENIZED_SCHEMA
+from contracts import IGNORE, REJECT_SCHEMA, TOKENIZED_SCHEMA, batches
 from packing import write_packing
 from pipeline_io import Progress, UserError, atomic_path, cli, fewer_gc_pauses, write_json
 from settings import TokenizeConfig
@@ -106,7 +106,7 @@ def tokenize_shard(
         rejected = RejectWriter(shard, stack.enter_context(atomic_path(rejects_out)) if rejects_out else None)
         stack.callback(rejected.close)
         progress = Progress(f"tokenize {shard.name}", file.metadata.num_rows)
-        for batch in file.iter_batches(batch_size=batch_rows, columns=columns):
+        for batch in batches(file, batch_rows, columns):
             cols = batch.to_pydict()  # column lists; a row's dict only where one is reported (row_at)
             conversations, rows = [], []  # the conversations to encode, as data.special_text leaves them
             for i, text in enumerate(cols["messages"]):
