@@ -54,4 +54,4 @@ def is_eval(phash: str, seed: int, eval_fraction: float) -> bool:
 
 
 def node_by_hash(chash: str, seed: int, nodes: int) -> int:
-    return unit(chash, seed, "node") % nodes
+    return unit(chash, seed, "node") % nodes if nodes > 1 else 0  # one node: no hash to take
