@@ -3,6 +3,7 @@ rule summarize:
         results=expand(EVAL_RESULT, model=MODELS, allow_missing=True),
         metrics=expand(TRAIN_METRICS, node=TRAINED, allow_missing=True),
         models=expand(MODEL_DIR, model=TRAINED, allow_missing=True),
+        decontamination=DECONTAMINATION,
     output:
         summary=report(
             SUMMARY,
@@ -71,4 +72,5 @@ rule summarize:
         " --categories {output.categories}"
         " --samples {output.samples} --leaderboard {output.leaderboard}"
         " --leaderboard-text {output.leaderboard_text}"
-        " --models {input.models} --consolidation {output.consolidation} > {log} 2>&1"
+        " --models {input.models} --consolidation {output.consolidation}"
+        " --decontamination {input.decontamination} > {log} 2>&1"

@@ -91,6 +91,16 @@ def test_leaderboard_has_a_line_per_extra_task_only_when_there_are_tasks():
     line = leaderboard_text(summary_table(worse), tasks_table(worse)).splitlines()[3]
     assert line.split() == "demo_mc acc 0.300 vs base 0.400: -0.100 (best on this task: soup_uniform 0.500)".split()
 
+    from summarize import decontamination_line
+
+    sets = {"heldout": {"docs": 90, "docs_contaminated": 0}, "gsm8k": {"docs": 1319, "docs_contaminated": 2}}
+    decon = {"ngram": 13, "policy": "report", "training_rows": 1000, "training_rows_contaminated": 3, "sets": sets}
+    assert decontamination_line(decon) == (
+        "decontamination: 3 of 1000 training rows share a 13-gram with an evaluation set (heldout 0 of 90 docs,"
+        " gsm8k 2 of 1319 docs), trained on (data.decontaminate: report)\n"
+    )
+    assert decontamination_line(None) == ""
+
     # eval.limit: the documents each task's scores are over, in tasks.csv and on the leaderboard
     limited = [r | {"tasks_documents": {"demo_mc": {"scored": 20, "of": 1319}}} for r in results()]
     table = tasks_table(limited).set_index(["model", "task", "metric"])

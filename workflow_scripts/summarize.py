@@ -142,6 +142,19 @@ def leaderboard_text(table: pd.DataFrame, tasks: pd.DataFrame | None = None) -> 
     return "\n".join(lines) + "\n"
 
 
+def decontamination_line(decon: dict | None) -> str:
+    """data/decontamination.json in one line for the leaderboard: the training rows sharing an n-gram with
+    what the models are scored on, per evaluation set the documents involved; "" without the file."""
+    if decon is None:
+        return ""
+    sets = ", ".join(f"{name} {s['docs_contaminated']} of {s['docs']} docs" for name, s in decon["sets"].items())
+    left = "left out" if decon["policy"] == "drop" else "trained on (data.decontaminate: report)"
+    return (
+        f"decontamination: {decon['training_rows_contaminated']} of {decon['training_rows']} training rows share a"
+        f" {decon['ngram']}-gram with an evaluation set ({sets}), {left}\n"
+    )
+
+
 def examples_trained(plan: dict) -> dict:
     """From a training job's plan.json: the examples its shard(s) hold after tokenization, and how many
     the planned steps draw (all for whole epochs; with max_steps short of an epoch, or the last partial
@@ -338,6 +351,7 @@ def main(argv=None) -> None:
     p.add_argument("--samples", required=True, type=Path)
     p.add_argument("--models", nargs="+", required=True, type=Path, help="models/<node> folders")
     p.add_argument("--consolidation", required=True, type=Path)
+    p.add_argument("--decontamination", type=Path, help="data/decontamination.json: a line on the leaderboard")
     a = p.parse_args(argv)
     results = [json.loads(p.read_text()) for p in a.results]
     table = with_examples_trained(summary_table(results), a.metrics)
@@ -354,6 +368,7 @@ def main(argv=None) -> None:
     plot_categories(results, a.categories)
     plot_leaderboard(table, a.leaderboard)
     board = leaderboard_text(table, tasks)
+    board += decontamination_line(json.loads(a.decontamination.read_text()) if a.decontamination else None)
     with atomic_path(a.leaderboard_text) as tmp:
         tmp.write_text(board)
     with atomic_path(a.samples) as tmp:
