@@ -16,14 +16,14 @@ back (DDP, FSDP, DeepSpeed ZeRO-3). The check before a resume reads every file o
 split over the ranks.
 """
 
-import errno
 import hashlib
 import io
 import json
 import os
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from pipeline_io import free_bytes, is_disk_full
 
 MARKER = "COMPLETE"
 CHUNK = 1 << 22
@@ -196,10 +196,8 @@ def space_message(folder: Path, error: BaseException) -> str:
     where = Path(folder)
     while not where.exists() and where != where.parent:
         where = where.parent
-    try:
-        free = f"{shutil.disk_usage(where).free / 2**30:.2f} GiB free there"
-    except OSError:
-        free = "free space unknown"
+    left = free_bytes(where)
+    free = "free space unknown" if left is None else f"{left / 2**30:.2f} GiB free there"
     first = (str(error).strip().splitlines() or [""])[0][:200]
-    full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left" in str(error)
+    full = is_disk_full(error, left)  # pipeline_io's rule, as for every other write
     return f"checkpoint {folder}: {'disk full: ' if full else ''}save failed ({type(error).__name__}: {first}); {free}"
