@@ -157,3 +157,29 @@ def test_cli_logs_progress_lines(tmp_path, tokenizer):
     tokens = json.loads((tmp_path / "t.json").read_text())["tokens"]
     line = next(x for x in proc.stderr.splitlines() if "INFO tokenize node0.parquet: done, " in x)
     assert f"{rows:,}/{rows:,} rows (100%)" in line and f"{tokens:,} tokens (" in line and "\r" not in proc.stderr
+
+
+def test_the_tokenization_cli_keeps_torch_out_and_tokenizes_as_in_process(tmp_path, tokenizer):
+    """chat_render.load_tokenizer: the stage's process never imports torch (a tokenizer needs none), prints
+    no advice about it, and its ids and labels equal those of the tokenizer loaded with torch present."""
+    tok_dir = tmp_path / "tok"
+    tokenizer.save_pretrained(tok_dir)
+    script = REPO / "workflow_scripts" / "tokenization.py"
+    probe = (
+        f"import runpy, sys; sys.path.insert(0, {str(script.parent)!r}); sys.argv[0] = {str(script)!r}\n"
+        f"try:\n    runpy.run_path({str(script)!r}, run_name='__main__')\n"
+        "finally:\n    print('torch:', sys.modules.get('torch'))\n"
+    )
+    shard = tmp_path / "s.parquet"
+    rows = [{"messages": json.dumps(m), "content_hash": str(i), "category": ""} for i, m in enumerate(CONVERSATIONS)]
+    pd.DataFrame(rows).to_parquet(shard)
+    out = tmp_path / "t.parquet"
+    args = ["--config", tokenize_config(cache_dir=""), "--shard", str(shard), "--tokenizer", str(tok_dir)]
+    args += ["--output", str(out), "--packing", str(tmp_path / "p.parquet"), "--stats", str(tmp_path / "t.json")]
+    proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, env=tool_env())
+    assert proc.returncode == 0, proc.stderr
+    assert "torch: None" in proc.stdout and "PyTorch was not found" not in proc.stderr
+    expected = encode_messages(tokenizer, CONVERSATIONS, ChatRenderer(tokenizer))
+    got = pq.read_table(out).to_pylist()
+    assert [r["input_ids"] for r in got] == [e["input_ids"] for e in expected]
+    assert [r["labels"] for r in got] == [e["labels"] for e in expected]

@@ -19,6 +19,8 @@ tokens``), and by consolidation and evaluation (``use_template``, ``generation_s
 """
 
 import bisect
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +62,26 @@ def wants_bos(tokenizer) -> bool:
     (Llama 2 and 3, Mistral; Qwen has no BOS)."""
     bos_id = tokenizer.bos_token_id
     return bos_id is not None and tokenizer("a")["input_ids"][:1] == [bos_id]
+
+
+def load_tokenizer(path: str):
+    """``AutoTokenizer.from_pretrained(path)``; in a process that has imported neither torch nor transformers
+    (the tokenization and split CLIs), with torch kept out of it: a tokenizer needs none, and transformers
+    imports it through its config classes (1.5 s of CPU and 180 MB a job, measured: docs/benchmarks.md).
+    ``sys.modules["torch"] = None`` is Python's way to make a module unimportable, and transformers'
+    availability check reads it; its advice that PyTorch was not found is silenced for that import."""
+    if "torch" not in sys.modules and "transformers" not in sys.modules:
+        sys.modules["torch"] = None
+        quiet = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+        try:
+            import transformers  # noqa: F401
+        finally:
+            if quiet is None:
+                del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def use_template(

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from chat_render import ChatRenderer, render_lengths, use_template
+from chat_render import ChatRenderer, load_tokenizer, render_lengths, use_template
 from contracts import REJECT_SCHEMA, SPLIT_SCHEMA
 from data_formats import (
     ControlChars,
@@ -195,9 +195,7 @@ def length_counter(path: str | None, cfg: SplitConfig):
     ``balance: rows``, which loads no tokenizer."""
     if cfg.balance != "tokens" or not path:
         return None
-    from transformers import AutoTokenizer
-
-    tokenizer = use_template(AutoTokenizer.from_pretrained(path), path, cfg.chat_template, cfg.format_template)
+    tokenizer = use_template(load_tokenizer(path), path, cfg.chat_template, cfg.format_template)
     render = ChatRenderer(tokenizer, cfg.template_kwargs)
     return lambda conversations: render_lengths(render, conversations)
 

@@ -32,13 +32,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 from chat_format import SpecialText, special_texts
-from chat_render import ChatRenderer, encode_messages, use_template
+from chat_render import ChatRenderer, encode_messages, load_tokenizer, use_template
 from contracts import IGNORE, REJECT_SCHEMA, TOKENIZED_SCHEMA, batches
 from packing import write_packing
 from pipeline_io import Progress, UserError, atomic_path, cli, fewer_gc_pauses, write_json
 from settings import TokenizeConfig
 from token_cache import cache_key, cached, tokenizer_fingerprint
-from transformers import AutoTokenizer
 
 log = logging.getLogger("tokenize")
 SHOWN_REJECTS = 100  # rejected rows listed in the stats and the log (all are in the rejects file)
@@ -301,9 +300,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     cfg = TokenizeConfig.from_json(a.config)
     a.rejects = a.rejects or a.output.with_suffix(".rejects.parquet")
-    tokenizer = use_template(
-        AutoTokenizer.from_pretrained(a.tokenizer), a.tokenizer, cfg.chat_template, cfg.format_template
-    )
+    tokenizer = use_template(load_tokenizer(a.tokenizer), a.tokenizer, cfg.chat_template, cfg.format_template)
     fewer_gc_pauses()
     pack_len = a.pack_len or cfg.max_seq_len
     settings = {"max_seq_len": cfg.max_seq_len, "overlength": cfg.overlength, "pack_len": pack_len}
