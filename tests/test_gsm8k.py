@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 from conftest import DEMO_CSV, snakemake, tiny_config
 
-NAMES = "Ava Ben Cora Dev Elif Finn Gia Hugo Ines Jon Kira Liam Mona Nils Oda Pia Quin Rosa Sami Tess Uma Vik Wren Xia Yuri"
+NAMES = "Ava Ben Cora Dev Elif Finn Gia Hugo Ines Jon Kira Liam Mona Nils Oda Pia Quin Rosa Sami Tess Uma Vik Wren Xia"
+NAMES += " Yuri"
 FRIENDS = "Abe Bea Cal Dot Eli Fay Gus Hal Ida Jay Kai Lou Max Ned Oli Pam Ray Sue Ted Una Val Wes Xan Yas Zed"
 TRAIN_NAMES = "Orlando Penelope Quentin Rosalind Sebastian Theodora Ulysses Valentina"
 TEST_DOCS, LIMIT = 25, 20
@@ -23,7 +24,8 @@ def problem(i: int, name: str, friend: str) -> dict:
     question = (f"{name} has {boxes} boxes of apples and each box holds {per_box} apples {name} gives {given} "
                 f"boxes to a neighbour named {friend}. How many apples does {name} keep in total?")  # fmt: skip
     kept = (boxes - given) * per_box
-    return {"question": question, "answer": f"{name} keeps {boxes - given} boxes of {per_box}, {kept} apples.\n#### {kept}"}
+    answer = f"{name} keeps {boxes - given} boxes of {per_box}, {kept} apples.\n#### {kept}"
+    return {"question": question, "answer": answer}
 
 
 def gsm8k_fixture(root):

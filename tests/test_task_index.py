@@ -37,8 +37,8 @@ def test_index_names_what_lm_evals_own_index_names(folder):
 def test_the_index_is_built_once_per_lm_eval_installation(tmp_path, monkeypatch):
     import task_index
 
-    calls = []
-    monkeypatch.setattr(task_index, "build_index", lambda root: calls.append(root) or {"t": {"kind": "task", "yaml": "t.yaml"}})  # fmt: skip
+    calls, built = [], {"t": {"kind": "task", "yaml": "t.yaml"}}
+    monkeypatch.setattr(task_index, "build_index", lambda root: calls.append(root) or dict(built))
     version, root, index = lm_eval_index(tmp_path)
     assert index == {"t": {"kind": "task", "yaml": "t.yaml"}} and calls == [root]
     (cached,) = tmp_path.glob(f"{version}-*.json")
@@ -113,3 +113,14 @@ def test_snakemake_stops_at_parse_time_on_an_unknown_task(tmp_path):
         assert len(errors) == 1 and errors[0].startswith("error: eval.tasks: gsm8kk is no task: lm-eval "), errors
         assert "did you mean gsm8k?" in errors[0] and "Job stats" not in proc.stdout
         assert len(list((tmp_path / ".snakemake" / "lm_eval_tasks").glob("*.json"))) == 1
+
+
+def test_evaluation_loads_lm_evals_own_task_by_its_folder_not_every_yaml(fake_lm_eval, tmp_path):
+    """evaluate_model and decontaminate load gsm8k from its YAML's folder (the index says where), not by a
+    TaskManager over lm-eval's 14,000 YAMLs; the local split files still replace its data."""
+    from evaluation import extra_tasks
+
+    write_split_files(tmp_path / "gsm8k", "train", "test")
+    (task,), manager = extra_tasks(["gsm8k"], [str(tmp_path / "gsm8k")])
+    assert "gsm8k" in manager.all_tasks and len(manager.all_tasks) < 50
+    assert len(task.eval_docs) == 1 and task.config.dataset_kwargs["data_files"]["test"].endswith("gsm8k/test.jsonl")

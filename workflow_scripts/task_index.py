@@ -24,9 +24,7 @@ from task_data import check_local_splits, task_sources
 CACHE = Path(".snakemake") / "lm_eval_tasks"  # relative to the workflow's working directory
 CONFIG_KEYS = ("task", "training_split", "validation_split", "test_split", "fewshot_split", "num_fewshot",
                "fewshot_config")  # fmt: skip
-NAMING_RULE = (
-    "a task is named by the `task:` (or `group:`, `tag:`) of its YAML, lm-eval's own or one in eval.task_data"
-)
+NAMING_RULE = "a task is named by the `task:` (or `group:`, `tag:`) of its YAML, lm-eval's own or one in eval.task_data"
 
 
 class _Loader(yaml.CSafeLoader if hasattr(yaml, "CSafeLoader") else yaml.SafeLoader):
@@ -109,6 +107,17 @@ def lm_eval_index(cache: Path = CACHE) -> tuple[str, Path, dict[str, dict]] | No
     except OSError:
         pass
     return version, root, index
+
+
+def lm_eval_task_folders(names: set[str], cache: Path = CACHE) -> list[str]:
+    """The folders of the YAMLs of lm-eval's own tasks ``names``, by the index: a TaskManager over them knows
+    those tasks without parsing lm-eval's 14,000 YAMLs. [] unless each name is a task there (a group or a tag
+    may reach across folders)."""
+    index = (lm_eval_index(cache) or (None, None, {}))[2]
+    if not names or not all(index.get(n, {}).get("kind") == "task" for n in names):
+        return []
+    root = lm_eval_tasks_dir()[1]
+    return sorted({str((root / index[n]["yaml"]).parent) for n in names})
 
 
 def task_config(yaml_path: Path) -> SimpleNamespace:
