@@ -124,3 +124,12 @@ def test_evaluation_loads_lm_evals_own_task_by_its_folder_not_every_yaml(fake_lm
     (task,), manager = extra_tasks(["gsm8k"], [str(tmp_path / "gsm8k")])
     assert "gsm8k" in manager.all_tasks and len(manager.all_tasks) < 50
     assert len(task.eval_docs) == 1 and task.config.dataset_kwargs["data_files"]["test"].endswith("gsm8k/test.jsonl")
+
+
+def test_without_lm_eval_where_snakemake_runs_its_names_are_left_to_the_jobs(monkeypatch):
+    """Snakemake in an environment without lm-eval (--sdm conda: the jobs run in envs/eval.yaml's): a name
+    that is no YAML's of eval.task_data is not refused at parse time; the evaluation job checks it."""
+    import task_index
+
+    monkeypatch.setattr(task_index, "lm_eval_index", lambda cache: None)
+    check_tasks(["gsm8k", "demo_mc"], [str(DEMO_MC)])

@@ -128,7 +128,7 @@ def task_config(yaml_path: Path) -> SimpleNamespace:
 
 def unknown_task(name: str, version: str | None, index: dict, local: dict) -> UserError:
     near = difflib.get_close_matches(name, [*index, *local], n=3, cutoff=0.75)
-    found = f"lm-eval {version} has none of that name" if version else "lm-eval is not installed here"
+    found = f"lm-eval {version} has none of that name"
     yamls = ", ".join(f"{n} ({p.name})" for n, p in sorted(local.items())) or "none"
     hint = f"; did you mean {' or '.join(near)}?" if near else ""
     return UserError(
@@ -139,22 +139,25 @@ def unknown_task(name: str, version: str | None, index: dict, local: dict) -> Us
 def check_tasks(tasks: list[str], task_data: list[str], cache: Path = CACHE) -> None:
     """At parse time: each task of eval.tasks is defined by a YAML of eval.task_data or known to lm-eval; a
     folder of split files named after a task holds only splits it reads, among them the split it scores and
-    the split of its few-shot examples. Else one line naming the task, what was found and the rule."""
+    the split of its few-shot examples. Else one line naming the task, what was found and the rule. Where
+    Snakemake's own environment has no lm-eval (the jobs run in another), lm-eval's names are left to the jobs."""
     include, files = task_sources([p for p in task_data if Path(p).exists()])
-    local = {}
+    local = {}  # name -> (YAML, kind)
     for folder in map(Path, include):
-        local |= {n: folder / e["yaml"] for n, e in build_index(folder).items() if n not in local}
+        local |= {n: (folder / e["yaml"], e["kind"]) for n, e in build_index(folder).items() if n not in local}
     for path in (Path(p) for p in task_data if Path(p).suffix in (".yaml", ".yml")):  # a YAML given by its path
-        local |= {n: path for n, _ in names_of(load_task_yaml(path))} if path.exists() else {}
+        local |= {n: (path, kind) for n, kind in names_of(load_task_yaml(path))} if path.exists() else {}
     lm_eval = None
     for name in tasks:
         if name in local:
-            yaml_path, kind = local[name], "task"
+            yaml_path, kind = local[name]
         else:
-            lm_eval = lm_eval or lm_eval_index(cache) or (None, None, {})
+            lm_eval = lm_eval or lm_eval_index(cache) or (None, None, None)
             version, root, index = lm_eval
+            if index is None:  # no lm-eval where Snakemake runs (its jobs' environment has it): they check
+                continue
             if name not in index:
-                raise unknown_task(name, version, index, local)
+                raise unknown_task(name, version, index, {n: p for n, (p, _) in local.items()})
             yaml_path, kind = root / index[name]["yaml"], index[name]["kind"]
         if isinstance(files.get(name), dict) and kind == "task":
             check_split_files(name, task_config(yaml_path), files[name])
