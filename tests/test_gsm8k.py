@@ -68,7 +68,7 @@ def test_gsm8k_on_local_split_files_with_a_limit_and_decontamination(tmp_path):
     config["data"] = {"path": str(train_csv), "eval_path": str(heldout_csv), "max_seq_len": 128}
     config["eval"] |= {"tasks": ["gsm8k"], "task_data": [str(folder)], "limit": LIMIT, "soup": False}
     work = tmp_path / "work"
-    snakemake(work, config)
+    snakemake(work, config, "results/g/eval/summary.csv")  # every model's evaluation, the decontamination
     root = work / "results" / "g"
 
     for model in ("base", "node0", "node1"):
@@ -89,7 +89,13 @@ def test_gsm8k_on_local_split_files_with_a_limit_and_decontamination(tmp_path):
         assert len(questions) == 6 and questions[-1] == test[0]["question"]
         assert all(q.split()[0] in TRAIN_NAMES.split() for q in questions[:5]), questions
     tasks = pd.read_csv(root / "eval" / "tasks.csv")
-    assert set(tasks[tasks["task"] == "gsm8k"]["model"]) == {"base", "node0", "node1"}
+    gsm8k = tasks[tasks["task"] == "gsm8k"]
+    assert set(gsm8k["model"]) == {"base", "node0", "node1"} and set(gsm8k["documents"]) == {LIMIT}
+    leaderboard = (root / "eval" / "leaderboard.txt").read_text()
+    assert re.search(
+        rf"^  gsm8k exact_match/\S+ \d\.\d{{3}} .*\[first {LIMIT} of {TEST_DOCS} documents", leaderboard, re.M
+    )
+    assert f"gsm8k {len(contaminated)} of {TEST_DOCS} docs" in leaderboard
 
     report = json.loads((root / "data" / "decontamination.json").read_text())
     gsm = report["sets"]["gsm8k"]

@@ -133,3 +133,11 @@ def test_without_lm_eval_where_snakemake_runs_its_names_are_left_to_the_jobs(mon
 
     monkeypatch.setattr(task_index, "lm_eval_index", lambda cache: None)
     check_tasks(["gsm8k", "demo_mc"], [str(DEMO_MC)])
+
+
+def test_a_task_yaml_that_does_not_load_is_one_line(tmp_path):
+    bad = tmp_path / "mine.yaml"
+    bad.write_text("task: mine\ndataset_path: [unclosed\n")
+    with pytest.raises(UserError, match=r"^eval.task_data: .*mine.yaml is no task YAML lm-eval can read \(") as e:
+        check_tasks(["mine"], [str(bad)], cache=tmp_path / "cache")
+    assert "\n" not in str(e.value)

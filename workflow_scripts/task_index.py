@@ -145,8 +145,12 @@ def check_tasks(tasks: list[str], task_data: list[str], cache: Path = CACHE) -> 
     local = {}  # name -> (YAML, kind)
     for folder in map(Path, include):
         local |= {n: (folder / e["yaml"], e["kind"]) for n, e in build_index(folder).items() if n not in local}
-    for path in (Path(p) for p in task_data if Path(p).suffix in (".yaml", ".yml")):  # a YAML given by its path
-        local |= {n: (path, kind) for n, kind in names_of(load_task_yaml(path))} if path.exists() else {}
+    for path in (Path(p) for p in task_data if Path(p).suffix in (".yaml", ".yml") and Path(p).is_file()):
+        try:  # a YAML given by its path
+            local |= {n: (path, kind) for n, kind in names_of(load_task_yaml(path))}
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            reason = " ".join(str(e).split())[:200]
+            raise UserError(f"eval.task_data: {path} is no task YAML lm-eval can read ({reason})") from None
     lm_eval = None
     for name in tasks:
         if name in local:
@@ -171,6 +175,7 @@ def check_split_files(name: str, task, split_files: dict) -> None:
         if split not in reads:
             raise UserError(
                 f"eval.task_data: {path} is named after no split {name} reads ({', '.join(sorted(reads))}): "
-                f"each file of {name}/ is named after the split it replaces, e.g. {name}/{cfg.test_split}.jsonl"
+                f"each file of {name}/ is named after the split it replaces, e.g. "
+                f"{name}/{cfg.test_split or cfg.validation_split}.jsonl"
             )
     check_local_splits(task, {name: split_files})
