@@ -141,3 +141,11 @@ def test_a_task_yaml_that_does_not_load_is_one_line(tmp_path):
     with pytest.raises(UserError, match=r"^eval.task_data: .*mine.yaml is no task YAML lm-eval can read \(") as e:
         check_tasks(["mine"], [str(bad)], cache=tmp_path / "cache")
     assert "\n" not in str(e.value)
+
+
+def test_one_file_for_every_split_of_a_few_shot_task_stops_at_parse_time(fake_lm_eval, tmp_path):
+    """gsm8k.jsonl would serve gsm8k's 5-shot examples from the test questions it scores: one line asking for
+    the folder, before any job."""
+    (tmp_path / "gsm8k.jsonl").write_text(json.dumps({"question": "q", "answer": "a\n#### 1"}) + "\n")
+    with pytest.raises(UserError, match=r"gsm8k.jsonl serves every split of gsm8k, whose 5-shot examples come"):
+        check_tasks(["gsm8k"], [str(tmp_path / "gsm8k.jsonl")])

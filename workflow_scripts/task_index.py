@@ -139,7 +139,8 @@ def unknown_task(name: str, version: str | None, index: dict, local: dict) -> Us
 def check_tasks(tasks: list[str], task_data: list[str], cache: Path = CACHE) -> None:
     """At parse time: each task of eval.tasks is defined by a YAML of eval.task_data or known to lm-eval; a
     folder of split files named after a task holds only splits it reads, among them the split it scores and
-    the split of its few-shot examples. Else one line naming the task, what was found and the rule. Where
+    the split of its few-shot examples; one data file for every split, only a task whose few-shot examples do
+    not come from another split than the scored one. Else one line naming the task, what was found and the rule. Where
     Snakemake's own environment has no lm-eval (the jobs run in another), lm-eval's names are left to the jobs."""
     include, files = task_sources([p for p in task_data if Path(p).exists()])
     local = {}  # name -> (YAML, kind)
@@ -163,8 +164,12 @@ def check_tasks(tasks: list[str], task_data: list[str], cache: Path = CACHE) -> 
             if name not in index:
                 raise unknown_task(name, version, index, {n: p for n, (p, _) in local.items()})
             yaml_path, kind = root / index[name]["yaml"], index[name]["kind"]
-        if isinstance(files.get(name), dict) and kind == "task":
-            check_split_files(name, task_config(yaml_path), files[name])
+        if name in files and kind == "task":  # a folder of split files, or one file for every split
+            task = task_config(yaml_path)
+            if isinstance(files[name], dict):
+                check_split_files(name, task, files[name])
+            else:
+                check_local_splits(task, files)
 
 
 def check_split_files(name: str, task, split_files: dict) -> None:
