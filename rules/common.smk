@@ -20,6 +20,7 @@ from settings import TEMPLATE_KEYS, DecontaminateConfig, PlanConfig, SplitConfig
 from grid import expand_grid, variant_training  # noqa: E402
 from layout import patterns  # noqa: E402
 from task_data import check_names as check_task_names  # noqa: E402
+from task_index import check_tasks  # noqa: E402
 
 # The rules call `python` and `torchrun` by name: .venv/bin/snakemake works without activating .venv.
 interpreter_first_on_path()
@@ -118,14 +119,17 @@ except UserError as e:
     fail(e)
 
 
-# eval.tasks run offline: a task's local YAML or data file that is not there stops before any job runs
-# (a task of lm-eval's own without eval.task_data is checked by evaluate_model, before its model loads).
+# eval.tasks run offline: a task's local YAML or data file that is not there, a task neither lm-eval's nor a
+# YAML's, split files not named after the task's splits stop before any job runs (the data of a task of
+# lm-eval's own without eval.task_data is checked by evaluate_model, before its model loads).
 EVAL = config["eval"]
 for path in EVAL["task_data"]:
     if not Path(path).exists():
         fail(f"eval.task_data: {path} does not exist (evaluation runs offline: a task's data must be local)")
 try:
     check_task_names(EVAL["tasks"], EVAL["task_data"])
+    # each task lm-eval's (its index cached in .snakemake/lm_eval_tasks/) or a YAML's; split files named right
+    check_tasks(EVAL["tasks"], EVAL["task_data"])
 except UserError as e:
     fail(e)
 EVAL_TASK_FILES = EVAL["task_data"]  # evaluate_model's inputs: a changed task reruns it

@@ -15,6 +15,7 @@ from metrics import HELDOUT, HELDOUT_LOSS, SCORES
 from pipeline_io import UserError, atomic_path, cli, write_json
 from settings import EvalConfig
 from task_data import check_local_splits, data_override, missing_split, task_sources
+from task_index import lm_eval_task_folders
 from weights import DTYPES, dtype_name
 
 
@@ -26,8 +27,12 @@ def extra_tasks(names: list[str], task_data: list[str]):
     if not names:
         return [], TaskManager(include_defaults=False)  # else simple_evaluate indexes lm-eval's own tasks
     include, files = task_sources(task_data)
-    # lm-eval's own 14,000 task YAMLs take ~10 s to index: only when a task is not in eval.task_data's YAMLs
+    # lm-eval's own 14,000 task YAMLs take 5-10 s to index: its tasks by their YAMLs' folders (task_index's
+    # cached index), all of them only for a group or tag of its own
     manager = TaskManager(include_path=include, include_defaults=False) if include else None
+    if missing := set(names) - set(manager.all_tasks if manager else ()):
+        folders = lm_eval_task_folders(missing)
+        manager = TaskManager(include_path=include + folders, include_defaults=False) if folders else None
     if manager is None or not set(names) <= set(manager.all_tasks):
         manager = TaskManager(include_path=include or None)
     loaded = []

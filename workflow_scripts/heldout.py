@@ -183,7 +183,8 @@ def evaluate_model(
     limit: float = 0,
 ) -> dict:  # fmt: skip
     """lm-eval's output for the held-out tasks named in ``heldout`` and ``extra`` (loaded Task objects, their
-    first documents under ``limit``: task_samples) on ``lm``. Environment info without torch's collect_env
+    first documents under ``limit``: task_samples) on ``lm``; the log shows each task's first prompt as lm-eval
+    builds it (its few-shot examples included). Environment info without torch's collect_env
     (3-4 s a job; env/check.json records the machine)."""
     import lm_eval.evaluator
     import transformers
@@ -201,7 +202,7 @@ def evaluate_model(
     tasks = [ConfigurableTask(config=c) for c in configs if c["task"] in heldout] + extra
     return lm_eval.evaluator.simple_evaluate(
         lm, tasks=tasks, task_manager=manager, apply_chat_template=chat_template, bootstrap_iters=1000,
-        samples=task_samples(extra, limit),
+        samples=task_samples(extra, limit), write_out=True,  # the log shows each task's first prompt, shots and all
     )  # fmt: skip
 
 
