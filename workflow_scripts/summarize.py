@@ -220,6 +220,11 @@ def plot_curves(curves: dict[str, pd.DataFrame], path: Path) -> list[str]:
                          label=f"{name} held-out")  # fmt: skip
         ax_lr.plot(frame["step"], frame["lr"], color=colour, label=name)
     ax_loss.set(xlabel="step", ylabel="loss", title="Training and held-out loss per node", yscale="log")
+    # 0.5, 2, not 5 x 10^-1; between the powers of ten, 2, 3 and 5 only
+    ax_loss.yaxis.set_major_formatter(lambda y, _: f"{y:g}")
+    ax_loss.yaxis.set_minor_formatter(
+        lambda y, _: f"{y:g}" if round(y / 10 ** math.floor(math.log10(y))) in (2, 3, 5) else ""
+    )
     ax_lr.set(xlabel="step", ylabel="learning rate", title="Learning rate")
     per_epoch = {steps_per_epoch(frame) for frame in curves.values()}
     if len(per_epoch) == 1 and None not in per_epoch:  # the epochs on top where every node has the same
