@@ -257,6 +257,17 @@ def training_json():
     return lambda wildcards: json.dumps(training_section(wildcards), sort_keys=True)
 
 
+def held_out_input(wildcards):
+    """The tokenized eval set as the training job's named input `eval`, only where the job's training.eval_every
+    is on: turning it on or off changes the job's inputs, as it changes its metrics."""
+    return {"eval": TOKENIZED.format(shard="eval")} if training_section(wildcards)["eval_every"] else {}
+
+
+def held_out_args(wildcards, input):
+    """The trainer's --eval-data where the job has the `eval` input (a params function)."""
+    return f"--eval-data {shlex.quote(input.eval)}" if input.get("eval") else ""
+
+
 def plan_json(wildcards):
     """plan_training's config (settings.PlanConfig), a params function: the job's grid variant's training keys
     that change memory use (so a new learning rate does not rerun the plan), max_seq_len, the vocabulary and

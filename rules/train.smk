@@ -1,5 +1,7 @@
 rule train_node:
     input:
+        # `eval`: the tokenized eval set, with training.eval_every only
+        unpack(held_out_input),
         env=ENV_CHECK,
         plan=PLAN,
         tokens=TOKENIZED.format(shard="{node}"),
@@ -23,6 +25,7 @@ rule train_node:
         # not an output: Snakemake deletes the outputs of failed jobs, and the retry resumes from here
         checkpoints=CHECKPOINTS,
         procs=config["training"]["procs_per_node"],
+        held_out=held_out_args,
     shell:
         # each attempt's log is kept (rules/common.smk)
         ATTEMPT_LOG
@@ -37,7 +40,7 @@ rule train_node:
         " export OMP_NUM_THREADS=$n MKL_NUM_THREADS=$n OPENBLAS_NUM_THREADS=$n;"
         " torchrun --standalone --nproc_per_node {params.procs} --max-restarts 0"
         " {params.script:q} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
-        " --base-model {params.base:q} --log-dir {params.log_dir:q}"
+        " --base-model {params.base:q} {params.held_out} --log-dir {params.log_dir:q}"
         " --checkpoint-root {params.checkpoints:q} --state {output.state} >> {log} 2>&1"
         # torchrun reports a signal as a plain failure; the trainer's marker tells preemption apart
         " || {{ rc=$?; test -f {params.log_dir:q}/preempted.json && exit 75; exit $rc; }}"
@@ -46,6 +49,8 @@ rule train_node:
 # training.mode joint: one model over all nodes in one job, on every node's shard (launch.py)
 rule train_joint:
     input:
+        # `eval`: the tokenized eval set, with training.eval_every only
+        unpack(held_out_input),
         env=ENV_CHECK,
         plan=PLAN,
         tokens=expand(TOKENIZED, shard=NODES),
@@ -76,11 +81,12 @@ rule train_joint:
         checkpoints=CHECKPOINTS.format(node="joint"),
         nodes=config["nodes"],
         procs=config["training"]["procs_per_node"],
+        held_out=held_out_args,
     shell:
         ATTEMPT_LOG
         + "python {params.launch:q} --nodes {params.nodes} --procs-per-node {params.procs} --threads {threads}"
         " -- {params.script:q} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
-        " --base-model {params.base:q} --log-dir {params.log_dir:q}"
+        " --base-model {params.base:q} {params.held_out} --log-dir {params.log_dir:q}"
         " --checkpoint-root {params.checkpoints:q} --state {output.state} >> {log} 2>&1"
         # srun and torchrun report a signal as a plain failure; the trainer's marker tells preemption apart
         " || {{ rc=$?; test -f {params.log_dir:q}/preempted.json && exit 75; exit $rc; }}"

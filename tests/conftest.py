@@ -127,6 +127,7 @@ def trainer_args(tmp: Path, assets: dict, config: dict, shards: int = 1) -> list
         "--data", *[str(assets["node0"])] * shards, "--packing", *[str(assets["packing"])] * shards,
         "--base-model", str(assets["base"]), "--log-dir", str(log_dir), "--checkpoint-root", str(tmp / "ckpt"),
         "--state", str(log_dir / "train_state.json"),
+        *(["--eval-data", str(assets["eval"])] if config.get("eval_every") else []),
     ]  # fmt: skip
 
 

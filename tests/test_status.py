@@ -14,7 +14,6 @@ from pipeline_io import UserError
 from status import (
     Job,
     eta_seconds,
-    headline,
     is_stalled,
     job_comment_matches,
     last_checkpoint,
@@ -23,11 +22,10 @@ from status import (
     parse_sacct,
     parse_squeue,
     read_metrics,
-    render_plain,
     run_status,
-    stages,
     train_folders,
 )
+from status_view import headline, render_plain, stages
 
 NOW = 1_800_000_000.0
 
@@ -232,9 +230,9 @@ def test_plain_rendering_of_a_running_and_a_finished_run(tmp_path):
     text = render_plain("r", run_status(tmp_path, "r", now=NOW, scheduler=False), prefix, NOW)
     lines = text.splitlines()
     assert lines[0].startswith("run r: 2 training job(s)")
-    assert lines[1].split() == ["node", "job", "state", "step", "epoch", "loss", "tok/s", "MFU", "ETA",
-                                "checkpoint", "resumed", "model"]  # fmt: skip
-    assert lines[2].split()[:9] == ["node0", "-", "stopped", "8/40", "0.35", "4.9200", "1000", "-", "16s"]
+    # columns that are "-" on every row (job, held-out, MFU, resumed) are left out; the loss is the recent mean
+    assert lines[1].split() == ["node", "state", "step", "epoch", "loss", "tok/s", "ETA", "checkpoint", "model"]
+    assert lines[2].split()[:7] == ["node0", "stopped", "8/40", "0.40", "4.9400", "1000", "16s"]
     assert "4, 3s ago" in lines[2]
     # resumed: after a signal, plan.json names it and the job before; after a crash, the start step
     plan = prefix / "train/node0/plan.json"
@@ -243,6 +241,7 @@ def test_plain_rendering_of_a_running_and_a_finished_run(tmp_path):
     resumed = {"step": 4, "signal": "SIGURG", "time": NOW - 9, "slurm_job_id": "70"}
     plan.write_text(json.dumps(json.loads(plan.read_text()) | {"start_step": 4, "resumed_after": resumed}))
     text = render_plain("r", run_status(tmp_path, "r", now=NOW, scheduler=False), prefix, NOW)
+    assert text.splitlines()[1].split()[-2:] == ["resumed", "model"]
     after_checkpoint = [line.split("ago")[1].split() for line in text.splitlines()[2:4]]
     assert after_checkpoint == [["4", "-"], ["4", "SIGURG", "job", "70", "-"]]
     # finished: train_state.json, a consolidated and evaluated model, the leaderboard
@@ -323,7 +322,7 @@ def test_a_configured_node_not_started_keeps_the_run_unfinished(tmp_path, capsys
     main(["-d", str(tmp_path), "--config", "config.yaml", "--plain"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("run r: 3 training job(s)"), lines
-    assert lines[4].split()[:4] == ["node2", "-", "waiting", "-/-"]
+    assert lines[4].split()[:3] == ["node2", "waiting", "-/-"]  # no job on any row: no job column
     # the folders alone (another run's config): two done is finished
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(tiny_config("other") | {"nodes": 3}))
     main(["-d", str(tmp_path), "--config", "config.yaml", "--run", "r", "--plain"])
@@ -354,3 +353,99 @@ def test_the_configured_folders_of_joint_and_grid_runs(tmp_path, config, expecte
     config = base | config | {"training": base["training"] | config.get("training", {})}
     nodes = run_status(tmp_path, "r", now=NOW, scheduler=False, config=config)
     assert [(n.variant, n.node) for n in nodes] == expected and {n.state for n in nodes} == {"waiting"}
+
+
+def test_a_finished_run_shows_whole_epochs_median_throughput_recent_loss_and_held_out(tmp_path):
+    prefix = make_run(tmp_path, nodes=("node0",), steps=40, total=40)  # 20 steps an epoch: 2 epochs
+    rows = [record(s, tokens_per_s=1000.0 + s) for s in range(4, 41, 4)]
+    rows[-1]["tokens_per_s"] = 50.0  # the last interval ran beside an evaluation job
+    rows[4] |= {"eval_loss": 2.5}
+    rows[-1] |= {"eval_loss": 2.25}
+    write_metrics(prefix / "train/node0/metrics.jsonl", rows)
+    finish(prefix, ["node0"])
+    [node] = run_status(tmp_path, "r", now=NOW, scheduler=False)
+    assert node.epoch == 2.0 and node.held_out == 2.25 and node.last_loss == pytest.approx(4.6)
+    assert node.loss == pytest.approx(5.0 - 22 / 100)  # the mean of the last 10 records' losses
+    assert node.tokens_per_s == 1018.0  # the median of the recent intervals, not the last one's 50
+    lines = render_plain("r", [node], prefix, NOW).splitlines()
+    assert lines[1].split()[:7] == ["node", "state", "step", "epoch", "loss", "held-out", "tok/s"]
+    assert lines[2].split()[:7] == ["node0", "done", "40/40", "2", "4.7800", "2.2500", "1018"]
+
+
+def running_at_80_columns(tmp_path):
+    """A grid variant's two nodes in SLURM jobs, one stalled, with held-out losses, resumed after a signal."""
+    prefix = make_run(tmp_path, steps=400, total=1000, mtime=NOW - 1, variant="lr-3e-05")
+    for node in ("node0", "node1"):
+        rows = [record(s, mfu=0.41, slurm_job_id="12345678") for s in range(4, 401, 4)]
+        rows[-1] |= {"eval_loss": 1.9}
+        write_metrics(prefix / "train" / node / "metrics.jsonl", rows)
+        plan = prefix / "train" / node / "plan.json"
+        resumed = {"step": 200, "signal": "SIGURG", "time": NOW - 900, "slurm_job_id": "12345000"}
+        plan.write_text(json.dumps(json.loads(plan.read_text()) | {"start_step": 200, "resumed_after": resumed}))
+    nodes = run_status(tmp_path, "r", now=NOW, scheduler=False)
+    nodes[0].job, nodes[1].job = "12345678 RUNNING", "12345679 RUNNING"
+    nodes[0].state, nodes[0].notes = "stalled", ["no new step for 12m30s"]
+    return nodes, prefix
+
+
+def test_status_fits_80_columns_with_the_model_step_and_eta(tmp_path):
+    import io
+
+    from rich.console import Console
+    from status_view import render_rich
+
+    nodes, prefix = running_at_80_columns(tmp_path)
+    wide = render_plain("r", nodes, tmp_path / "results" / "r", NOW).splitlines()
+    assert max(map(len, wide)) > 80 and "resumed" in wide[1]  # what is left out at 80 columns
+    lines = render_plain("r", nodes, tmp_path / "results" / "r", NOW, width=80).splitlines()
+    table = lines[1:4]
+    assert all(len(line) <= 80 for line in table), table
+    header = table[0].split()
+    assert header[:3] == ["node", "state", "step"] and {"ETA", "model", "held-out", "loss"} <= set(header)
+    eta = "5m00s"  # 600 steps left at 0.5 s
+    assert table[1].split()[:3] == ["lr-3e-05/node0", "stalled", "400/1000"] and eta in table[1].split()
+    assert "lr-3e-05/node0: no new step for 12m30s" in lines  # the note, moved below the table
+    assert any(line.startswith("(left out at 80 columns: resumed") for line in lines)
+    console = Console(width=80, file=io.StringIO(), record=True, color_system=None)
+    render_rich(console, "r", nodes, tmp_path / "results" / "r", NOW)
+    shown = console.export_text().splitlines()
+    assert all(len(line) <= 80 for line in shown), shown
+    assert any("model" in line and "ETA" in line and "step" in line for line in shown), shown
+    assert any("400/1000" in line and eta in line for line in shown), shown
+
+
+def test_make_status_at_80_columns(tmp_path, capsys, monkeypatch):
+    prefix = make_run(tmp_path, steps=8, total=40, variant="lr-3e-05")
+    for node in ("node0", "node1"):
+        plan = prefix / "train" / node / "plan.json"
+        resumed = {"step": 4, "signal": "SIGTERM", "slurm_job_id": "12345000"}
+        plan.write_text(json.dumps(json.loads(plan.read_text()) | {"start_step": 4, "resumed_after": resumed}))
+    main(["-d", str(tmp_path), "--run", "r", "--plain"])  # to a pipe: any width
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()[1:4]) > 80
+    monkeypatch.setenv("COLUMNS", "80")
+    main(["-d", str(tmp_path), "--run", "r", "--plain"])
+    out = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 80 for line in out[1:4]) and "model" in out[1] and "ETA" in out[1]
+    assert out[2].split()[:3] == ["lr-3e-05/node0", "stopped", "8/40"] and "16s" in out[2]
+
+
+def test_watch_ends_when_the_run_is_finished(tmp_path, capsys):
+    import signal
+
+    prefix = make_run(tmp_path, steps=40, total=40)
+    finish(prefix)
+    (prefix / "eval").mkdir()
+    (prefix / "eval" / "summary.csv").write_text("model,eval_loss\n")
+
+    def hang(*_):
+        raise AssertionError("--watch kept polling a finished run")
+
+    previous = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(20)
+    try:
+        main(["-d", str(tmp_path), "--run", "r", "--plain", "--watch", "0.01"])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    out = capsys.readouterr().out
+    assert out.startswith("run r: finished") and out.rstrip().endswith("the run is finished: --watch ends")

@@ -199,3 +199,23 @@ def test_lm_eval_keys_with_filters():
     scores = task_scores({"tasks": {"demo_mc": raw}})["demo_mc"]
     assert list(scores) == ["acc", "exact_match/strict-match"] and scores["acc"] == (0.41, 0.03)
     assert math.isnan(scores["exact_match/strict-match"][1])
+
+
+def test_loss_curves_draw_the_smoothed_training_loss_and_the_held_out_points(tmp_path):
+    from summarize import held_out_points, plot_curves, smoothed_loss, steps_per_epoch
+
+    # 28 steps an epoch, logged every 10, the held-out loss every 100 and at the last step
+    rows = [{"step": s, "loss": 3.0 - s / 1000 + (0.2 if s % 20 else 0.0), "lr": 1e-3, "epoch": (s - 1) / 28}
+            for s in range(10, 301, 10)]  # fmt: skip
+    for r in rows:
+        if r["step"] % 100 == 0:
+            r |= {"eval_loss": 3.5 - r["step"] / 1000, "eval_tokens": 4000}
+    frame = pd.DataFrame(rows)
+    assert held_out_points(frame)["step"].tolist() == [100, 200, 300]
+    assert held_out_points(frame.drop(columns=["eval_loss"])).empty  # a run without eval_every
+    smooth = smoothed_loss(frame)
+    assert smooth.iloc[0] == frame["loss"].iloc[0] and smooth.iloc[-1] == pytest.approx(frame["loss"].iloc[-10:].mean())
+    assert steps_per_epoch(frame) == pytest.approx(28) and steps_per_epoch(frame.drop(columns=["epoch"])) is None
+    labels = plot_curves({"node0": frame, "node1": frame.drop(columns=["eval_loss"])}, tmp_path / "c.png")
+    assert labels == ["node0 training (mean of 10)", "node0 held-out", "node1 training (mean of 10)"]
+    assert (tmp_path / "c.png").stat().st_size > 10_000

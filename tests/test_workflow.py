@@ -40,7 +40,8 @@ def test_status_of_a_finished_run_is_its_summary(ddp_run):
     shown = status(workdir, "t")
     assert shown.startswith("run t: finished")
     for node in ("node0", "node1"):
-        assert re.search(rf"^{node} +- +done +12/12 ", shown, re.M), shown
+        # no job on any row: the job column is left out
+        assert re.search(rf"^{node} +done +12/12 ", shown, re.M), shown
         assert re.search(rf"^{node}: done at step 12, final loss \d+\.\d{{4}}, trained \S+, eval loss ", shown, re.M)
     assert "evaluated base, node0, node1" in shown
     assert re.search(r"^Best model: node\d", shown, re.M), shown
@@ -240,3 +241,25 @@ def test_a_failed_jobs_reason_reaches_the_console(tmp_path, demo_assets):
     reason = f"{data}: no usable rows left (3 read, 3 rejected: {{'empty_response': 3}})"
     assert reason in (tmp_path / "work/logs/t/split_dataset.log").read_text()
     assert f"error: split_dataset (logs/t/split_dataset.log): {reason}" in proc.stderr.splitlines(), proc.stderr
+
+
+def train_jobs(text: str) -> list[str]:
+    """The dry run's (-n -p) train_node / train_joint job blocks."""
+    blocks = re.split(r"\n(?=(?:local)?rule \w+:)", text)
+    return [b for b in blocks if re.match(r"(local)?rule train_(node|joint):", b)]
+
+
+@pytest.mark.parametrize("mode", ["per_node", "joint"])
+def test_training_takes_the_eval_set_as_input_only_with_eval_every(tmp_path, mode):
+    """training.eval_every: the tokenized eval set is the train jobs' input and reaches the trainer; without it
+    neither, so a change to the eval set reruns training only where training reads it."""
+    on = snakemake(tmp_path / "on", tiny_config("e", mode=mode, eval_every=4), "-n", "-p").stdout
+    off = snakemake(tmp_path / "off", tiny_config("e", mode=mode), "-n", "-p").stdout
+    jobs_on, jobs_off = train_jobs(on), train_jobs(off)
+    assert len(jobs_on) == len(jobs_off) == (1 if mode == "joint" else 2), on[-3000:]
+    for job in jobs_on:
+        inputs = next(line for line in job.splitlines() if line.strip().startswith("input:"))
+        assert "results/e/data/tokenized/eval.parquet" in inputs, job
+        assert "--eval-data results/e/data/tokenized/eval.parquet" in job, job
+    for job in jobs_off:
+        assert "tokenized/eval.parquet" not in job and "--eval-data" not in job, job

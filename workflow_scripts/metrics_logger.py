@@ -2,6 +2,8 @@
 
 The loop counts each micro-batch's sequence lengths; every `log_every` steps (and at the last)
 the logger all-reduces loss, tokens and model FLOPs over the ranks and rank 0 writes one record.
+A step with a held-out loss (evaluator.py) is logged too, its record carrying the eval_* fields;
+the evaluation's time is not counted in the interval's throughput.
 """
 
 import json
@@ -68,15 +70,18 @@ class MetricsLogger:
     def should_log(self, step: int) -> bool:
         return step % self.cfg.log_every == 0 or step == self.plan.total_steps
 
-    def log(self, step: int, loss_sum: torch.Tensor, grad_norm: float, lr: float, extra: dict | None = None) -> None:
+    def log(self, step: int, loss_sum: torch.Tensor, grad_norm: float, lr: float, extra: dict | None = None,
+            held_out: dict | None = None) -> None:  # fmt: skip
         """After optimizer step ``step`` (1-based): the interval's mean loss and throughput over all ranks;
-        ``extra``: fp16's loss scale and skipped steps."""
-        if not self.should_log(step):
+        ``extra``: fp16's loss scale and skipped steps; ``held_out``: the step's held-out loss fields (the
+        same on every rank), which log the step whatever log_every says."""
+        if not (self.should_log(step) or held_out):
             return
         stats = [loss_sum.item() / self.cfg.grad_accum, float(self.tokens), self.flops]
         stats = torch.tensor(stats, dtype=torch.float64, device=self.device)
         dist.all_reduce(stats)
-        elapsed = time.perf_counter() - self.clock
+        # the training steps' time: the evaluation's is its own field
+        elapsed = time.perf_counter() - self.clock - (held_out or {}).get("eval_time_s", 0.0)
         model_tflops = stats[2].item() / elapsed / self.world / 1e12  # model FLOPs, not hardware FLOPs
         self.write(
             {
@@ -94,6 +99,7 @@ class MetricsLogger:
                 "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             }
             | (extra or {})
+            | (held_out or {})
         )
         self.tokens, self.flops, self.clock, self.last_logged = 0, 0.0, time.perf_counter(), step
 
@@ -104,11 +110,12 @@ class MetricsLogger:
         self.keep_file(appended=len(self.lines[-1].encode()))
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float):
-                self.writer.add_scalar(f"train/{key}", value, record["step"])
+                tag = f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
+                self.writer.add_scalar(tag, value, record["step"])
         log.info(
-            "step %d/%d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f",
+            "step %d/%d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f%s",
             record["step"], self.plan.total_steps, record["loss"], record["lr"], record["grad_norm"],
-            record["tokens_per_s"],
+            record["tokens_per_s"], f" eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else "",
         )  # fmt: skip
 
     def keep_file(self, appended: int = 0) -> None:

@@ -120,6 +120,8 @@ class TrainConfig:
     seed: int
     log_every: int
     checkpoint_every: int
+    eval_every: int | None
+    eval_samples: int | None
     keep_checkpoints: int
     gpu_memory_gb: float
     peak_tflops: float

@@ -3,9 +3,11 @@
 Reads only what the workflow writes (train/<node>/metrics.jsonl, plan.json, train_state.json, the
 checkpoints' COMPLETE markers, models/, eval/; where layout.py puts them, as the rules do) plus the
 scheduler: squeue (sacct when the cluster keeps accounting) or, outside SLURM, the local torchrun/train.py
-processes. A finished run gets a summary.
+processes. A finished run gets a summary. The table (status_view.py) shows the mean of the recent logged losses,
+the latest held-out loss logged during training (training.eval_every) and the median tok/s of the recent
+intervals, fitted to the terminal's width (COLUMNS, or --width).
 
-    python workflow_scripts/status.py --run demo [--root DIR] [--watch [SECONDS]] [--plain]
+    python workflow_scripts/status.py --run demo [--root DIR] [--watch [SECONDS]] [--plain] [--width N]
 """
 
 import argparse
@@ -13,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -23,8 +26,9 @@ from pathlib import Path
 import yaml
 from layout import VARIANT_FILES, expected_train_dirs, file, matching
 from pipeline_io import UserError, cli, duration
+from status_view import headline, render_plain, render_rich
 
-RECENT = 10  # step intervals the ETA and the stall rule take the median of
+RECENT = 10  # step intervals the ETA, the stall rule and tok/s take the median of, and the loss the mean of
 STALL_FACTOR = 5.0  # no new step for this many expected intervals: stalled
 STALL_MIN_S = 60.0  # and for at least this long: fast steps logged every step would flag any hiccup
 SLURM_ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}
@@ -68,6 +72,32 @@ def step_seconds(records: list[dict], recent: int = RECENT) -> float | None:
     (each record's step_time_s is its interval's mean)."""
     times = [r["step_time_s"] for r in records[-recent:] if isinstance(r.get("step_time_s"), int | float)]
     return statistics.median(times) if times else None
+
+
+def recent_median(records: list[dict], key: str, recent: int = RECENT) -> float | None:
+    """The median of ``key`` over the last ``recent`` records that have it."""
+    values = [r[key] for r in records[-recent:] if isinstance(r.get(key), int | float)]
+    return statistics.median(values) if values else None
+
+
+def recent_loss(records: list[dict], recent: int = RECENT) -> float | None:
+    """The mean training loss of the last ``recent`` records (summarize.py's smoothed curve ends there)."""
+    values = [r["loss"] for r in records[-recent:] if isinstance(r.get("loss"), int | float)]
+    return statistics.fmean(values) if values else None
+
+
+def latest_held_out(records: list[dict]) -> float | None:
+    """The newest held-out loss logged during training (training.eval_every)."""
+    return next((r["eval_loss"] for r in reversed(records) if isinstance(r.get("eval_loss"), int | float)), None)
+
+
+def epochs_trained(step: int | None, plan: dict, last: dict) -> float | None:
+    """Epochs after ``step``: step / plan.json's steps per epoch (a finished run's whole number); else the
+    record's epoch (where its step began)."""
+    per_epoch = plan.get("steps_per_epoch")
+    if step is not None and isinstance(per_epoch, int) and per_epoch > 0:
+        return step / per_epoch
+    return last.get("epoch")
 
 
 def log_interval(records: list[dict], recent: int = RECENT) -> int:
@@ -264,7 +294,9 @@ class NodeStatus:
     step: int | None = None
     total: int | None = None
     epoch: float | None = None
-    loss: float | None = None
+    loss: float | None = None  # the mean of the recent records' (recent_loss)
+    last_loss: float | None = None  # the last record's
+    held_out: float | None = None  # the latest held-out loss logged during training
     tokens_per_s: float | None = None
     mfu: float | None = None
     eta_s: float | None = None
@@ -323,8 +355,10 @@ def node_status(folder: Path, results: Path, root: Path, jobs: dict[str, Job], p
     eval_record = read_json(file(prefix, "EVAL_RESULT", model=node)) or {}
     last_update = last.get("time") or (metrics_path.stat().st_mtime if records else None)
     s = NodeStatus(
-        variant=variant, node=node, state="waiting", step=last.get("step"), total=total, epoch=last.get("epoch"),
-        loss=last.get("loss"), tokens_per_s=last.get("tokens_per_s"), mfu=last.get("mfu"),
+        variant=variant, node=node, state="waiting", step=last.get("step"), total=total,
+        epoch=epochs_trained(last.get("step"), plan, last), loss=recent_loss(records, recent),
+        last_loss=last.get("loss"), held_out=latest_held_out(records),
+        tokens_per_s=recent_median(records, "tokens_per_s", recent), mfu=last.get("mfu"),
         eta_s=eta_seconds(records, total, recent), checkpoint=last_checkpoint(ckpt_root),
         # plan.json's record of the job before (signal, step, job id) when it checkpointed on a signal;
         # the start step alone when it did not (a crash: the newest periodic checkpoint)
@@ -393,143 +427,6 @@ def run_status(root: Path, run: str, now: float | None = None, factor: float = S
     return [node_status(f, results, root, jobs, processes, now, factor, recent) for f in folders]
 
 
-def stages(results: Path) -> dict:
-    """The stage-level picture from files alone: data split and tokenized, models consolidated and evaluated."""
-    return {
-        "split": file(results, "MANIFEST").exists(),
-        "tokenized": sorted(p.stem for p in matching(results, "TOKEN_STATS", shard="*")),
-        "evaluated": sorted(p.stem for p in matching(results, "EVAL_RESULT", model="*")),
-        "summary": file(results, "SUMMARY").exists(),
-        "grid": file(results, "GRID_TABLE").exists(),  # a grid's comparison (summaries are per variant)
-        "report": file(results, "REPORT").exists(),
-    }
-
-
-def leaderboard_head(results: Path) -> list[str]:
-    """The best-model lines of eval/leaderboard.txt (up to its first blank line)."""
-    try:
-        text = file(results, "LEADERBOARD_TEXT").read_text()
-    except OSError:
-        return []
-    return text.split("\n\n", 1)[0].strip().splitlines()
-
-
-# ---------------------------------------------------------------- rendering
-
-
-def number(value, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
-# checkpoint: the newest complete one's step and age; resumed: the step (signal, job) this job took over from;
-# model: consolidated, then its eval loss
-COLUMNS = ["node", "job", "state", "step", "epoch", "loss", "tok/s", "MFU", "ETA", "checkpoint", "resumed", "model"]
-
-
-def row(s: NodeStatus, now: float) -> list[str]:
-    ckpt = f"{s.checkpoint['step']}, {duration(now - s.checkpoint['time'])} ago" if s.checkpoint else "-"
-    resumed = "-"
-    if s.resumed_after:
-        r = s.resumed_after
-        resumed = f"{r.get('step')}" + (f" {r['signal']}" if r.get("signal") else "")
-        resumed += f" job {r['slurm_job_id']}" if r.get("slurm_job_id") else ""
-    # the model's later stages: consolidated (models/<node>/), evaluated (its held-out eval loss)
-    model = "-" if not s.model else "yes" if s.eval_loss is None else f"eval {s.eval_loss:.3f}"
-    state = s.state + (f": {'; '.join(s.notes)}" if s.notes else "")
-    return [
-        f"{s.variant}/{s.node}" if s.variant else s.node,
-        s.job or "-",
-        state,
-        f"{number(s.step, 'd')}/{number(s.total, 'd')}",
-        number(s.epoch, ".2f"),
-        number(s.loss, ".4f"),
-        number(s.tokens_per_s, ".0f"),
-        "-" if s.mfu is None else f"{s.mfu:.1%}",
-        "done" if s.state == "done" else duration(s.eta_s),
-        ckpt,
-        resumed,
-        model,
-    ]
-
-
-def summary_lines(nodes: list[NodeStatus], results: Path) -> list[str]:
-    """A finished run: each job done at step N, its final loss and training time; the best model."""
-    lines = []
-    for s in nodes:
-        name = f"{s.variant}/{s.node}" if s.variant else s.node
-        evaluated = f", eval loss {s.eval_loss:.3f}" if s.eval_loss is not None else ""
-        lines.append(
-            f"{name}: done at step {number(s.step, 'd')}, final loss {number(s.loss, '.4f')}, "
-            f"trained {duration(s.train_seconds)}{evaluated}"
-        )
-    lines += leaderboard_head(results)
-    for variant in dict.fromkeys(s.variant for s in nodes if s.variant):  # a grid: each variant's best model
-        lines += [f"{variant}: {line}" for line in leaderboard_head(results / variant)[:1]]
-    return lines
-
-
-def stage_line(picture: dict) -> str:
-    return (
-        f"stages: split {'yes' if picture['split'] else 'no'}; tokenized {', '.join(picture['tokenized']) or '-'};"
-        f" evaluated {', '.join(picture['evaluated']) or '-'};"
-        + (" grid.csv yes;" if picture["grid"] else f" summary {'yes' if picture['summary'] else 'no'};")
-        + f" report {'yes' if picture['report'] else 'no'}"
-    )
-
-
-def headline(nodes: list[NodeStatus], results: Path) -> str:
-    if not nodes or any(s.state != "done" for s in nodes):
-        return f"{len(nodes)} training job(s)"
-    compared = any(file(results, name).exists() for name in ("SUMMARY", "GRID_TABLE"))  # GRID_TABLE: a grid's
-    return "finished" if compared else "training finished"
-
-
-def render_plain(run: str, nodes: list[NodeStatus], results: Path, now: float) -> str:
-    """The status as plain text: a header, an aligned table, the stages, and a finished run's summary."""
-    finished = bool(nodes) and all(s.state == "done" for s in nodes)
-    lines = [f"run {run}: {headline(nodes, results)} ({results})"]
-    if nodes:
-        table = [COLUMNS, *(row(s, now) for s in nodes)]
-        widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
-    else:
-        lines.append("no training folder yet")
-    lines.append(stage_line(stages(results)))
-    if finished:
-        lines += summary_lines(nodes, results)
-    return "\n".join(lines)
-
-
-STATE_STYLE = {"done": "green", "running": "cyan", "starting": "yellow", "pending": "yellow", "stalled": "bold red"}
-
-
-def render_rich(console, run: str, nodes: list[NodeStatus], results: Path, now: float) -> None:
-    from rich import box
-    from rich.table import Table
-
-    finished = bool(nodes) and all(s.state == "done" for s in nodes)
-    table = Table(
-        title=f"run {run}: {headline(nodes, results)}",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 1),
-        pad_edge=False,
-    )
-    for c in COLUMNS:
-        right = c in {"step", "epoch", "loss", "tok/s", "MFU", "ETA"}
-        table.add_column(c, justify="right" if right else "left", no_wrap=True, min_width=len(c))
-    for s in nodes:
-        cells = row(s, now)
-        style = STATE_STYLE.get(s.state, "red" if s.state in {"failed", "stopped", "timeout"} else "")
-        cells[2] = f"[{style}]{cells[2]}[/]" if style else cells[2]
-        table.add_row(*cells)
-    console.print(table if nodes else f"run {run}: no training folder yet")
-    console.print(stage_line(stages(results)), highlight=False)
-    if finished:
-        for line in summary_lines(nodes, results):
-            console.print(line, highlight=False)
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -555,19 +452,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("-d", "--root", type=Path, default=Path("."), help="the workflow's work dir (holds results/)")
     p.add_argument("--watch", nargs="?", type=float, const=10.0, metavar="SECONDS", help="refresh every SECONDS (10)")
     p.add_argument("--plain", action="store_true", help="plain text, no table (the default when not a terminal)")
+    p.add_argument("--width", type=int, help="fit the table to this many columns (default: the terminal's, COLUMNS)")
     p.add_argument("--stall-factor", type=float, default=STALL_FACTOR,
                    help="stalled: no new step for this many median step intervals (5), a minute at least")  # fmt: skip
     return p.parse_args(argv)
 
 
-def show(a: argparse.Namespace, run: str, console, config: dict | None = None) -> None:
+def table_width(a: argparse.Namespace) -> int | None:
+    """--width, else COLUMNS or the terminal's width; None (any width) for plain text to a file or pipe."""
+    if a.width:
+        return a.width
+    if os.environ.get("COLUMNS", "").isdigit() or sys.stdout.isatty():
+        return shutil.get_terminal_size().columns
+    return None
+
+
+def show(a: argparse.Namespace, run: str, console, config: dict | None = None) -> bool:
+    """Print the status once; whether the run is finished (trained, and its models compared)."""
     now = time.time()
     nodes = run_status(a.root, run, now, a.stall_factor, config=config)
     results = a.root / "results" / run
     if console is None:
-        print(render_plain(run, nodes, results, now), flush=True)
+        print(render_plain(run, nodes, results, now, table_width(a)), flush=True)
     else:
         render_rich(console, run, nodes, results, now)
+    return headline(nodes, results) == "finished"
 
 
 @cli
@@ -579,13 +488,16 @@ def main(argv=None) -> None:
     if not a.plain and sys.stdout.isatty():
         from rich.console import Console
 
-        console = Console()
+        console = Console(width=a.width)
     try:
         while True:
             if a.watch and console is not None:
                 console.clear()
-            show(a, run, console, settings)
+            finished = show(a, run, console, settings)
             if not a.watch:
+                return
+            if finished:
+                print("the run is finished: --watch ends", flush=True)
                 return
             if console is None:
                 print(flush=True)

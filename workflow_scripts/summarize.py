@@ -181,17 +181,62 @@ def read_metrics(path: Path) -> pd.DataFrame:
     return pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
 
 
-def plot_curves(curves: dict[str, pd.DataFrame], path: Path) -> None:
+SMOOTH = 10  # logged training losses the smoothed curve averages (status.py's loss column takes the same)
+
+
+def smoothed_loss(frame: pd.DataFrame, window: int = SMOOTH) -> pd.Series:
+    """The training loss, each point the mean of the last ``window`` logged losses (fewer at the start)."""
+    return frame["loss"].rolling(window, min_periods=1).mean()
+
+
+def held_out_points(frame: pd.DataFrame) -> pd.DataFrame:
+    """The records with a held-out loss logged during training (training.eval_every): step, eval_loss."""
+    if "eval_loss" not in frame:
+        return pd.DataFrame({"step": [], "eval_loss": []})
+    return frame.loc[frame["eval_loss"].notna(), ["step", "eval_loss"]]
+
+
+def steps_per_epoch(frame: pd.DataFrame) -> float | None:
+    """Optimizer steps per epoch, from two records' step and epoch ((step - 1) / steps per epoch)."""
+    if "epoch" not in frame:
+        return None
+    known = frame.dropna(subset=["epoch"])
+    if len(known) < 2 or known["epoch"].iloc[-1] == known["epoch"].iloc[0]:
+        return None
+    return (known["step"].iloc[-1] - known["step"].iloc[0]) / (known["epoch"].iloc[-1] - known["epoch"].iloc[0])
+
+
+def plot_curves(curves: dict[str, pd.DataFrame], path: Path) -> list[str]:
+    """Training loss (faint: as logged; solid: smoothed) and the held-out loss during training per node, with
+    the epochs on the top axis; the learning rate beside. Returns the loss panel's legend labels."""
     fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
     for name, frame in curves.items():
-        ax_loss.plot(frame["step"], frame["loss"], label=name)
-        ax_lr.plot(frame["step"], frame["lr"], label=name)
-    ax_loss.set(xlabel="step", ylabel="training loss", title="Loss per node", yscale="log")
+        (line,) = ax_loss.plot(frame["step"], frame["loss"], alpha=0.25, lw=1)
+        colour = line.get_color()
+        ax_loss.plot(frame["step"], smoothed_loss(frame), color=colour, label=f"{name} training (mean of {SMOOTH})")
+        points = held_out_points(frame)
+        if len(points):
+            ax_loss.plot(points["step"], points["eval_loss"], color=colour, ls="--", marker="o", ms=4,
+                         label=f"{name} held-out")  # fmt: skip
+        ax_lr.plot(frame["step"], frame["lr"], color=colour, label=name)
+    ax_loss.set(xlabel="step", ylabel="loss", title="Training and held-out loss per node", yscale="log")
+    # 0.5, 2, not 5 x 10^-1; between the powers of ten, 2, 3 and 5 only
+    ax_loss.yaxis.set_major_formatter(lambda y, _: f"{y:g}")
+    ax_loss.yaxis.set_minor_formatter(
+        lambda y, _: f"{y:g}" if round(y / 10 ** math.floor(math.log10(y))) in (2, 3, 5) else ""
+    )
     ax_lr.set(xlabel="step", ylabel="learning rate", title="Learning rate")
+    per_epoch = {steps_per_epoch(frame) for frame in curves.values()}
+    if len(per_epoch) == 1 and None not in per_epoch:  # the epochs on top where every node has the same
+        spe = per_epoch.pop()
+        top = ax_loss.secondary_xaxis("top", functions=(lambda s: s / spe, lambda e: e * spe))
+        top.set_xlabel("epoch")
     for ax in (ax_loss, ax_lr):
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="small")
+    labels = [t.get_text() for t in ax_loss.get_legend().get_texts()]
     save_png(fig, path, dpi=110)
+    return labels
 
 
 def median_throughput(curves: dict[str, pd.DataFrame]) -> dict[str, float]:

@@ -1,8 +1,8 @@
 """train_node: fine-tune one node's model under torchrun (DDP, FSDP2 or DeepSpeed; full or LoRA).
 
 Reads top to bottom: setup (config, process group, data, model, strategy, resume) → train
-(one `train_step` per optimizer step; the metrics logger, the checkpointer and the stop
-signal each decide for themselves whether to act after it) → finish (final checkpoint,
+(one `train_step` per optimizer step; the held-out evaluator, the metrics logger, the checkpointer
+and the stop signal each decide for themselves whether to act after it) → finish (final checkpoint,
 train_state.json). Checkpoints live outside Snakemake's declared outputs, so a failed or
 preempted job keeps them and its retry resumes.
 
@@ -25,11 +25,12 @@ import torch.distributed as dist
 from batching import TrainingData
 from checkpoint import Checkpointer, run_key, superseded
 from divergence import NonFiniteStop
+from evaluator import Evaluator
 from fingerprint import cache_file_for, model_fingerprint
 from host_memory import map_large_allocations
 from metrics_logger import MetricsLogger, flops_per_sequence_fn
 from parallel import build_strategy, load_model
-from pipeline_io import cli, write_json
+from pipeline_io import UserError, cli, write_json
 from preemption import StopSignal
 from settings import TrainConfig
 from token_store import store_root_for
@@ -46,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="the training config as JSON")
     p.add_argument("--data", required=True, nargs="+", type=Path, help="tokenized shard(s) (Parquet)")
     p.add_argument("--packing", nargs="+", type=Path, help="each shard's packing plan (needed with training.packing)")
+    p.add_argument("--eval-data", type=Path, help="the tokenized eval set (needed with training.eval_every)")
     p.add_argument("--base-model", required=True)
     p.add_argument("--log-dir", required=True, type=Path, help="metrics.jsonl and TensorBoard events")
     p.add_argument("--checkpoint-root", required=True, type=Path)
@@ -120,14 +122,25 @@ def train_step(strategy, data: TrainingData, step: int, metrics: MetricsLogger) 
     return loss_sum, strategy.step()
 
 
-def train(strategy, data, metrics, ckpt, stop, start_step: int) -> None:
+def held_out_evaluator(strategy, a: argparse.Namespace, data: TrainingData, pad_id: int) -> Evaluator | None:
+    """The held-out loss during training (training.eval_every), or None when it is off."""
+    cfg = strategy.cfg
+    if cfg.eval_every is None:
+        return None
+    if a.eval_data is None:
+        raise UserError("training.eval_every is set but the trainer was given no --eval-data (the tokenized eval set)")
+    return Evaluator(strategy, a.eval_data, store_root_for(a.checkpoint_root), cfg, data.plan.total_steps, pad_id)
+
+
+def train(strategy, data, metrics, ckpt, stop, start_step: int, evaluator: Evaluator | None = None) -> None:
     last = data.plan.total_steps
     diverged = NonFiniteStop(strategy, ckpt)  # a NaN/inf loss or grad norm stops before anything saves the step
     strategy.model.train()
     for step in range(start_step + 1, last + 1):
         loss_sum, grad_norm = train_step(strategy, data, step - 1, metrics)
         diverged.check(step, loss_sum, grad_norm, on_exit=metrics.close)
-        metrics.log(step, loss_sum, grad_norm, strategy.current_lr(), strategy.loss_scale_stats())
+        held_out = evaluator.maybe_evaluate(step) if evaluator else {}
+        metrics.log(step, loss_sum, grad_norm, strategy.current_lr(), strategy.loss_scale_stats(), held_out)
         ckpt.maybe_save(step, last)
         stop.maybe_exit(step, last, strategy.device, ckpt, on_exit=metrics.close)
 
@@ -156,8 +169,10 @@ def main(argv=None) -> None:
     model, attn = load_model(a.base_model, cfg, device)
     sizes = parameter_counts(model)  # before sharding hides them
     flops_of = flops_per_sequence_fn(model, sizes["parameters"])
-    data.bind(pad_id=model.config.pad_token_id or 0, one_row=attn == "flash_attention_2")
+    pad_id = model.config.pad_token_id or 0
+    data.bind(pad_id=pad_id, one_row=attn == "flash_attention_2")
     strategy = build_strategy(cfg, model, device, data.plan.total_steps)
+    evaluator = held_out_evaluator(strategy, a, data, pad_id)
 
     root = checkpoint_folder(strategy, data, a.base_model, a.checkpoint_root)
     ckpt = Checkpointer(root, strategy, rank, cfg.keep_checkpoints, cfg.checkpoint_every, a.log_dir / "metrics.jsonl")
@@ -169,7 +184,7 @@ def main(argv=None) -> None:
         log.info("plan: %s", run_record)
 
     metrics = MetricsLogger(a.log_dir, cfg, device, data.plan, flops_of, start_step)
-    train(strategy, data, metrics, ckpt, stop, start_step)
+    train(strategy, data, metrics, ckpt, stop, start_step, evaluator)
     final = ckpt.save(data.plan.total_steps)
     metrics.close()
     finish(strategy, a, final, run_record)

@@ -193,6 +193,10 @@ class Strategy:
         loss = loss / self.cfg.grad_accum
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
+    def eval_loss(self, batch) -> torch.Tensor:
+        """A batch's mean loss in a forward pass only (the caller holds torch.no_grad and model.eval())."""
+        return self.model(**batch).loss
+
     def step(self) -> float:
         """Clip the gradients by global norm, step, advance the schedule; the norm before clipping.
         With fp16, a step whose gradients overflowed is skipped (and counted)."""

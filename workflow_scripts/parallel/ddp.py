@@ -40,6 +40,11 @@ class DDPStrategy(Strategy):
             self.backward(loss)
         return loss
 
+    def eval_loss(self, batch) -> torch.Tensor:
+        # the replica itself: every rank holds all of it, and DDP's wrapper has nothing to synchronize
+        with self.autocast:
+            return self.inner(**batch).loss
+
     def save(self, folder: Path, writes) -> None:
         if dist.get_rank() == 0:
             state = {
