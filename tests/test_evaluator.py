@@ -34,14 +34,13 @@ BASE = {"lr": 3e-3, "micro_batch_size": 2, "max_steps": 7, "log_every": 2, "chec
 @pytest.mark.parametrize(
     "extra",
     [
-        {"strategy": "ddp"},
+        # one case a strategy module: DDP's own eval_loss (LoRA with dropout: a model left in eval mode
+        # changes the training losses), FSDP2's, and DeepSpeed's engine (the base class's, as ZeRO-1/2 use it)
         {"strategy": "ddp", "peft": "lora", "lora": {"r": 4, "dropout": 0.1}},
         {"strategy": "fsdp"},
-        {"strategy": "deepspeed", "zero_stage": 1},
-        {"strategy": "deepspeed", "zero_stage": 2},
         {"strategy": "deepspeed", "zero_stage": 3, "peft": "lora", "lora": {"r": 4}},
     ],
-    ids=["ddp", "ddp-lora-dropout", "fsdp", "zero1", "zero2", "zero3-lora"],
+    ids=["ddp-lora-dropout", "fsdp", "zero3-lora"],
 )
 def test_held_out_loss_is_logged_without_changing_the_training_losses(tmp_path, demo_assets, extra):
     run_trainer(tmp_path / "off", demo_assets, BASE | extra)
