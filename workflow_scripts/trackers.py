@@ -11,10 +11,12 @@ is logged (no environment variables, command lines, git or host metadata, consol
 
 import dataclasses
 import fcntl
+import functools
 import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 from pipeline_io import UserError, write_json
@@ -103,6 +105,14 @@ def wandb_settings():
     )  # fmt: skip
 
 
+@functools.cache
+def mlflow_client(uri: str):
+    """One client per store and process: opening a SQLite store checks its schema (seconds)."""
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri)
+
+
 class locked:
     """An exclusive lock on ``path`` (a file): two training jobs creating the SQLite store or its experiment."""
 
@@ -162,12 +172,11 @@ class WandbSink:
 class MlflowSink:
     def __init__(self, s: TrackerSettings, config: dict, plan: dict, resume: dict | None):
         from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
 
         folder = Path(s.dir)
         uri = mlflow_uri(folder)
         with locked(folder / "mlflow.lock"):  # parallel jobs: one creates the store and the experiment
-            self.client = MlflowClient(uri)
+            self.client = mlflow_client(uri)
             if resume:
                 self.run_id = resume["run_id"]
                 self.client.update_run(self.run_id, status="RUNNING")
@@ -188,8 +197,6 @@ class MlflowSink:
         self.record = {"run_id": self.run_id, "tracking_uri": uri}
 
     def log(self, record: dict) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -255,12 +262,9 @@ def attach(run_file: Path, trackers: list[str], scores: dict[str, float], files:
     if "mlflow" in trackers and "mlflow" in saved:
         require(["mlflow"])
         from mlflow.entities import Metric
-        from mlflow.tracking import MlflowClient
 
         m = saved["mlflow"]
-        client = MlflowClient(m["tracking_uri"])
-        import time
-
+        client = mlflow_client(m["tracking_uri"])
         now = int(time.time() * 1000)
         client.log_batch(m["run_id"], metrics=[Metric(k, v, now, 0) for k, v in scores.items()])
         for f in files:
