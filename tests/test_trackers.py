@@ -233,3 +233,23 @@ def test_logging_trackers_default_to_tensorboard_and_unknown_ones_stop():
     assert TrackerSettings.from_json(None).trackers == ["tensorboard"]
     with pytest.raises(UserError, match="unknown tracker"):
         TrackerSettings.from_json('{"trackers": ["neptune"]}')
+
+
+def test_each_variant_s_training_jobs_are_runs_grouped_by_run_and_variant(tmp_path):
+    import re
+    import shlex
+
+    from conftest import snakemake, tiny_config
+    from grid import expand_grid
+
+    grid = {"training.lr": [1e-3, 2e-3]}
+    config = tiny_config("g") | {"grid": grid, "logging": {"trackers": ["tensorboard", "mlflow"], "project": "p"}}
+    out = snakemake(tmp_path, config, "-n", "-p").stdout
+    runs = [json.loads(shlex.split(q)[0]) for q in re.findall(r"--trackers ('[^']*')", out)]
+    expected = [(f"g/{v}", f"g/{v}/{n}", {"run": "g", "variant": v, "node": n}) for v in expand_grid(grid)
+                for n in ("node0", "node1")]  # fmt: skip
+    assert sorted((r["group"], r["name"], r["tags"]) for r in runs) == sorted(expected, key=lambda e: e[1])
+    assert {(r["project"], r["dir"], tuple(r["trackers"])) for r in runs} == {
+        ("p", "results/g/trackers", ("tensorboard", "mlflow"))
+    }
+    assert out.count("--trackers tensorboard mlflow >") == len(expand_grid(grid))  # each variant's summarize
