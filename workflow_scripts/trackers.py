@@ -31,15 +31,15 @@ RUN_FILE = "trackers.json"  # beside metrics.jsonl: each tracker's run, for a re
 
 
 def missing(trackers: list[str]) -> list[str]:
-    """One line per enabled tracker whose package is not installed, saying how to install it."""
+    """A line naming the enabled trackers whose packages are not installed, and how to install them; [] if none."""
     import importlib.util
 
-    out = []
-    for name in trackers:
-        absent = [m for m in MODULES.get(name, ()) if importlib.util.find_spec(m) is None]
-        if absent:
-            out.append(f"logging.trackers has {name} but {', '.join(absent)} is not installed: {INSTALL}")
-    return out
+    names = [name for name in trackers if any(importlib.util.find_spec(m) is None for m in MODULES.get(name, ()))]
+    if not names:
+        return []
+    absent = [m for name in names for m in MODULES[name] if importlib.util.find_spec(m) is None]
+    verb = "is" if len(absent) == 1 else "are"
+    return [f"logging.trackers has {', '.join(names)} but {', '.join(absent)} {verb} not installed: {INSTALL}"]
 
 
 def require(trackers: list[str]) -> None:
