@@ -3,9 +3,12 @@ library's own records), with the config and the plan and nothing secret; summari
 the leaderboard to the same runs; a resumed job continues its run; a missing package stops with one line."""
 
 import json
+import os
+import signal
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -175,6 +178,40 @@ def test_wandb_and_mlflow_runs_hold_metrics_jsonl_and_summarize_attaches(tmp_pat
         data = path.read_bytes()
         for name, value in SECRETS.items():
             assert value.encode() not in data, f"{name}'s value is in {path}"
+
+
+@pytest.mark.torchrun
+def test_a_preempted_job_stops_and_its_retry_continues_the_same_tracker_runs(tmp_path, demo_assets):
+    pytest.importorskip("wandb", reason="make install-trackers")
+    pytest.importorskip("mlflow", reason="make install-trackers")
+    from mlflow.tracking import MlflowClient
+
+    config = {"max_steps": 12, "log_every": 2, "checkpoint_every": 4, "micro_batch_size": 2}
+    args = trainer_args(tmp_path, demo_assets, config)
+    args += ["--trackers", json.dumps(settings(tmp_path, "tensorboard", "wandb", "mlflow"))]
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", *args]
+    env = tracker_env(tmp_path)
+    job = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)  # fmt: skip
+    end = time.time() + 300
+    while not any((tmp_path / "ckpt").glob("*/step-4/COMPLETE")) and time.time() < end:
+        time.sleep(0.2)
+    os.killpg(job.pid, signal.SIGTERM)  # as SLURM does: the whole job step, the trackers' services too
+    _, err = job.communicate(timeout=120)
+    assert "exiting 75" in err and "could not close" not in err, err[-3000:]
+    runs = json.loads((tmp_path / "train" / "trackers.json").read_text())
+    client = MlflowClient(runs["mlflow"]["tracking_uri"])
+    assert client.get_run(runs["mlflow"]["run_id"]).info.status == "KILLED"
+
+    retry = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert retry.returncode == 0, retry.stderr[-3000:]
+    assert json.loads((tmp_path / "train" / "trackers.json").read_text()) == runs  # the same runs, continued
+    expected = numeric([json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()])
+    assert sorted(expected) == [2, 4, 6, 8, 10, 12]
+    assert wandb_run(tmp_path / "trackers", runs["wandb"]["id"])["history"] == expected
+    history = sorted((m.step, m.value) for m in client.get_metric_history(runs["mlflow"]["run_id"], "train/loss"))
+    assert history == [(step, values["train/loss"]) for step, values in sorted(expected.items())]
+    assert client.get_run(runs["mlflow"]["run_id"]).info.status == "FINISHED"
 
 
 def test_a_resumed_job_continues_its_mlflow_run_and_a_new_training_starts_one(tmp_path, monkeypatch):
