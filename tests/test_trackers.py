@@ -239,6 +239,8 @@ def test_a_resumed_job_continues_its_mlflow_run_and_a_new_training_starts_one(tm
     assert job(0, [1])["run_id"] != first["run_id"]  # trained from the start again: a run of its own
     other = job(2, [3], plan=plan | {"checkpoints": "ckpt/def"})  # another training's checkpoint
     assert other["run_id"] != first["run_id"]
+    open_sinks(TrackerSettings(trackers=[]), tmp_path, 0, {}, plan)  # trained again without wandb and mlflow
+    assert not (tmp_path / "trackers.json").exists()  # so summarize attaches to no earlier training's run
 
 
 def test_a_missing_tracker_package_stops_with_how_to_install(monkeypatch):

@@ -175,6 +175,8 @@ class MlflowSink:
 
         folder = Path(s.dir)
         uri = mlflow_uri(folder)
+        if resume and resume.get("tracking_uri") != uri:  # another store now: a run of its own there
+            resume = None
         with locked(folder / "mlflow.lock"):  # parallel jobs: one creates the store and the experiment
             self.client = mlflow_client(uri)
             if resume:
@@ -227,6 +229,8 @@ def open_sinks(settings: TrackerSettings, folder: Path, start_step: int, config:
         log.info("tracker %s: %s", name, sink.record)
     if len(record) > 1:
         write_json(path, record)
+    else:  # an earlier training's runs are not this one's: summarize attaches to none
+        path.unlink(missing_ok=True)
     return sinks
 
 
