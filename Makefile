@@ -1,13 +1,17 @@
 # Two commands set everything up on a fresh machine:
 #   make run   install into .venv, run the demo workflow, build results/demo/report.html, then its LoRA
 #              stage (config/demo_lora.yaml) on stage 1's node0, build results/demo-lora/report.html
-#   make test  install into .venv, run the test suite (all of it, as CI does)
+#   make test  install into .venv (with the trackers' packages), run the test suite (all of it, as CI does)
 # and while working:
 #   make test-fast  the tests that start no torchrun, no real Snakemake run and no SLURM (< 3 min)
 #   make status     where each training job of a run is (RUN=<run>, default the config's run:; ARGS=--watch)
+#   make install-trackers  logging.trackers' optional packages, wandb and mlflow (requirements-trackers.txt)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha256sum requirements.lock | cut -c1-12)
+TRACKERS_STAMP := $(VENV)/.trackers-$(shell cat requirements.lock requirements-trackers.txt | sha256sum | cut -c1-12)
+# the trackers' packages, left out of `make lock` (they are pinned in their own file)
+TRACKER_PKGS := $(shell sed -nE 's/^([A-Za-z0-9_.-]+)==.*/\1/p' requirements-trackers.txt | paste -sd'|')
 RUN ?= demo
 # the demo's second stage: LoRA with stage 1's results/demo/models/node0 as its base
 LORA_CONFIG := config/demo_lora.yaml
@@ -17,7 +21,7 @@ SNAKEMAKE := $(VENV)/bin/snakemake
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install run report status test test-fast lint format lock clean
+.PHONY: install install-trackers run report status test test-fast lint format lock clean
 
 install: $(STAMP)
 
@@ -29,6 +33,14 @@ $(STAMP):
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -r requirements.lock
 	rm -f $(VENV)/.installed-*
+	touch $@
+
+# optional (logging.trackers: wandb, mlflow); requirements.lock's versions stay as they are
+install-trackers: $(TRACKERS_STAMP)
+
+$(TRACKERS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -r requirements-trackers.txt -c requirements.lock
+	rm -f $(VENV)/.trackers-*
 	touch $@
 
 # Stage 2 is a second invocation: its base model must exist when the workflow is parsed, and stage 1 makes it.
@@ -52,7 +64,7 @@ status: install
 	@$(PY) workflow_scripts/status.py $(if $(filter-out file,$(origin RUN)),--run $(RUN)) \
 	  --config $(or $(CONFIG),config/config.yaml) $(ARGS)
 
-test: install
+test: install install-trackers
 	$(PY) -m pytest
 
 # the markers are declared in pyproject.toml
@@ -71,7 +83,7 @@ format: install
 lock: install
 	{ echo "# Exact versions tested (pip freeze); torch==2.13.0 is installed first by the Makefile."; \
 	  echo "# Regenerate with: make lock"; \
-	  $(PY) -m pip freeze | grep -vE "^torch==|^-e |^pip=="; } > requirements.lock
+	  $(PY) -m pip freeze | grep -vE "^torch==|^-e |^pip==" | grep -viE "^($(TRACKER_PKGS))=="; } > requirements.lock
 
 clean:
 	rm -rf results logs .snakemake

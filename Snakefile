@@ -1,6 +1,5 @@
 """From raw instruction data to evaluated fine-tuned models; see README.md."""
 
-
 # The demo's config, unless a --configfile is given: a user's file replaces it, so a key it leaves out takes
 # the schema's default (config/schema.yaml), never the demo's (its eval.tasks, its data).
 if not workflow.overwrite_configfiles:

@@ -283,6 +283,24 @@ def provenance_json(wildcards):
     return json.dumps(resolved, sort_keys=True)
 
 
+def trackers_json(wildcards):
+    """train.py's --trackers (trackers.TrackerSettings), a params function: logging.trackers and the tracker run of
+    the job's model, named and tagged by run, grid variant and node, grouped by run and variant, in the
+    project logging.project (else the run)."""
+    variant = wildcards.variant if GRID else ""
+    node = wildcards.get("node", "joint")
+    group = f"{RUN}/{variant}" if variant else RUN
+    settings = {
+        "trackers": config["logging"]["trackers"],
+        "project": config["logging"]["project"] or RUN,
+        "group": group,
+        "name": f"{group}/{node}",
+        "tags": {"run": RUN, "variant": variant, "node": node},
+        "dir": TRACKERS,
+    }
+    return json.dumps(settings, sort_keys=True)
+
+
 def joint_log_dir(wildcards):
     """train_joint's log folder (a params function: a plain path looks to `snakemake --lint` like a
     hard-coded prefix of the outputs)."""

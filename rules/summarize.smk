@@ -65,6 +65,8 @@ rule summarize:
         "../envs/eval.yaml"
     params:
         script=script_path("summarize.py"),
+        # the tracker runs of the trained models (their trackers.json) get the eval summary and the leaderboard
+        trackers=" ".join(config["logging"]["trackers"]),
     shell:
         "python {params.script:q} --results {input.results} --metrics {input.metrics}"
         " --summary {output.summary} --tasks {output.tasks} --tasks-plot {output.tasks_plot}"
@@ -73,4 +75,4 @@ rule summarize:
         " --samples {output.samples} --leaderboard {output.leaderboard}"
         " --leaderboard-text {output.leaderboard_text}"
         " --models {input.models} --consolidation {output.consolidation}"
-        " --decontamination {input.decontamination} > {log} 2>&1"
+        " --decontamination {input.decontamination} --trackers {params.trackers} > {log} 2>&1"

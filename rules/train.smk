@@ -26,6 +26,7 @@ rule train_node:
         checkpoints=CHECKPOINTS,
         procs=config["training"]["procs_per_node"],
         held_out=held_out_args,
+        trackers=trackers_json,
     shell:
         # each attempt's log is kept (rules/common.smk)
         ATTEMPT_LOG
@@ -41,7 +42,8 @@ rule train_node:
         " torchrun --standalone --nproc_per_node {params.procs} --max-restarts 0"
         " {params.script:q} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
         " --base-model {params.base:q} {params.held_out} --log-dir {params.log_dir:q}"
-        " --checkpoint-root {params.checkpoints:q} --state {output.state} >> {log} 2>&1"
+        " --checkpoint-root {params.checkpoints:q} --state {output.state}"
+        " --trackers {params.trackers:q} >> {log} 2>&1"
         # torchrun reports a signal as a plain failure; the trainer's marker tells preemption apart
         " || {{ rc=$?; test -f {params.log_dir:q}/preempted.json && exit 75; exit $rc; }}"
 
@@ -79,6 +81,7 @@ rule train_joint:
         log_dir=joint_log_dir,
         # not an output: Snakemake deletes the outputs of failed jobs, and the retry resumes from here
         checkpoints=CHECKPOINTS.format(node="joint"),
+        trackers=trackers_json,
         nodes=config["nodes"],
         procs=config["training"]["procs_per_node"],
         held_out=held_out_args,
@@ -87,6 +90,7 @@ rule train_joint:
         + "python {params.launch:q} --nodes {params.nodes} --procs-per-node {params.procs} --threads {threads}"
         " -- {params.script:q} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
         " --base-model {params.base:q} {params.held_out} --log-dir {params.log_dir:q}"
-        " --checkpoint-root {params.checkpoints:q} --state {output.state} >> {log} 2>&1"
+        " --checkpoint-root {params.checkpoints:q} --state {output.state}"
+        " --trackers {params.trackers:q} >> {log} 2>&1"
         # srun and torchrun report a signal as a plain failure; the trainer's marker tells preemption apart
         " || {{ rc=$?; test -f {params.log_dir:q}/preempted.json && exit 75; exit $rc; }}"

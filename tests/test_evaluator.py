@@ -54,7 +54,7 @@ def test_held_out_loss_is_logged_without_changing_the_training_losses(tmp_path, 
     held_out = [r for r in on if "eval_loss" in r]
     assert all(r["eval_samples"] == 13 and r["eval_tokens"] == held_out[0]["eval_tokens"] > 0 for r in held_out)
     assert held_out[-1]["eval_loss"] < held_out[0]["eval_loss"]
-    if extra == {"strategy": "ddp"}:  # TensorBoard: the held-out loss under eval/
+    if extra["strategy"] == "ddp":  # TensorBoard: the held-out loss under eval/
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
         events = EventAccumulator(str(tmp_path / "on" / "train"))

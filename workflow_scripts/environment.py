@@ -22,7 +22,8 @@ from pathlib import Path
 from pipeline_io import UserError, cli, write_json
 from settings import EnvironmentConfig
 
-PACKAGES = ["torch", "transformers", "deepspeed", "peft", "accelerate", "pandas", "pyarrow", "evaluate", "tensorboard"]
+PACKAGES = ["torch", "transformers", "deepspeed", "peft", "accelerate", "pandas", "pyarrow", "evaluate", "tensorboard",
+            "wandb", "mlflow-skinny", "mlflow"]  # fmt: skip
 
 
 def version(name: str) -> str | None:
@@ -71,9 +72,11 @@ def attention_backend(gpu: dict, precision: str) -> dict:
     return {"attention": impl, "attention_reason": reason}
 
 
-def problems(report: dict, strategy: str, peft: str, procs_per_node: int, precision: str) -> list[str]:
+def problems(report: dict, strategy: str, peft: str, procs_per_node: int, precision: str, trackers=()) -> list[str]:
     """What keeps the configured training from running here; empty when it can run."""
-    out = []
+    from trackers import missing
+
+    out = missing(trackers)  # logging.trackers' optional packages, and how to install them
     pkgs = report["packages"]
     if pkgs.get("torch") is None:
         out.append("torch is not installed")
@@ -263,7 +266,7 @@ def main(argv=None) -> None:
     report = collect()
     if report["packages"]["torch"]:
         report |= attention_backend(report["gpu"], c.precision)
-    found = problems(report, c.strategy, c.peft, c.procs_per_node, c.precision)
+    found = problems(report, c.strategy, c.peft, c.procs_per_node, c.precision, c.trackers)
     report["ok"], report["problems"] = not found, found
     if found:
         raise UserError("; ".join(found))

@@ -37,6 +37,7 @@ RUN_FILES = {
     "GRID_TABLE": "eval/grid.csv",  # compare_grid: every variant's models against base
     "GRID_PLOT": "eval/grid.png",
     "REPORT": "report.html",  # snakemake --report (the Makefile)
+    "TRACKERS": "trackers",  # logging.trackers' local stores: wandb's offline runs, MLflow's SQLite store
 }
 
 # under a variant's folder: results/<run>/<variant>/ with a grid, results/<run>/ without

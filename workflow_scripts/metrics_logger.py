@@ -1,4 +1,5 @@
-"""Training metrics: throughput accounting, when to log, and where (metrics.jsonl, TensorBoard, the log).
+"""Training metrics: throughput accounting, when to log, and where (metrics.jsonl, the log, and the sinks of
+logging.trackers: TensorBoard, wandb, MLflow; trackers.py).
 
 The loop counts each micro-batch's sequence lengths; every `log_every` steps (and at the last)
 the logger all-reduces loss, tokens and model FLOPs over the ranks and rank 0 writes one record.
@@ -6,6 +7,7 @@ A step with a held-out loss (evaluator.py) is logged too, its record carrying th
 the evaluation's time is not counted in the interval's throughput.
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from pipeline_io import atomic_path
+from trackers import TrackerSettings, open_sinks, require
 
 log = logging.getLogger("train")
 
@@ -45,18 +48,21 @@ def peak_memory_gb(device) -> float:
 
 
 class MetricsLogger:
-    """metrics.jsonl and TensorBoard on rank 0; a progress line per log interval."""
+    """metrics.jsonl and the trackers' sinks on rank 0; a progress line per log interval."""
 
-    def __init__(self, folder: Path, cfg, device, plan, flops_of, start_step: int):
+    def __init__(self, folder: Path, cfg, device, plan, flops_of, start_step: int, trackers=None, run=None):
+        """``trackers``: trackers.TrackerSettings (None: TensorBoard alone); ``run``: plan.json's record, which the
+        trackers log with the training config."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cfg, self.device, self.plan, self.flops_of = cfg, device, plan, flops_of
-        self.path, self.writer = folder / "metrics.jsonl", None
+        self.path, self.sinks = folder / "metrics.jsonl", []
         self.lines: list[str] = []  # rank 0: every record of the file, the resumed ones (the checkpoint's copy) first
+        trackers = trackers or TrackerSettings(trackers=["tensorboard"])
+        require(trackers.trackers)  # on every rank: a missing package stops them all
         if self.rank == 0:
-            from torch.utils.tensorboard import SummaryWriter
-
             folder.mkdir(parents=True, exist_ok=True)
-            self.writer = SummaryWriter(log_dir=str(folder), purge_step=start_step + 1)
+            config = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(vars(cfg))
+            self.sinks = open_sinks(trackers, folder, start_step, config, run or {})
             if self.path.exists():
                 self.lines = self.path.read_text().splitlines(keepends=True)
         self.bytes = sum(len(line.encode()) for line in self.lines)  # the file's size as this job writes it
@@ -108,10 +114,8 @@ class MetricsLogger:
             return
         self.lines.append(json.dumps(record) + "\n")
         self.keep_file(appended=len(self.lines[-1].encode()))
-        for key, value in record.items():
-            if key != "step" and isinstance(value, int | float):
-                tag = f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
-                self.writer.add_scalar(tag, value, record["step"])
+        for sink in self.sinks:
+            sink.log(record)
         log.info(
             "step %d/%d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f%s",
             record["step"], self.plan.total_steps, record["loss"], record["lr"], record["grad_norm"],
@@ -135,7 +139,12 @@ class MetricsLogger:
         self.bytes += appended
 
     def close(self) -> None:
+        """The file as written; each sink closed, its run finished where the last step was logged (else stopped)."""
         if self.rank == 0:
             self.keep_file()
-        if self.writer:
-            self.writer.close()
+        sinks, self.sinks = self.sinks, []  # closed once: a stop's on_exit may come before the end's close
+        for sink in sinks:
+            try:
+                sink.close(finished=self.last_logged == self.plan.total_steps)
+            except Exception as e:  # a tracker that cannot finish its run (its service gone in a stop) fails no job
+                log.warning("could not close %s: %s", type(sink).__name__, e)

@@ -294,7 +294,7 @@ EvalConfig = stage_config(
 EnvironmentConfig = stage_config(
     "EnvironmentConfig",
     "check_environment's keys: what it checks the machine against.",
-    "training.strategy", "training.peft", "training.procs_per_node", "training.precision",
+    "training.strategy", "training.peft", "training.procs_per_node", "training.precision", "logging.trackers",
 )  # fmt: skip
 GridConfig = stage_config("GridConfig", "compare_grid's key: the grid (its variants' names and values).", "grid")
 ConsolidateConfig = stage_config(

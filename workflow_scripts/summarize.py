@@ -397,6 +397,7 @@ def main(argv=None) -> None:
     p.add_argument("--models", nargs="+", required=True, type=Path, help="models/<node> folders")
     p.add_argument("--consolidation", required=True, type=Path)
     p.add_argument("--decontamination", type=Path, help="data/decontamination.json: a line on the leaderboard")
+    p.add_argument("--trackers", nargs="*", default=[], help="logging.trackers: their runs get the summary")
     a = p.parse_args(argv)
     results = [json.loads(p.read_text()) for p in a.results]
     table = with_examples_trained(summary_table(results), a.metrics)
@@ -422,6 +423,31 @@ def main(argv=None) -> None:
         consolidation_table(a.models).to_csv(tmp, index=False, float_format="%.6g")
     print(table.to_string(index=False))
     print(board, end="")
+    attach_to_trackers(a, table)
+
+
+def model_scores(table: pd.DataFrame, model: str) -> dict[str, float]:
+    """The finite numbers of ``model``'s summary row, by column."""
+    rows = table[table["model"] == model]
+    if rows.empty:
+        return {}
+    row = rows.iloc[0].drop("model")
+    numbers = {k: v for k, v in row.items() if pd.api.types.is_number(v) and not isinstance(v, bool)}
+    return {k: float(v) for k, v in numbers.items() if math.isfinite(v)}
+
+
+def attach_to_trackers(a: argparse.Namespace, table: pd.DataFrame) -> None:
+    """Each trained model's tracker runs (trackers.json beside its metrics.jsonl) get its scores, the summary
+    table and the leaderboard (logging.trackers wandb and mlflow)."""
+    if not set(a.trackers) & {"wandb", "mlflow"}:
+        return
+    from trackers import RUN_FILE, attach
+
+    files = [a.summary, a.tasks, a.leaderboard_text, a.leaderboard]
+    for metrics in a.metrics:
+        model = metrics.parent.name
+        for line in attach(metrics.parent / RUN_FILE, a.trackers, model_scores(table, model), files, table):
+            print(f"{model}: eval summary and leaderboard attached to {line}")
 
 
 if __name__ == "__main__":

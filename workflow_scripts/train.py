@@ -34,6 +34,7 @@ from pipeline_io import UserError, cli, write_json
 from preemption import StopSignal
 from settings import TrainConfig
 from token_store import store_root_for
+from trackers import TrackerSettings
 from trainer_lock import one_trainer
 
 log = logging.getLogger("train")
@@ -52,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-dir", required=True, type=Path, help="metrics.jsonl and TensorBoard events")
     p.add_argument("--checkpoint-root", required=True, type=Path)
     p.add_argument("--state", required=True, type=Path, help="train_state.json written at the end")
+    p.add_argument("--trackers", help="logging.trackers and the tracker run's identity as JSON (trackers.py)")
     return p.parse_args(argv)
 
 
@@ -183,7 +185,8 @@ def main(argv=None) -> None:
         write_json(a.log_dir / "plan.json", run_record)
         log.info("plan: %s", run_record)
 
-    metrics = MetricsLogger(a.log_dir, cfg, device, data.plan, flops_of, start_step)
+    trackers = TrackerSettings.from_json(a.trackers)
+    metrics = MetricsLogger(a.log_dir, cfg, device, data.plan, flops_of, start_step, trackers, run_record)
     train(strategy, data, metrics, ckpt, stop, start_step, evaluator)
     final = ckpt.save(data.plan.total_steps)
     metrics.close()
