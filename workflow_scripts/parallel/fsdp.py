@@ -106,7 +106,9 @@ class FSDPStrategy(Strategy):
         if dist.get_rank() == 0:
             writes.torch_save(self.extra_state(), folder / "scheduler.pt")
 
-    def load(self, folder: Path) -> None:
+    def load(self, folder: Path, saved_world: int) -> dict:
+        # DCP reads each rank's shards of the model and optimizer states as this world lays them out,
+        # from whichever saved shards hold them: a checkpoint of another world size is resharded on load
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -121,6 +123,7 @@ class FSDPStrategy(Strategy):
             options=self._options(),
         )
         self.load_extra_state(torch.load(folder / "scheduler.pt", weights_only=True))
+        return {}
 
     @classmethod
     def export_source(cls, folder: Path, shapes, exclude_frozen: bool):
