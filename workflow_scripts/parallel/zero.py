@@ -261,6 +261,8 @@ class DeepSpeedStrategy(Strategy):
             self.model._config.load_universal_checkpoint = False
         if path is None:
             raise RuntimeError(f"{folder}: DeepSpeed could not load this checkpoint")
+        if universal:
+            own_steps(self.optimizer)
         return {"universal": str(universal)} if universal else {}
 
     def key_extra(self, base_model: str) -> str | None:
@@ -365,6 +367,16 @@ def universal_copy(folder: Path) -> Path:
     if failed:
         raise RuntimeError(failed)
     return target
+
+
+def own_steps(optimizer) -> None:
+    """DeepSpeed 0.19's ZeRO-3 universal load gives every sub-group's fp32 partition one and the same
+    ``step`` tensor, which torch's AdamW advances in place once per sub-group each step: the bias
+    correction then runs ahead (measured: the loss 2.6e-4 off an uninterrupted run 4 steps after the
+    resume, 2.4e-7 with this). Each partition gets its own copy."""
+    for state in getattr(optimizer, "optimizer", optimizer).state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 def convert_to_universal(folder: Path, target: Path) -> None:
