@@ -82,8 +82,13 @@ def interrupted_at_cut(run) -> None:
 @pytest.mark.torchrun
 @pytest.mark.parametrize(
     "training",
-    [{"strategy": "ddp"}, {"strategy": "fsdp"}, {"strategy": "deepspeed", "zero_stage": 3}],
-    ids=["ddp", "fsdp", "zero3"],
+    [
+        {"strategy": "ddp"},
+        {"strategy": "fsdp"},
+        {"strategy": "deepspeed", "zero_stage": 3},
+        {"strategy": "fsdp", "peft": "lora"},
+    ],
+    ids=["ddp", "fsdp", "zero3", "fsdp-lora"],
 )
 def test_resume_on_another_world_size_continues_the_same_curve(tmp_path, demo_assets, training):
     from consolidate import consolidate
@@ -116,7 +121,7 @@ def test_resume_on_another_world_size_continues_the_same_curve(tmp_path, demo_as
         # after it, the uninterrupted curves within the reduction order's noise (the resumed run's steps
         # after the cut are summed as the other world size sums them)
         gaps = [gap(curve, full[w]) for w in (saved, procs)]
-        print(f"{training['strategy']} {saved}->{procs} ranks: max |loss - uninterrupted| {gaps[0]:.2e} at {saved}"
+        print(f"{training} {saved}->{procs} ranks: max |loss - uninterrupted| {gaps[0]:.2e} at {saved}"
               f" ranks, {gaps[1]:.2e} at {procs}; uninterrupted 1 vs 2 ranks {noise:.2e}")  # fmt: skip
         assert max(gaps) <= max(2 * noise, 1e-6)
         if training["strategy"] == "deepspeed":  # the universal copy is kept beside the original, verified

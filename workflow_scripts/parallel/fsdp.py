@@ -92,10 +92,14 @@ class FSDPStrategy(Strategy):
         self.backward(loss)
         return loss
 
-    def _options(self):
+    def _options(self, loading: bool = False):
+        """LoRA's checkpoints leave the frozen base out. Loading one, set_state_dict's strict check would
+        ask for the frozen weights too (``Missing key(s)``): not strict, as dcp.load has already read
+        every trainable tensor the model asked for (it raises on one the checkpoint lacks)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return StateDictOptions(ignore_frozen_params=self.cfg.peft != "none")
+        lora = self.cfg.peft != "none"
+        return StateDictOptions(ignore_frozen_params=lora, strict=not (lora and loading))
 
     def save(self, folder: Path, writes) -> None:
         import torch.distributed.checkpoint as dcp
@@ -120,7 +124,7 @@ class FSDPStrategy(Strategy):
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
-            options=self._options(),
+            options=self._options(loading=True),
         )
         self.load_extra_state(torch.load(folder / "scheduler.pt", weights_only=True))
         return {}
