@@ -127,6 +127,13 @@ def test_resume_on_another_world_size_continues_the_same_curve(tmp_path, demo_as
         if training["strategy"] == "deepspeed":  # the universal copy is kept beside the original, verified
             universal = key / f"step-{CUT}" / "universal"
             assert plan["resharded_from"]["universal"] == str(universal) and verify(universal) is None
+            if saved == 2:  # damaged, it is checked before use and made again from the original
+                (damaged,) = [n for n in json.loads((universal / MARKER).read_text())["files"] if "exp_avg_sq" in n][:1]
+                (universal / damaged).write_bytes(b"\0" + (universal / damaged).read_bytes()[1:])
+                interrupted_at_cut(run)
+                again = run_trainer(run, demo_assets, cfg | {"procs_per_node": procs}, procs=procs)
+                assert f"{universal}: {damaged}: sha256 differs from the one written; making it again" in again.stderr
+                assert verify(universal) is None and losses(run) == curve
         state = json.loads((run / "train" / "train_state.json").read_text())
         report, ids, expected = consolidate(state, tmp_path / f"model-{saved}-{procs}")
         check_model(tmp_path / f"model-{saved}-{procs}", ids, expected, 1e-5)
