@@ -14,7 +14,7 @@ from pipeline_io import UserError, interpreter_first_on_path, log_stop_reason  #
 from data_formats import delimiter_arg, resolve_mapping, resolve_paths  # noqa: E402
 from fingerprint import check_model, local_model_folder  # noqa: E402
 from chat_format import format_list, has_chat_template, no_template_message  # noqa: E402
-from settings import check_grid, validated  # noqa: E402
+from settings import accumulation, check_grid, job_ranks, validated  # noqa: E402
 from settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig  # noqa: E402
 from settings import TEMPLATE_KEYS, DecontaminateConfig, PlanConfig, SplitConfig, TokenizeConfig  # noqa: E402
 from grid import expand_grid, variant_training  # noqa: E402
@@ -201,6 +201,12 @@ GRID_CONFIG = verbatim(GridConfig.to_json(config))
 # or examples, before a training job is queued (joint mode: asked of each shard, more than it needs).
 # A grid's shared tokenization asks for what the largest variant needs.
 TRAININGS = [variant_training(config["training"], values) for values in VARIANTS.values()] or [config["training"]]
+# training.global_batch_size that no accumulation keeps at the job's ranks: one line before any job
+try:
+    for t in TRAININGS:
+        accumulation(t["micro_batch_size"], t["grad_accum"], t["global_batch_size"], job_ranks(t, config["nodes"]))
+except UserError as e:
+    fail(e)
 PER_RANK = [(t["packing"], t["micro_batch_size"] * t["procs_per_node"]) for t in TRAININGS]
 NODE_TOKENIZE_ARGS = cli_args(
     min_bins=max((n for packing, n in PER_RANK if packing), default=None),

@@ -80,12 +80,30 @@ def set_rng_state(path: Path) -> None:
         torch.cuda.set_rng_state(tensors["cuda"])
 
 
-def run_key(cfg, data_sha: str, base_fingerprint: str, deepspeed_json_sha: str | None) -> str:
+# What a job's world size decides, not what it trains: the ranks, and how the global batch is split
+# into accumulated micro-batches over them (the data order is a function of the global batch: batching.py).
+WORLD_KEYS = ("procs_per_node", "grad_accum", "global_batch_size")
+
+
+def run_key(cfg, world: int, data_sha: str, base_fingerprint: str, deepspeed_json_sha: str | None) -> str:
     """Checkpoints are only resumed by a job that trains the same thing: the same training config,
     data (shards and packing plans), base model content (weights, config, tokenizer, template) and
-    DeepSpeed JSON content."""
-    text = json.dumps([dataclasses.asdict(cfg), data_sha, base_fingerprint, deepspeed_json_sha], sort_keys=True)
+    DeepSpeed JSON content. ``cfg`` is the job's (settings.for_world at ``world`` ranks); the key has
+    its global batch, not its world size or accumulation, so a job on another world size with the same
+    global batch resumes (resharding the checkpoint: Strategy.load)."""
+    keyed = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in WORLD_KEYS}
+    keyed["global_batch"] = cfg.micro_batch_size * cfg.grad_accum * world
+    text = json.dumps([keyed, data_sha, base_fingerprint, deepspeed_json_sha], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def saved_world(folder: Path) -> int | None:
+    """The world size ``folder`` was saved with: its ranks' RNG files (every rank writes one), as its
+    marker lists them; None without a readable marker."""
+    marker, problem = read_marker(folder)
+    if problem:
+        return None
+    return sum(1 for name in marker["files"] if re.fullmatch(r"rng-\d+\.safetensors", name)) or None
 
 
 def choose(folders: list[Path], check) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -121,6 +139,37 @@ def stop_job(message: str | None, code: int = 2) -> None:
     os._exit(code)
 
 
+def agree(problem: str | None, group=None) -> str | None:
+    """Every rank's problem (None: fine) gathered: the first one, the same on every rank."""
+    problems = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, problem, group=group)
+    return next((p for p in problems if p), None)
+
+
+def verify_shared(folder: Path, rank: int) -> str | None:
+    """Why ``folder`` cannot be trusted, or None; each rank checks its share of the files."""
+    marker, problem = read_marker(folder)
+    if problem is None:
+        names = shares(marker["files"], dist.get_world_size())[rank]
+        problem = check_files(folder, marker["files"], names)
+    return agree(problem)
+
+
+def commit(folder: Path, step: int, written: dict) -> tuple[dict, int]:
+    """Write the marker last, after everything else is flushed to disk: every file's size and sha256
+    (``written``: what was hashed while written; the rest is read back). Returns (files, bytes read back)."""
+    files, read_back = build_manifest(folder, written)
+    for name in files:
+        with open(folder / name, "rb") as f:
+            os.fsync(f.fileno())
+    tmp = folder / f".{MARKER}.tmp"
+    tmp.write_text(marker_text(step, files, time.time()))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / MARKER)
+    return files, read_back
+
+
 class Checkpointer:
     """Saves every `every` steps and at the last one, keeps the newest `keep`, resumes the newest good one.
 
@@ -133,6 +182,7 @@ class Checkpointer:
         self.root, self.strategy, self.rank, self.keep = Path(root), strategy, rank, max(2, keep)
         self.every, self.metrics_path = every, metrics_path
         self.newest_good: Path | None = None  # the checkpoint a rerun resumes from
+        self.resharded: dict | None = None  # the resumed checkpoint's world size etc., saved at another one
 
     def maybe_save(self, step: int, last_step: int) -> None:
         """The periodic checkpoint (the last step's is the final save)."""
@@ -140,30 +190,30 @@ class Checkpointer:
             self.save(step)
 
     def agree(self, problem: str | None) -> str | None:
-        """Every rank's problem (None: fine) gathered: the first one, the same on every rank."""
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-        return next((p for p in problems if p), None)
+        return agree(problem)
 
     def verify(self, folder: Path) -> str | None:
-        """Why ``folder`` cannot be trusted, or None; each rank checks its share of the files."""
-        marker, problem = read_marker(folder)
-        if problem is None:
-            names = shares(marker["files"], dist.get_world_size())[self.rank]
-            problem = check_files(folder, marker["files"], names)
-        return self.agree(problem)
+        return verify_shared(folder, self.rank)
 
     def _load(self, folder: Path) -> str | None:
-        """Load ``folder`` on every rank; None, or why it failed (on any rank)."""
+        """Load ``folder`` on every rank; None, or why it failed (on any rank). A checkpoint of another
+        world size is resharded by the strategy's loader, and ``resharded`` says from what (plan.json)."""
+        world, cfg = dist.get_world_size(), self.strategy.cfg
+        saved = saved_world(folder) or world
         try:
-            self.strategy.load(folder)
+            how = self.strategy.load(folder, saved)
             rng = folder / rng_files(self.rank)[0]
             if rng.exists():  # none when this rank did not exist in the run that saved it
                 set_rng_state(rng)
             problem = None
         except Exception as e:  # the strategies' loaders raise what their libraries raise
             problem = f"could not be loaded ({type(e).__name__}: {str(e).strip()[:160]})"
-        return self.agree(problem)
+        problem = self.agree(problem)
+        if problem is None and saved != world:
+            global_batch = cfg.micro_batch_size * cfg.grad_accum * world
+            self.resharded = {"checkpoint": str(folder), "step": step_of(folder), "world_size": saved,
+                              "grad_accum": global_batch // (cfg.micro_batch_size * saved), **how}  # fmt: skip
+        return problem
 
     def resume(self, last_step: int) -> int:
         """Load the newest good checkpoint of an interrupted run; return its step (0 for a fresh start).
@@ -212,7 +262,9 @@ class Checkpointer:
                 shutil.copyfile(folder / "metrics.jsonl", metrics_path)
             elif metrics_path.exists():
                 metrics_path.unlink()
-            log.info("resumed from %s at step %d", folder, step)
+            was = self.resharded
+            how = f" (saved at {was['world_size']} ranks, grad_accum {was['grad_accum']}: resharded)" if was else ""
+            log.info("resumed from %s at step %d%s", folder, step, how)
         return step
 
     def _none_good(self, bad: list[tuple[Path, str]]) -> str:
@@ -255,17 +307,8 @@ class Checkpointer:
         return folder
 
     def _commit(self, folder: Path, step: int, written: dict) -> None:
-        """Write the marker last, after everything else is flushed to disk: every file's size and sha256."""
         start = time.monotonic()
-        files, read_back = build_manifest(folder, written)
-        for name in files:
-            with open(folder / name, "rb") as f:
-                os.fsync(f.fileno())
-        tmp = folder / f".{MARKER}.tmp"
-        tmp.write_text(marker_text(step, files, time.time()))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, folder / MARKER)
+        files, read_back = commit(folder, step, written)
         total = sum(f["size"] for f in files.values())
         log.info("checkpoint %s committed: %d files, %.1f MB (%.1f MB read back to hash), commit %.2f s", folder,
                  len(files), total / 1e6, read_back / 1e6, time.monotonic() - start)  # fmt: skip

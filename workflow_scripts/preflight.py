@@ -83,7 +83,7 @@ from pathlib import Path
 from parallel import strategy_for
 from parallel.base import Footprint, compute_bytes
 from pipeline_io import UserError, cli, write_json
-from settings import PlanConfig
+from settings import PlanConfig, accumulation, job_ranks
 from transformers import AutoConfig
 
 GB = 2**30  # the plan's GB are GiB, as SLURM's and nvidia-smi's
@@ -341,7 +341,8 @@ def main(argv=None) -> None:
     preset = preset_name(a.model)
     config = load_config(a.model, t)
     n, largest_layer = model_to_params(config)
-    world = t["procs_per_node"] * (t["nodes"] if t["mode"] == "joint" else 1)  # joint: every node's ranks
+    world = job_ranks(t, t["nodes"])  # joint: every node's ranks
+    t["grad_accum"] = accumulation(t["micro_batch_size"], t["grad_accum"], t["global_batch_size"], world)
     est = estimate(config, n, t, world, seq_len)
     est["without_checkpointing_gb"] = estimate(config, n, t | {"gradient_checkpointing": False}, world, seq_len)[
         "total_gb"

@@ -112,6 +112,7 @@ class TrainConfig:
     micro_batch_size: int
     packing: bool
     grad_accum: int
+    global_batch_size: int | None
     fsdp_no_sync: bool
     epochs: float
     max_steps: int | None
@@ -142,6 +143,39 @@ def flat_training(training: dict) -> dict:
 def training_config(training: dict | None = None) -> TrainConfig:
     """The trainer's config from a (partial) `training` section, validated and completed by the schema."""
     return TrainConfig(**flat_training(validated(training or {}, "training")))
+
+
+def job_ranks(training: dict, nodes: int) -> int:
+    """The ranks of one training job: procs_per_node, times the nodes in joint mode (one job over all)."""
+    return training["procs_per_node"] * (nodes if training["mode"] == "joint" else 1)
+
+
+def accumulation(micro_batch_size: int, grad_accum: int, global_batch_size: int | None, world: int) -> int:
+    """The micro-batches accumulated per optimizer step at ``world`` ranks: grad_accum, or the one that keeps
+    training.global_batch_size; a UserError (one line) where it does not divide or both keys are set."""
+    if global_batch_size is None:
+        return grad_accum
+    if grad_accum != 1:
+        raise UserError(
+            f"training.grad_accum is {grad_accum} and training.global_batch_size {global_batch_size}: set one"
+            " (with global_batch_size the accumulation follows from it)"
+        )
+    per_pass = micro_batch_size * world
+    if global_batch_size % per_pass:
+        fits = sorted({max(1, global_batch_size // per_pass), global_batch_size // per_pass + 1} - {0})
+        raise UserError(
+            f"training.global_batch_size {global_batch_size} is not a multiple of micro_batch_size x ranks ="
+            f" {micro_batch_size} x {world} = {per_pass}, so no accumulation keeps it at {world} rank(s); "
+            f"use {' or '.join(str(k * per_pass) for k in fits)}, or another micro_batch_size"
+        )
+    return global_batch_size // per_pass
+
+
+def for_world(cfg: "TrainConfig", world: int) -> "TrainConfig":
+    """``cfg`` as a job of ``world`` ranks trains it: grad_accum is the accumulation (``accumulation``)."""
+    return dataclasses.replace(
+        cfg, grad_accum=accumulation(cfg.micro_batch_size, cfg.grad_accum, cfg.global_batch_size, world)
+    )
 
 
 # ---------------------------------------------------------------- typed stage configs
@@ -308,7 +342,8 @@ PlanConfig = stage_config(
     "a from-scratch preset's vocabulary, and the nodes (joint mode shards over all of their ranks).",
     "training.mode", "training.strategy", "training.zero_stage", "training.offload", "training.peft",
     "training.lora", "training.procs_per_node", "training.precision", "training.micro_batch_size",
-    "training.gradient_checkpointing", "training.grad_accum", "training.fsdp_no_sync", "training.packing",
+    "training.gradient_checkpointing", "training.grad_accum", "training.global_batch_size", "training.fsdp_no_sync",
+    "training.packing",
     "training.gpu_memory_gb", "nodes", "data.max_seq_len",
     "model.demo_vocab_size",
 )  # fmt: skip

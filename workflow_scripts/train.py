@@ -32,7 +32,7 @@ from metrics_logger import MetricsLogger, flops_per_sequence_fn
 from parallel import build_strategy, load_model
 from pipeline_io import UserError, cli, write_json
 from preemption import StopSignal
-from settings import TrainConfig
+from settings import TrainConfig, for_world
 from token_store import store_root_for
 from trackers import TrackerSettings
 from trainer_lock import one_trainer
@@ -78,10 +78,12 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
 
 
 def checkpoint_folder(strategy, data: TrainingData, base_model: str, checkpoint_root: Path) -> Path:
-    """This training's checkpoints: keyed by config, data, base model content and what the strategy
-    adds (Strategy.key_extra: the DeepSpeed JSON's content; with DeepSpeed, the ZeRO section it runs with)."""
+    """This training's checkpoints: keyed by config (its global batch, not the world size: checkpoint.run_key),
+    data, base model content and what the strategy adds (Strategy.key_extra: the DeepSpeed JSON's content;
+    with DeepSpeed, the ZeRO section it runs with)."""
     base = model_fingerprint(base_model, cache_file_for(checkpoint_root))
-    return checkpoint_root / run_key(strategy.cfg, data.sha256, base, strategy.key_extra(base_model))
+    world = dist.get_world_size()
+    return checkpoint_root / run_key(strategy.cfg, world, data.sha256, base, strategy.key_extra(base_model))
 
 
 def parameter_counts(model) -> dict:
@@ -91,7 +93,7 @@ def parameter_counts(model) -> dict:
     }
 
 
-def describe_run(cfg, data, sizes, attn, start_step, resumed) -> dict:
+def describe_run(cfg, data, sizes, attn, start_step, resumed, resharded) -> dict:
     """plan.json: what this job trains, where, and from which step."""
     world = dist.get_world_size()
     hosts = [None] * world  # where each rank runs: SLURM's node name, or the hostname
@@ -101,6 +103,8 @@ def describe_run(cfg, data, sizes, attn, start_step, resumed) -> dict:
         "nodes": world // int(os.environ.get("LOCAL_WORLD_SIZE", world)),
         "hosts": hosts,
         "start_step": start_step,
+        "grad_accum": cfg.grad_accum,
+        "resharded_from": resharded,  # the resumed checkpoint's world size, when it was another (Checkpointer._load)
         "attention": attn,
         "strategy": cfg.strategy,
         "peft": cfg.peft,
@@ -165,6 +169,7 @@ def main(argv=None) -> None:
     one_trainer(a.checkpoint_root, device)  # rank 0 locks the checkpoints for the job's life; a second trainer ends
     stop.take_over()  # the previous job's preempted.json, read and removed: a failure from here is no preemption
     rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = for_world(cfg, world)  # grad_accum: what keeps training.global_batch_size at this world size
     torch.manual_seed(cfg.seed)
     data = TrainingData(cfg, a.data, a.packing, world, rank, store_root_for(a.checkpoint_root))
 
@@ -179,7 +184,7 @@ def main(argv=None) -> None:
     root = checkpoint_folder(strategy, data, a.base_model, a.checkpoint_root)
     ckpt = Checkpointer(root, strategy, rank, cfg.keep_checkpoints, cfg.checkpoint_every, a.log_dir / "metrics.jsonl")
     start_step = ckpt.resume(data.plan.total_steps)
-    run_record = describe_run(cfg, data, sizes, attn, start_step, stop.resumed_after(start_step))
+    run_record = describe_run(cfg, data, sizes, attn, start_step, stop.resumed_after(start_step), ckpt.resharded)
     if rank == 0:
         run_record |= {"checkpoints": str(root), "superseded_checkpoints": superseded(root)}
         write_json(a.log_dir / "plan.json", run_record)

@@ -8,8 +8,8 @@ over ranks:
   (``place``), so that no rank holds a full fp32 copy it does not train;
 - training (an instance: ``__init__`` wraps the model and makes the optimizer and schedule):
   ``forward_backward`` per micro-batch, ``step`` per optimizer step, ``save``/``load`` of its own
-  native checkpoint (checkpoint.Checkpointer decides when), what of its settings keys a checkpoint
-  (``key_extra``);
+  native checkpoint (checkpoint.Checkpointer decides when; ``load`` reshards one saved at another
+  world size), what of its settings keys a checkpoint (``key_extra``);
 - the export reader consolidation reads that checkpoint through (``export_source``);
 - its memory terms for the planner (preflight): which of weights, gradients and optimizer states
   it shards, what it holds on the host at load and in training, and what to try when it does not fit.
@@ -250,7 +250,10 @@ class Strategy:
         each file hashed as it is written) wherever the library lets us hand it the stream."""
         raise NotImplementedError
 
-    def load(self, folder: Path) -> None:
+    def load(self, folder: Path, saved_world: int) -> dict:
+        """Load ``folder``, saved by ``saved_world`` ranks: at another world size than this job's the
+        state is resharded (DDP's is world-size free, DCP reshards FSDP2's, DeepSpeed loads a universal
+        copy). Returns what plan.json's ``resharded_from`` adds about how ({} for nothing)."""
         raise NotImplementedError
 
     @classmethod

@@ -54,7 +54,8 @@ class DDPStrategy(Strategy):
             }
             writes.torch_save(state, folder / "state.pt")
 
-    def load(self, folder: Path) -> None:
+    def load(self, folder: Path, saved_world: int) -> dict:
+        # rank 0's full state: the same at any world size
         state = torch.load(folder / "state.pt", map_location=self.device, weights_only=True)
         # only trainable tensors are saved; tied weights appear once in named_parameters
         needed = {n for n, p in self.inner.named_parameters() if p.requires_grad}
@@ -64,6 +65,7 @@ class DDPStrategy(Strategy):
             raise RuntimeError(f"{folder / 'state.pt'}: does not match the model ({unexpected[:2]} {lacking[:2]})")
         self.optimizer.load_state_dict(state["optimizer"])
         self.load_extra_state(state)
+        return {}
 
     @classmethod
     def export_source(cls, folder: Path, shapes, exclude_frozen: bool):

@@ -92,10 +92,14 @@ class FSDPStrategy(Strategy):
         self.backward(loss)
         return loss
 
-    def _options(self):
+    def _options(self, loading: bool = False):
+        """LoRA's checkpoints leave the frozen base out. Loading one, set_state_dict's strict check would
+        ask for the frozen weights too (``Missing key(s)``): not strict, as dcp.load has already read
+        every trainable tensor the model asked for (it raises on one the checkpoint lacks)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return StateDictOptions(ignore_frozen_params=self.cfg.peft != "none")
+        lora = self.cfg.peft != "none"
+        return StateDictOptions(ignore_frozen_params=lora, strict=not (lora and loading))
 
     def save(self, folder: Path, writes) -> None:
         import torch.distributed.checkpoint as dcp
@@ -106,7 +110,9 @@ class FSDPStrategy(Strategy):
         if dist.get_rank() == 0:
             writes.torch_save(self.extra_state(), folder / "scheduler.pt")
 
-    def load(self, folder: Path) -> None:
+    def load(self, folder: Path, saved_world: int) -> dict:
+        # DCP reads each rank's shards of the model and optimizer states as this world lays them out,
+        # from whichever saved shards hold them: a checkpoint of another world size is resharded on load
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -118,9 +124,10 @@ class FSDPStrategy(Strategy):
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
-            options=self._options(),
+            options=self._options(loading=True),
         )
         self.load_extra_state(torch.load(folder / "scheduler.pt", weights_only=True))
+        return {}
 
     @classmethod
     def export_source(cls, folder: Path, shapes, exclude_frozen: bool):
