@@ -177,6 +177,8 @@ def test_report_page_shows_json_as_nested_tables_and_text_with_images(tmp_path):
     png.write_bytes(b"\x89PNG fake")
     page = render(text, "board", [png])
     assert "  eval_loss  node0 1.464" in page and 'src="data:image/png;base64,iVBORy' in page
+    png.write_bytes(bytes(range(256)) * 100)  # a line per 76 characters of base64: docutils takes no longer one
+    assert max(map(len, render(text, "board", [png]).splitlines())) < 200
 
 
 def test_samples_have_the_user_turn_and_a_verdict_per_model(tmp_path):

@@ -100,8 +100,10 @@ def json_html(value) -> str:
 
 
 def image_html(path: Path) -> str:
-    """A PNG embedded as a data URI, as wide as the page at most."""
-    data = base64.b64encode(path.read_bytes()).decode()
+    """A PNG embedded as a data URI, as wide as the page at most. Its base64 in lines of 76 characters (a URL's
+    line breaks are dropped when it is read): docutils, which renders the report's first page, refuses a line
+    over 10,000 characters."""
+    data = base64.encodebytes(path.read_bytes()).decode().strip()
     return f'<p><img alt="{html.escape(path.name)}" src="data:image/png;base64,{data}" style="max-width: 100%"></p>'
 
 

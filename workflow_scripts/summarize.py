@@ -101,11 +101,11 @@ def leaderboard_text(table: pd.DataFrame, tasks: pd.DataFrame | None = None, fol
         f"{LOSSES[0]}: {direction(LOSSES[0])}; {', '.join(SCORES)}: 0-1, {direction(SCORES[0])}",
         table[columns].to_string(index=False, float_format="{:.3f}".format),
     ]
-    if tasks is not None:  # eval.limit: a task scored on its first documents only
+    if tasks is not None:  # eval.limit: a task scored on its first documents only, said on its lines
         extra = tasks[(tasks["task"] != HELDOUT) & (tasks["documents"] < tasks["of_documents"])]
         for task, rows in extra.groupby("task", sort=False):
-            lines.insert(1, f"  ({task}: first {rows['documents'].max():.0f} of {rows['of_documents'].max():.0f}"
-                            " documents, eval.limit)")  # fmt: skip
+            note = f" [first {rows['documents'].max():.0f} of {rows['of_documents'].max():.0f} documents: eval.limit]"
+            lines = [line + note if line.startswith(f"  {task}.") else line for line in lines]
     load = best_model_lines(scores, folders or {})
     return "\n".join(lines + ([""] + load if load else [])) + "\n"
 

@@ -60,14 +60,20 @@ def winners(scores: pd.DataFrame) -> pd.DataFrame:
 
 def forgetting(scores: pd.DataFrame, base: str = "base") -> pd.DataFrame:
     """The (model, metric) pairs where a model other than ``base`` is worse than ``base`` beyond its interval:
-    its whole interval above base's value for a loss, below it for a score."""
-    base_values = scores[scores["model"] == base].set_index("metric")["value"]
+    its whole interval above base's value for a loss, below it for a score (a model without an interval: its
+    value beyond base's interval)."""
+    base_rows = scores[scores["model"] == base].set_index("metric")
+    base_values = base_rows["value"]
     rows = []
     for _, r in scores[scores["model"] != base].iterrows():
         if r["metric"] not in base_values:
             continue
-        b = base_values[r["metric"]]
-        worse = r["lo"] > b if lower_is_better(r["metric"]) else r["hi"] < b
+        b, lower = base_values[r["metric"]], lower_is_better(r["metric"])
+        if math.isnan(r["lo"]) or math.isnan(r["hi"]):  # the model has none (lm-eval's "N/A"): base's interval
+            b_lo, b_hi = base_rows.loc[r["metric"], ["lo", "hi"]]
+            worse = r["value"] > b_hi if lower else r["value"] < b_lo
+        else:
+            worse = r["lo"] > b if lower else r["hi"] < b
         if worse:
             rows.append({"model": r["model"], "metric": r["metric"], "value": r["value"], "lo": r["lo"],
                          "hi": r["hi"], "base_value": b})  # fmt: skip
