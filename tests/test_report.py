@@ -131,7 +131,7 @@ def test_landing_page_shows_the_leaderboard_and_the_plots(tmp_path):
     html = (tmp_path / "report.html").read_text()
     page = json.loads(re.search(r"var workflow_desc = (\".*\");", html).group(1))
     assert "Fine-tuning run <strong>t</strong>" in page and "System Message" not in page
-    assert board.replace(">", "&gt;").splitlines()[1] in page and 'white-space: pre-wrap' in page
+    assert board.replace(">", "&gt;").splitlines()[1] in page and "white-space: pre-wrap" in page
     assert page.count('src="data:image/png;base64,') == 1
 
 

@@ -117,7 +117,9 @@ def test_leaderboard_has_a_line_per_extra_task_only_when_there_are_tasks():
     # a long task and metric name keeps a space before its value (lm-eval's gsm8k metric names); all equal: a tie
     long = [r | {"tasks": {"gsm8k": {"exact_match,flexible-extract": 0.25}}} for r in results()]
     line = leaderboard_text(summary_table(long), tasks_table(long)).splitlines()[6]
-    assert line.startswith("  gsm8k.exact_match/flexible-extract  base = node0 = node1 = soup_uniform (tie) 0.250"), line
+    assert line.startswith("  gsm8k.exact_match/flexible-extract  base = node0 = node1 = soup_uniform (tie) 0.250"), (
+        line
+    )
 
 
 def test_task_panels_never_empty():

@@ -4,7 +4,6 @@ the forgetting flag, the load snippet, the report's pages, the samples' prompts 
 import json
 import math
 import re
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -20,7 +19,7 @@ def test_bootstrap_is_seeded_and_brackets_the_point_estimate():
     values = np.array([1.0] * 30 + [0.0] * 70)
     first, again = bootstrap(np.mean, values), bootstrap(np.mean, values)
     assert first == again
-    assert first["lo"] < 0.3 < first["hi"] and 0.2 < first["lo"] and first["hi"] < 0.4
+    assert first["lo"] < 0.3 < first["hi"] and first["lo"] > 0.2 and first["hi"] < 0.4
     assert first["stderr"] == pytest.approx(math.sqrt(0.3 * 0.7 / 100), rel=0.15)  # a proportion's stderr
     constant = bootstrap(np.mean, np.full(20, 0.5))
     assert constant["lo"] == constant["hi"] == 0.5 and constant["stderr"] == 0
@@ -65,7 +64,8 @@ def test_best_per_metric_ties_within_the_interval():
         ("node1", "eval_loss", 1.63, 1.56, 1.70),
         ("base", "exact_match", 0.0, 0.0, 0.0), ("node0", "exact_match", 0.233, 0.175, 0.296),
         ("node1", "exact_match", 0.376, 0.307, 0.444),
-        ("base", "rouge_l", 0.1, 0.08, 0.12), ("node0", "rouge_l", 0.50, 0.45, 0.55), ("node1", "rouge_l", 0.52, 0.47, 0.57),
+        ("base", "rouge_l", 0.1, 0.08, 0.12), ("node0", "rouge_l", 0.50, 0.45, 0.55),
+        ("node1", "rouge_l", 0.52, 0.47, 0.57),
     ])  # fmt: skip
     w = winners(table).set_index("metric")
     assert w.loc["eval_loss", "best"] == "node0" and w.loc["eval_loss", "ties"] == []  # lower is better
@@ -83,10 +83,14 @@ def test_forgetting_is_flagged_only_beyond_the_interval():
     table = scores([
         ("base", "demo_mc.acc", 0.60, 0.50, 0.70), ("node0", "demo_mc.acc", 0.40, 0.32, 0.48),
         ("node1", "demo_mc.acc", 0.55, 0.45, 0.65),
-        ("base", "eval_loss", 1.0, 0.9, 1.1), ("node0", "eval_loss", 1.3, 1.2, 1.4), ("node1", "eval_loss", 1.05, 0.95, 1.15),
+        ("base", "eval_loss", 1.0, 0.9, 1.1), ("node0", "eval_loss", 1.3, 1.2, 1.4),
+        ("node1", "eval_loss", 1.05, 0.95, 1.15),
     ])  # fmt: skip
     flagged = forgetting(table)
-    assert list(zip(flagged["model"], flagged["metric"], strict=True)) == [("node0", "demo_mc.acc"), ("node0", "eval_loss")]
+    assert list(zip(flagged["model"], flagged["metric"], strict=True)) == [
+        ("node0", "demo_mc.acc"),
+        ("node0", "eval_loss"),
+    ]
     lines = winner_lines(table)
     assert "Forgetting: node0 is worse than base on demo_mc.acc: 0.400 [0.320, 0.480] vs 0.600" in lines
     assert not any("node1 is worse" in line for line in lines)
@@ -114,11 +118,10 @@ def test_summary_keeps_its_columns_and_adds_the_intervals():
     from summarize import summary_table
 
     interval = {"lo": 0.2, "hi": 0.3, "stderr": 0.025}
-    results = [{"model": m, "eval_loss": 1.5, "perplexity": 4.48, "exact_match": 0.25, "rouge_l": 0.5, "bleu": 0.1,
-                "chrf": 0.4, "intervals": {k: interval for k in ("eval_loss", "perplexity", "exact_match", "rouge_l",
-                                                                     "bleu", "chrf")}} for m in ("base", "node0")]  # fmt: skip
-    table = summary_table(results)
     heldout = ["eval_loss", "perplexity", "exact_match", "rouge_l", "bleu", "chrf"]
+    scores = {"eval_loss": 1.5, "perplexity": 4.48, "exact_match": 0.25, "rouge_l": 0.5, "bleu": 0.1, "chrf": 0.4}
+    results = [{"model": m, **scores, "intervals": dict.fromkeys(heldout, interval)} for m in ("base", "node0")]
+    table = summary_table(results)
     assert list(table.columns[:9]) == ["model", *heldout, "eval_loss_vs_base", "exact_match_delta"]
     for metric in heldout:
         assert table[[f"{metric}_lo", f"{metric}_hi", f"{metric}_stderr"]].iloc[0].tolist() == [0.2, 0.3, 0.025]
@@ -141,7 +144,10 @@ def test_leaderboard_ends_with_the_folder_and_two_lines_that_load_it():
     assert lines[1].split()[:3] == ["eval_loss", "node0", "1.460"] and "[1.410, 1.510]" in lines[1]
     assert lines[2].split()[:3] == ["exact_match", "node1", "0.376"] and "base 0.000" in lines[2]
     # node1 is best on exact match, ROUGE-L and chrF (and ties bleu): it is the one to load
-    assert lines[-3] == "Load node1 (best or tied best on exact_match, rouge_l, bleu, chrf), folder results/demo/models/node1:"
+    assert (
+        lines[-3]
+        == "Load node1 (best or tied best on exact_match, rouge_l, bleu, chrf), folder results/demo/models/node1:"
+    )
     assert lines[-2] == "  from transformers import AutoModelForCausalLM, AutoTokenizer"
     assert lines[-1].count('from_pretrained("results/demo/models/node1")') == 2
 
@@ -191,8 +197,10 @@ def test_samples_have_the_user_turn_and_a_verdict_per_model(tmp_path):
     turns = last_user_turns(split)
     assert turns == {"h1": "Capital of France?"}
     sample = {"prompt": "<|im_start|>user\nCapital of France?<|im_end|>", "reference": "Paris", "content_hash": "h1"}
-    results = [{"model": "base", "samples": [sample | {"prediction": "Lyon", "correct": False}]},
-               {"model": "node0", "samples": [sample | {"prediction": " Paris "}]}]  # no verdict: judged here
+    results = [
+        {"model": "base", "samples": [sample | {"prediction": "Lyon", "correct": False}]},
+        {"model": "node0", "samples": [sample | {"prediction": " Paris "}]},
+    ]  # no verdict: judged here
     table = samples_table(results, turns)
     assert table.iloc[0].to_dict() == {"prompt": "Capital of France?", "reference": "Paris", "base": "Lyon",
                                        "base_correct": False, "node0": " Paris ", "node0_correct": True}  # fmt: skip
@@ -241,8 +249,10 @@ def test_first_page_fits_every_run_shape_and_shows_the_leaderboard(tmp_path, sha
                                                                    else ["."])]  # fmt: skip
     for board in boards:
         board.parent.mkdir(parents=True, exist_ok=True)
-        board.write_text('<html><head></head>\n<body><h1 style="x">Best</h1>\n<pre>  eval_loss  node0 1.464\n'
-                         '  a &lt; b</pre>\n<p><img src="data:image/png;base64,AAAA"></p>\n</body></html>\n')  # fmt: skip
+        board.write_text(
+            '<html><head></head>\n<body><h1 style="x">Best</h1>\n<pre>  eval_loss  node0 1.464\n  a &lt; b</pre>\n'
+            '<p><img src="data:image/png;base64,AAAA"></p>\n</body></html>\n'
+        )
     files = [type("Item", (), {"target": b.name, "path": b}) for b in boards]
     template = Environment(trim_blocks=True, lstrip_blocks=True).from_string((REPO / "report/workflow.rst").read_text())
     rst = template.render(snakemake=Snakemake, files=files, categories={})

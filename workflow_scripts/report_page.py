@@ -34,7 +34,8 @@ def page(title: str, body: str) -> str:
     """A whole HTML document: ``body`` (HTML) under ``title`` (text), styled inline."""
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-        f'<style>{STYLE}</style></head>\n<body><h1 style="font-size: 18px">{html.escape(title)}</h1>\n{body}\n</body></html>\n'
+        f"<style>{STYLE}</style></head>\n"
+        f'<body><h1 style="font-size: 18px">{html.escape(title)}</h1>\n{body}\n</body></html>\n'
     )
 
 
@@ -89,9 +90,7 @@ def json_html(value) -> str:
         if value and all(isinstance(v, dict) for v in value):
             keys = list(dict.fromkeys(k for v in value for k in v))
             head = "".join(f"<th>{html.escape(str(k))}</th>" for k in keys)
-            body = "".join(
-                "<tr>" + "".join(f"<td>{json_html(v.get(k))}</td>" for k in keys) + "</tr>\n" for v in value
-            )
+            body = "".join("<tr>" + "".join(f"<td>{json_html(v.get(k))}</td>" for k in keys) + "</tr>\n" for v in value)
             return f"<table>\n<thead><tr>{head}</tr></thead>\n{body}</table>"
         if all(not isinstance(v, dict | list) for v in value):
             return html.escape(", ".join(scalar(v) for v in value)) or "<i>[]</i>"
