@@ -94,7 +94,7 @@ def test_leaderboard_has_a_line_per_extra_task_only_when_there_are_tasks():
     assert lines[6].split()[:3] == ["demo_mc.acc", "soup_uniform", "0.500"], lines[6]
     assert lines[6].split()[3:6] == ["[0.441,", "0.559],", "base"]  # 0.5 ± 1.96 x 0.03
     # node0's 0.3 has no stderr, but lies below base's interval (0.4 ± 1.96 x 0.02): forgetting
-    assert lines[8] == "Forgetting: node0 is worse than base on demo_mc.acc: 0.300 vs 0.400"
+    assert lines[8] == "Forgetting: node0 is worse than base on demo_mc.acc: 0.300 vs 0.400 [0.361, 0.439]"
 
     from summarize import decontamination_line
 

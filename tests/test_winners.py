@@ -82,7 +82,7 @@ def test_forgetting_is_flagged_only_beyond_the_interval():
 
     table = scores([
         ("base", "demo_mc.acc", 0.60, 0.50, 0.70), ("node0", "demo_mc.acc", 0.40, 0.32, 0.48),
-        ("node1", "demo_mc.acc", 0.55, 0.45, 0.65),
+        ("node1", "demo_mc.acc", 0.55, 0.45, 0.65), ("node2", "demo_mc.acc", 0.47, 0.42, 0.52),
         ("base", "eval_loss", 1.0, 0.9, 1.1), ("node0", "eval_loss", 1.3, 1.2, 1.4),
         ("node1", "eval_loss", 1.05, 0.95, 1.15),
     ])  # fmt: skip
@@ -92,10 +92,16 @@ def test_forgetting_is_flagged_only_beyond_the_interval():
         ("node0", "eval_loss"),
     ]
     lines = winner_lines(table)
-    assert "Forgetting: node0 is worse than base on demo_mc.acc: 0.400 [0.320, 0.480] vs 0.600" in lines
-    assert not any("node1 is worse" in line for line in lines)
+    assert "Forgetting: node0 is worse than base on demo_mc.acc: 0.400 [0.320, 0.480] vs 0.600 [0.500, 0.700]" in lines
+    assert not any("node1 is worse" in line or "node2 is worse" in line for line in lines)  # the intervals overlap
     calm = winner_lines(table[table["model"] != "node0"])
-    assert calm[-1] == "Forgetting: no model is worse than base beyond its interval on any metric"
+    assert calm[-1] == "Forgetting: no model is worse than base beyond the intervals on any metric"
+    # a degenerate interval at 0 (a BLEU of short answers) inside base's is no forgetting
+    bleu = forgetting(scores([("base", "bleu", 0.0006, 0.0, 0.0008), ("node0", "bleu", 0.0, 0.0, 0.0)]))
+    assert bleu.empty
+    assert forgetting(
+        scores([("base", "x.f1", 0.6, math.nan, math.nan), ("node0", "x.f1", 0.1, math.nan, math.nan)])
+    ).empty
     assert calm[2].split()[:4] == ["eval_loss", "base", "=", "node1"]  # base best, node1 tied with it
 
 

@@ -4,7 +4,7 @@ base beyond the interval (forgetting), and where the winner is with two lines th
 The held-out scores carry a 95% bootstrap interval (intervals.py; summary.csv's ``<metric>_lo``/``_hi``); an
 extra lm-eval task's metric its value ± 1.96 stderr (tasks.csv). Another model ties the best one when either's
 value lies in the other's interval. A trained model (or soup) shows forgetting on a metric when its interval lies
-wholly on the worse side of its base model's value. summarize.py writes the lines into eval/leaderboard.txt, which
+wholly on the worse side of its base model's interval. summarize.py writes the lines into eval/leaderboard.txt, which
 `make run` prints and the report's first page shows.
 """
 
@@ -59,9 +59,10 @@ def winners(scores: pd.DataFrame) -> pd.DataFrame:
 
 
 def forgetting(scores: pd.DataFrame, base: str = "base") -> pd.DataFrame:
-    """The (model, metric) pairs where a model other than ``base`` is worse than ``base`` beyond its interval:
-    its whole interval above base's value for a loss, below it for a score (a model without an interval: its
-    value beyond base's interval)."""
+    """The (model, metric) pairs where a model other than ``base`` is worse than ``base`` beyond the intervals:
+    the model's whole interval above base's for a loss, below it for a score (where one has no interval, its
+    value stands for it; where neither has one, nothing is flagged). A BLEU of 0 [0, 0] against base's
+    0.001 [0, 0.001] is no forgetting."""
     base_rows = scores[scores["model"] == base].set_index("metric")
     base_values = base_rows["value"]
     rows = []
@@ -69,15 +70,18 @@ def forgetting(scores: pd.DataFrame, base: str = "base") -> pd.DataFrame:
         if r["metric"] not in base_values:
             continue
         b, lower = base_values[r["metric"]], lower_is_better(r["metric"])
-        if math.isnan(r["lo"]) or math.isnan(r["hi"]):  # the model has none (lm-eval's "N/A"): base's interval
-            b_lo, b_hi = base_rows.loc[r["metric"], ["lo", "hi"]]
-            worse = r["value"] > b_hi if lower else r["value"] < b_lo
-        else:
-            worse = r["lo"] > b if lower else r["hi"] < b
+        b_lo, b_hi = base_rows.loc[r["metric"], ["lo", "hi"]]
+        # the model's interval (its value without one) beyond base's interval (base's value without one)
+        near, far = (r["lo"], b_hi) if lower else (r["hi"], b_lo)
+        if math.isnan(near) and math.isnan(far):  # no interval to be beyond
+            continue
+        near = r["value"] if math.isnan(near) else near
+        far = b if math.isnan(far) else far
+        worse = near > far if lower else near < far
         if worse:
             rows.append({"model": r["model"], "metric": r["metric"], "value": r["value"], "lo": r["lo"],
-                         "hi": r["hi"], "base_value": b})  # fmt: skip
-    return pd.DataFrame(rows, columns=["model", "metric", "value", "lo", "hi", "base_value"])
+                         "hi": r["hi"], "base_value": b, "base_lo": b_lo, "base_hi": b_hi})  # fmt: skip
+    return pd.DataFrame(rows, columns=["model", "metric", "value", "lo", "hi", "base_value", "base_lo", "base_hi"])
 
 
 def bounds(lo: float, hi: float) -> str:
@@ -101,11 +105,11 @@ def winner_lines(scores: pd.DataFrame, base: str = "base") -> list[str]:
     if not len(base_values):
         return lines
     if not len(flagged):
-        lines.append(f"Forgetting: no model is worse than {base} beyond its interval on any metric")
+        lines.append(f"Forgetting: no model is worse than {base} beyond the intervals on any metric")
     for _, f in flagged.iterrows():
         lines.append(
             f"Forgetting: {f['model']} is worse than {base} on {f['metric']}: {f['value']:.3f}"
-            f"{bounds(f['lo'], f['hi'])} vs {f['base_value']:.3f}"
+            f"{bounds(f['lo'], f['hi'])} vs {f['base_value']:.3f}{bounds(f['base_lo'], f['base_hi'])}"
         )
     return lines
 
