@@ -106,14 +106,16 @@ def test_forgetting_is_flagged_only_beyond_the_interval():
 
 
 def test_score_table_reads_intervals_and_task_stderr():
-    from summarize import summary_table, tasks_table
+    from summarize import summary_table, tasks_table, with_intervals
     from winners import Z95, score_table
 
     base = {"model": "base", "eval_loss": 3.0, "exact_match": 0.1, "tasks": {"mc": {"acc": 0.5, "acc_stderr": 0.05}},
             "intervals": {"eval_loss": {"lo": 2.8, "hi": 3.2, "stderr": 0.1}}}  # fmt: skip
     node = {"model": "node0", "eval_loss": 2.0, "exact_match": 0.3, "tasks": {"mc": {"acc": 0.6, "acc_stderr": "N/A"}}}
     results = [base, node]
-    table = score_table(summary_table(results), tasks_table(results)).set_index(["model", "metric"])
+    table = score_table(with_intervals(summary_table(results), results), tasks_table(results)).set_index(
+        ["model", "metric"]
+    )
     assert table.loc[("base", "eval_loss"), ["lo", "hi"]].tolist() == [2.8, 3.2]
     assert math.isnan(table.loc[("node0", "eval_loss"), "lo"])  # a result without intervals: none
     assert table.loc[("base", "mc.acc"), "hi"] == pytest.approx(0.5 + Z95 * 0.05)
@@ -121,20 +123,20 @@ def test_score_table_reads_intervals_and_task_stderr():
 
 
 def test_summary_keeps_its_columns_and_adds_the_intervals():
-    from summarize import summary_table
+    from summarize import summary_table, with_intervals
 
     interval = {"lo": 0.2, "hi": 0.3, "stderr": 0.025}
     heldout = ["eval_loss", "perplexity", "exact_match", "rouge_l", "bleu", "chrf"]
     scores = {"eval_loss": 1.5, "perplexity": 4.48, "exact_match": 0.25, "rouge_l": 0.5, "bleu": 0.1, "chrf": 0.4}
     results = [{"model": m, **scores, "intervals": dict.fromkeys(heldout, interval)} for m in ("base", "node0")]
-    table = summary_table(results)
+    table = with_intervals(summary_table(results), results)
     assert list(table.columns[:9]) == ["model", *heldout, "eval_loss_vs_base", "exact_match_delta"]
     for metric in heldout:
         assert table[[f"{metric}_lo", f"{metric}_hi", f"{metric}_stderr"]].iloc[0].tolist() == [0.2, 0.3, 0.025]
 
 
 def test_leaderboard_ends_with_the_folder_and_two_lines_that_load_it():
-    from summarize import leaderboard_text, summary_table
+    from summarize import leaderboard_text, summary_table, with_intervals
 
     def result(model, loss, em, lo, hi):
         return {"model": model, "eval_loss": loss, "exact_match": em, "rouge_l": em, "bleu": 0.0, "chrf": em,
@@ -145,7 +147,7 @@ def test_leaderboard_ends_with_the_folder_and_two_lines_that_load_it():
                result("node1", 1.63, 0.376, 0.31, 0.44)]  # fmt: skip
     folders = {"base": "results/demo/base_model", "node0": "results/demo/models/node0",
                "node1": "results/demo/models/node1"}  # fmt: skip
-    lines = leaderboard_text(summary_table(results), None, folders).splitlines()
+    lines = leaderboard_text(with_intervals(summary_table(results), results), None, folders).splitlines()
     assert lines[0].startswith("Best model per metric")
     assert lines[1].split()[:3] == ["eval_loss", "node0", "1.460"] and "[1.410, 1.510]" in lines[1]
     assert lines[2].split()[:3] == ["exact_match", "node1", "0.376"] and "base 0.000" in lines[2]

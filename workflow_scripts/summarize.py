@@ -54,12 +54,18 @@ def summary_table(results: list[dict]) -> pd.DataFrame:
         for metric in metrics:
             column = [scores[m].get(task, {}).get(metric, (math.nan,))[0] for m in frame["model"]]
             frame[f"{task}.{metric}"] = column
-    intervals = {r["model"]: r.get("intervals") or {} for r in results}  # intervals.py's, per held-out metric
-    for metric in [c for c in COLUMNS[1:] if c in frame]:
+    return frame.reset_index(drop=True)
+
+
+def with_intervals(table: pd.DataFrame, results: list[dict]) -> pd.DataFrame:
+    """The summary with ``<metric>_lo``, ``_hi`` and ``_stderr`` of each held-out score at its end (evaluation's
+    bootstrap, a result's ``intervals``; NaN for a result without them)."""
+    intervals = {r["model"]: r.get("intervals") or {} for r in results}
+    for metric in [c for c in COLUMNS[1:] if c in table]:
         if any(metric in i for i in intervals.values()):
             for end in ("lo", "hi", "stderr"):
-                frame[f"{metric}_{end}"] = [intervals[m].get(metric, {}).get(end, math.nan) for m in frame["model"]]
-    return frame.reset_index(drop=True)
+                table[f"{metric}_{end}"] = [intervals[m].get(metric, {}).get(end, math.nan) for m in table["model"]]
+    return table
 
 
 def tasks_table(results: list[dict]) -> pd.DataFrame:
@@ -403,7 +409,7 @@ def main(argv=None) -> None:
     p.add_argument("--trackers", nargs="*", default=[], help="logging.trackers: their runs get the summary")
     a = p.parse_args(argv)
     results = [json.loads(p.read_text()) for p in a.results]
-    table = with_examples_trained(summary_table(results), a.metrics)
+    table = with_intervals(with_examples_trained(summary_table(results), a.metrics), results)
     with atomic_path(a.summary) as tmp:
         table.to_csv(tmp, index=False, float_format="%.6g")
     tasks = tasks_table(results)
