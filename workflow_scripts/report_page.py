@@ -21,12 +21,12 @@ body { font-family: system-ui, sans-serif; font-size: 14px; margin: 1em; color: 
 h1 { font-size: 18px; }
 table { border-collapse: collapse; margin: 0.3em 0; }
 th, td { border: 1px solid #ccc; padding: 3px 6px; text-align: left; vertical-align: top;
-         white-space: pre-wrap; overflow-wrap: anywhere; max-width: 40em; }
+         white-space: pre-wrap; overflow-wrap: break-word; max-width: 40em; }
 th { background: #f0f0f0; position: sticky; top: 0; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 td.yes { color: #137333; font-weight: bold; } td.no { color: #b3261e; font-weight: bold; }
 """
-WRAPPED = "white-space: pre-wrap; overflow-wrap: anywhere; font-size: 13px"  # inline: the first page takes the body
+WRAPPED = "white-space: pre-wrap; overflow-wrap: break-word; font-size: 13px"  # inline: the first page takes the body
 MARKS = {"True": ("✓", "yes"), "False": ("✗", "no"), "true": ("✓", "yes"), "false": ("✗", "no")}
 
 
