@@ -10,7 +10,10 @@ from conftest import DEMO_CSV, check_outputs, planned_jobs, snakemake, status, t
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 # the tests that take ddp_run are e2e (it runs the workflow); the dry runs of bad input are not
+# the report's pages of what summarize and provenance write (rules/report_pages.smk)
+SUMMARY_PAGES = {f"render_{p}_page" for p in ("summary", "leaderboard", "tasks", "samples", "consolidation")}
 DOWNSTREAM_OF_TRAINING = {"train_node", "consolidate_node", "evaluate_model", "summarize", "provenance", "all"}
+DOWNSTREAM_OF_TRAINING |= SUMMARY_PAGES | {"render_provenance_page"}
 
 
 @pytest.mark.e2e
@@ -64,7 +67,9 @@ def test_deleting_one_nodes_model_reruns_only_that_node(ddp_run):
     workdir, config = ddp_run
     shutil.rmtree(workdir / "results" / "t" / "models" / "node0")
     jobs = planned_jobs(snakemake(workdir, config, "-n"))
-    assert jobs == {"consolidate_node": 1, "evaluate_model": 1, "summarize": 1, "all": 1}
+    assert jobs == {"consolidate_node": 1, "evaluate_model": 1, "summarize": 1, "all": 1} | dict.fromkeys(
+        SUMMARY_PAGES, 1
+    )
     snakemake(workdir, config)
     assert (workdir / "results" / "t" / "models" / "node0" / "config.json").exists()
     assert planned_jobs(snakemake(workdir, config, "-n")) == {}
