@@ -24,6 +24,7 @@ include: "rules/evaluation.smk"
 include: "rules/soup.smk"
 include: "rules/summarize.smk"
 include: "rules/provenance.smk"
+include: "rules/report_pages.smk"
 
 
 if GRID:

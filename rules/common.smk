@@ -338,5 +338,10 @@ def final_outputs():
         MANIFEST,
         DATA_REPORT,
         *expand([PLAN, SUMMARY, LOSS_CURVES, LEADERBOARD, PROVENANCE], variant=variants),
-        *([GRID_TABLE, GRID_PLOT] if GRID else []),
+        *([GRID_TABLE, GRID_PLOT, GRID_PAGE] if GRID else []),
+        # the report's pages (rules/report_pages.smk)
+        ENV_PAGE,
+        DATA_PAGE,
+        *expand([PLAN_PAGE, SUMMARY_PAGE, LEADERBOARD_PAGE, TASKS_PAGE, SAMPLES_PAGE], variant=variants),
+        *expand([CONSOLIDATION_PAGE, PROVENANCE_PAGE], variant=variants),
     ]

@@ -5,7 +5,7 @@ rule data_report:
         stats=expand(TOKEN_STATS, shard=[*NODES, "eval"]),
         decontamination=DECONTAMINATION,
     output:
-        json=report(DATA_REPORT, caption="../report/data.rst", category="Data"),
+        json=DATA_REPORT,  # the report shows DATA_PAGE
         plot=report(DATA_PLOT, caption="../report/data.rst", category="Data"),
     log:
         f"{LOGS}/data_report.log",

@@ -1,10 +1,6 @@
 rule check_environment:
     output:
-        report(
-            ENV_CHECK,
-            caption="../report/environment.rst",
-            category="Environment",
-        ),
+        ENV_CHECK,  # the report shows ENV_PAGE
     log:
         f"{LOGS}/check_environment.log",
     conda:

@@ -5,7 +5,7 @@ localrules:
 rule plan_training:
     output:
         plan=PLAN,
-        table=report(PLAN_TABLE, caption="../report/plan.rst", category="Plan"),
+        table=PLAN_TABLE,  # the report shows PLAN_PAGE
     log:
         f"{VLOGS}/plan_training.log",
     conda:

@@ -4,7 +4,7 @@ rule provenance:
         env=ENV_CHECK,
         states=expand(TRAIN_STATE, node=TRAINED, allow_missing=True),
     output:
-        report(PROVENANCE, caption="../report/provenance.rst", category="Provenance"),
+        PROVENANCE,  # the report shows PROVENANCE_PAGE
     log:
         f"{VLOGS}/provenance.log",
     conda:

@@ -4,18 +4,10 @@ rule summarize:
         metrics=expand(TRAIN_METRICS, node=TRAINED, allow_missing=True),
         models=expand(MODEL_DIR, model=TRAINED, allow_missing=True),
         decontamination=DECONTAMINATION,
+        eval_split=EVAL_SPLIT,
     output:
-        summary=report(
-            SUMMARY,
-            caption="../report/summary.rst",
-            category="Evaluation",
-        ),
-        tasks=report(
-            TASKS,
-            caption="../report/tasks_table.rst",
-            category="Evaluation",
-            subcategory="2. Per task",
-        ),
+        summary=SUMMARY,
+        tasks=TASKS,
         tasks_plot=report(
             TASKS_PLOT,
             caption="../report/tasks.rst",
@@ -32,12 +24,7 @@ rule summarize:
             caption="../report/throughput.rst",
             category="Training",
         ),
-        leaderboard_text=report(
-            LEADERBOARD_TEXT,
-            caption="../report/leaderboard_text.rst",
-            category="Evaluation",
-            subcategory="1. Best model",
-        ),
+        leaderboard_text=LEADERBOARD_TEXT,
         leaderboard=report(
             LEADERBOARD,
             caption="../report/leaderboard.rst",
@@ -49,16 +36,8 @@ rule summarize:
             caption="../report/categories.rst",
             category="Evaluation",
         ),
-        samples=report(
-            SAMPLES,
-            caption="../report/samples.rst",
-            category="Evaluation",
-        ),
-        consolidation=report(
-            CONSOLIDATION,
-            caption="../report/consolidation.rst",
-            category="Training",
-        ),
+        samples=SAMPLES,
+        consolidation=CONSOLIDATION,
     log:
         f"{VLOGS}/summarize.log",
     conda:
@@ -75,4 +54,5 @@ rule summarize:
         " --samples {output.samples} --leaderboard {output.leaderboard}"
         " --leaderboard-text {output.leaderboard_text}"
         " --models {input.models} --consolidation {output.consolidation}"
-        " --decontamination {input.decontamination} --trackers {params.trackers} > {log} 2>&1"
+        " --decontamination {input.decontamination} --eval-split {input.eval_split}"
+        " --trackers {params.trackers} > {log} 2>&1"

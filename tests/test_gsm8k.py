@@ -93,7 +93,7 @@ def test_gsm8k_on_local_split_files_with_a_limit_and_decontamination(tmp_path):
     assert set(gsm8k["model"]) == {"base", "node0", "node1"} and set(gsm8k["documents"]) == {LIMIT}
     leaderboard = (root / "eval" / "leaderboard.txt").read_text()
     assert re.search(
-        rf"^  gsm8k exact_match/\S+ \d\.\d{{3}} .*\[first {LIMIT} of {TEST_DOCS} documents", leaderboard, re.M
+        rf"^  gsm8k\.exact_match/\S+ +\S.* \d\.\d{{3}}.*\[first {LIMIT} of {TEST_DOCS} documents", leaderboard, re.M
     )
     assert f"gsm8k {len(contaminated)} of {TEST_DOCS} docs" in leaderboard
 

@@ -1,6 +1,7 @@
 """Evaluation and summary pieces the report shows: per-category exact match, throughput, consolidation."""
 
 import json
+import os
 import re
 import subprocess
 
@@ -84,7 +85,7 @@ def test_every_score_in_a_summary_is_on_0_1():
     assert 0 < table.loc[0, "chrf"] < 1 and 0 < table.loc[0, "bleu"] < 1
 
 
-def test_leaderboard_names_the_best_model_against_base():
+def test_leaderboard_names_the_best_model_per_metric_against_base():
     from summarize import leaderboard_text, summary_table
 
     results = [
@@ -93,43 +94,45 @@ def test_leaderboard_names_the_best_model_against_base():
         {"model": "node1", "eval_loss": 1.2, "exact_match": 0.375, "rouge_l": 0.6, "bleu": 0.3, "chrf": 0.5},
     ]
     lines = leaderboard_text(summary_table(results)).splitlines()
-    assert lines[0] == "Best model: node1 (lowest eval loss of the 3 models evaluated on the same held-out set)"
-    assert lines[1].split() == "eval loss 1.200 vs base 6.000: 0.20x base (-4.800)".split()
-    assert lines[2].split() == "exact match 0.375 vs base 0.000: +0.375".split()
+    assert lines[0].startswith("Best model per metric")
+    assert lines[1].split() == "eval_loss node1 1.200, base 6.000 (lower is better)".split()
+    assert lines[2].split() == "exact_match node1 0.375, base 0.000 (higher is better)".split()
     assert [line.split()[0] for line in lines[-4:]] == ["model", "base", "node0", "node1"]  # every model, base first
 
     only_base = leaderboard_text(summary_table(results[1:2])).splitlines()
-    assert only_base[0].startswith("Best model: base") and "no trained model" in only_base[3]
+    assert only_base[1].split()[:2] == ["eval_loss", "base"]
 
 
-def test_landing_page_shows_the_leaderboard(tmp_path):
-    """Snakemake's report renders report/workflow.rst with the leaderboard file's text in it."""
+def test_landing_page_shows_the_leaderboard_and_the_plots(tmp_path):
+    """Snakemake's report renders report/workflow.rst with the leaderboard page's body in it: the text (wrapped,
+    not in a fixed box) and the plots embedded."""
     from conftest import BIN
+    from settings import validated
+    from yaml import safe_load
 
-    board = "Best model: node1 (lowest eval loss)\n  eval loss    1.200 vs base 6.000: 0.20x base (-4.800)\n"
+    config = validated(safe_load((REPO / "config" / "config.yaml").read_text()) | {"run": "t"})
+    board = "Best model per metric (95% interval in brackets):\n  eval_loss  node1 1.200 [1.1, 1.3], base 6.000\n"
     (tmp_path / "Snakefile").write_text(
         f"report: {str(REPO / 'report' / 'workflow.rst')!r}\n"
-        'config.update({"run": "t", "nodes": 2, "training": {"strategy": "ddp"}})\n'
+        f"import json\nconfig.update(json.loads({json.dumps(config)!r}))\n"
         "rule all:\n"
-        "    output: report('eval/leaderboard.txt', category='Evaluation')\n"
-        f"    run: open(output[0], 'w').write({board!r})\n"
+        "    output: report('eval/leaderboard.html', category='Evaluation')\n"
+        "    run:\n"
+        "        import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt\n"
+        "        plt.plot([1, 2]); plt.savefig('plot.png')\n"
+        f"        open('eval/leaderboard.txt', 'w').write({board!r})\n"
+        f"        shell('python {REPO / 'workflow_scripts' / 'report_page.py'} --input eval/leaderboard.txt"
+        " --images plot.png --output {output} --title board')\n"
     )
     for args in (["--cores", "1"], ["--report", "report.html"]):
-        proc = subprocess.run([str(BIN / "snakemake"), *args], cwd=tmp_path, capture_output=True, text=True)
+        proc = subprocess.run([str(BIN / "snakemake"), *args], cwd=tmp_path, capture_output=True, text=True,
+                              env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-2000:]
     html = (tmp_path / "report.html").read_text()
     page = json.loads(re.search(r"var workflow_desc = (\".*\");", html).group(1))
-    assert "Fine-tuning run <strong>t</strong>" in page
-    assert '<pre class="literal-block">\n' + board.replace(">", "&gt;") + "</pre>" in page
-
-    # without the leaderboard among the report's items the page has its first paragraph only
-    from jinja2 import Environment
-
-    class Snakemake:
-        config = {"run": "t", "nodes": 2, "training": {"strategy": "ddp"}}
-
-    template = Environment(trim_blocks=True, lstrip_blocks=True).from_string((REPO / "report/workflow.rst").read_text())
-    assert template.render(snakemake=Snakemake, files=[], categories={}).strip().endswith("held-out set.")
+    assert "Fine-tuning run <strong>t</strong>" in page and "System Message" not in page
+    assert board.replace(">", "&gt;").splitlines()[1] in page and "white-space: pre-wrap" in page
+    assert page.count('src="data:image/png;base64,') == 1
 
 
 @pytest.mark.parametrize("by_reason", [{}, {"empty_response": 3, "invalid_json": 1}])

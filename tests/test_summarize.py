@@ -81,15 +81,20 @@ def test_leaderboard_has_a_line_per_extra_task_only_when_there_are_tasks():
     assert leaderboard_text(summary_table(plain), tasks_table(plain)) == leaderboard_text(summary_table(plain))
 
     lines = leaderboard_text(summary_table(results()), tasks_table(results())).splitlines()
-    assert lines[0].startswith("Best model: node0")
-    assert lines[3].split() == "demo_mc acc 0.600 vs base 0.400: +0.200".split()
-    assert lines[4].split() == "other f1 0.700".split()  # no base score
-    assert lines[5] == ""
+    assert lines[0].startswith("Best model per metric")
+    assert lines[1].replace(",", "").split()[:5] == ["eval_loss", "node0", "1.500", "base", "2.000"]
+    # a line per extra task metric: its best model (lm-eval's stderr gives the interval) and base's value
+    assert lines[6].split() == "demo_mc.acc node0 0.600, base 0.400 (higher is better)".split()  # "N/A" stderr
+    assert lines[8].split() == "other.f1 node0 0.700 (higher is better)".split()  # no base score
+    assert lines[9].startswith("Forgetting: no model") and lines[10] == ""
 
-    # the best model by eval loss is not the best on the task: the task's best is named
+    # the best model by eval loss is not the best on the task: the task's line names the task's best
     worse = [r | {"tasks": {"demo_mc": {"acc": 0.3}}} if r["model"] == "node0" else r for r in results()]
-    line = leaderboard_text(summary_table(worse), tasks_table(worse)).splitlines()[3]
-    assert line.split() == "demo_mc acc 0.300 vs base 0.400: -0.100 (best on this task: soup_uniform 0.500)".split()
+    lines = leaderboard_text(summary_table(worse), tasks_table(worse)).splitlines()
+    assert lines[6].split()[:3] == ["demo_mc.acc", "soup_uniform", "0.500"], lines[6]
+    assert lines[6].split()[3:6] == ["[0.441,", "0.559],", "base"]  # 0.5 ± 1.96 x 0.03
+    # node0's 0.3 has no stderr, but lies below base's interval (0.4 ± 1.96 x 0.02): forgetting
+    assert lines[8] == "Forgetting: node0 is worse than base on demo_mc.acc: 0.300 vs 0.400 [0.361, 0.439]"
 
     from summarize import decontamination_line
 
@@ -105,14 +110,16 @@ def test_leaderboard_has_a_line_per_extra_task_only_when_there_are_tasks():
     limited = [r | {"tasks_documents": {"demo_mc": {"scored": 20, "of": 1319}}} for r in results()]
     table = tasks_table(limited).set_index(["model", "task", "metric"])
     assert table.loc[("node0", "demo_mc", "acc"), ["documents", "of_documents"]].tolist() == [20, 1319]
-    line = leaderboard_text(summary_table(limited), tasks_table(limited)).splitlines()[3]
-    assert line.endswith("[first 20 of 1319 documents: eval.limit]"), line
+    line = leaderboard_text(summary_table(limited), tasks_table(limited)).splitlines()[6]
+    assert line.startswith("  demo_mc.acc") and line.endswith("[first 20 of 1319 documents: eval.limit]"), line
     assert "eval.limit" not in leaderboard_text(summary_table(results()), tasks_table(results()))
 
-    # a long task and metric name keeps a space before its value (lm-eval's gsm8k metric names)
+    # a long task and metric name keeps a space before its value (lm-eval's gsm8k metric names); all equal: a tie
     long = [r | {"tasks": {"gsm8k": {"exact_match,flexible-extract": 0.25}}} for r in results()]
-    line = leaderboard_text(summary_table(long), tasks_table(long)).splitlines()[3]
-    assert line.startswith("  gsm8k exact_match") and " 0.250 vs base 0.250" in line, line
+    line = leaderboard_text(summary_table(long), tasks_table(long)).splitlines()[6]
+    assert line.startswith("  gsm8k.exact_match/flexible-extract  base = node0 = node1 = soup_uniform (tie) 0.250"), (
+        line
+    )
 
 
 def test_task_panels_never_empty():
@@ -185,7 +192,7 @@ def test_cli_writes_tasks_csv_and_plot(tmp_path, tasks):
     assert table["task"].iloc[0] == "heldout" and out["tasks.png"].stat().st_size > 10_000
     board = out["leaderboard.txt"].read_text()
     if tasks:
-        assert "demo_mc.acc" in summary and "demo_mc" in set(table["task"]) and "demo_mc acc" in board
+        assert "demo_mc.acc" in summary and "demo_mc" in set(table["task"]) and "demo_mc.acc" in board
     else:
         assert not [c for c in summary if "." in c] and set(table["task"]) == {"heldout"}
         assert "demo_mc" not in board

@@ -10,7 +10,10 @@ from conftest import DEMO_CSV, check_outputs, planned_jobs, snakemake, status, t
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 # the tests that take ddp_run are e2e (it runs the workflow); the dry runs of bad input are not
+# the report's pages of what summarize and provenance write (rules/report_pages.smk)
+SUMMARY_PAGES = {f"render_{p}_page" for p in ("summary", "leaderboard", "tasks", "samples", "consolidation")}
 DOWNSTREAM_OF_TRAINING = {"train_node", "consolidate_node", "evaluate_model", "summarize", "provenance", "all"}
+DOWNSTREAM_OF_TRAINING |= SUMMARY_PAGES | {"render_provenance_page"}
 
 
 @pytest.mark.e2e
@@ -44,7 +47,7 @@ def test_status_of_a_finished_run_is_its_summary(ddp_run):
         assert re.search(rf"^{node} +done +12/12 ", shown, re.M), shown
         assert re.search(rf"^{node}: done at step 12, final loss \d+\.\d{{4}}, trained \S+, eval loss ", shown, re.M)
     assert "evaluated base, node0, node1" in shown
-    assert re.search(r"^Best model: node\d", shown, re.M), shown
+    assert re.search(r"^Best model per metric", shown, re.M) and re.search(r"^ +eval_loss +node\d", shown, re.M), shown
 
 
 @pytest.mark.e2e
@@ -64,7 +67,9 @@ def test_deleting_one_nodes_model_reruns_only_that_node(ddp_run):
     workdir, config = ddp_run
     shutil.rmtree(workdir / "results" / "t" / "models" / "node0")
     jobs = planned_jobs(snakemake(workdir, config, "-n"))
-    assert jobs == {"consolidate_node": 1, "evaluate_model": 1, "summarize": 1, "all": 1}
+    assert jobs == {"consolidate_node": 1, "evaluate_model": 1, "summarize": 1, "all": 1} | dict.fromkeys(
+        SUMMARY_PAGES, 1
+    )
     snakemake(workdir, config)
     assert (workdir / "results" / "t" / "models" / "node0" / "config.json").exists()
     assert planned_jobs(snakemake(workdir, config, "-n")) == {}
@@ -76,19 +81,54 @@ def test_report_builds(ddp_run):
     snakemake(workdir, config, "--report", str(workdir / "report.html"))
     html = (workdir / "report.html").read_text(errors="replace")
     for name in (
-        "summary.csv",
-        "tasks.csv",
+        "summary.html",
+        "tasks.html",
+        "samples.html",
         "tasks.png",
         "leaderboard.png",
-        "leaderboard.txt",
+        "leaderboard.html",
         "loss_curves.png",
         "throughput.png",
-        "consolidation.csv",
+        "consolidation.html",
         "overview.png",
-        "check.json",
-        "provenance.json",
+        "data_report.html",
+        "check.html",
+        "memory.html",
+        "provenance.html",
     ):
         assert name in html
+    # the first page: the leaderboard's text, wrapped, and the key plots, embedded
+    page = json.loads(re.search(r"var workflow_desc = (\".*\");", html).group(1))
+    board = (workdir / "results" / "t" / "eval" / "leaderboard.txt").read_text()
+    assert "System Message" not in page and "white-space: pre-wrap" in page
+    assert board.splitlines()[1].replace("<", "&lt;").replace(">", "&gt;") in page
+    assert page.count('src="data:image/png;base64,') == 3
+
+
+@pytest.mark.e2e
+def test_report_shows_the_summary_in_the_page(ddp_run, tmp_path):
+    """In headless Chromium, the report's summary item opens as a page with every summary.csv row as text (its
+    view button is no download link); summary.csv itself stays as it was written."""
+    import pandas as pd
+    from browser import find_browser, open_report_item
+
+    if find_browser() is None:
+        pytest.skip("no Chromium or Chrome on PATH (CI installs chromium: .ci/run; here: apt-get install chromium)")
+    workdir, config = ddp_run
+    report = workdir / "report.html"
+    if not report.exists():
+        snakemake(workdir, config, "--report", str(report))
+    download, text = open_report_item(report, "Evaluation", "1. Best model", "summary.html", tmp_path)
+    assert download is None, f"the summary item is a download ({download})"
+    root = workdir / "results" / "t" / "eval"
+    rows = (root / "summary.csv").read_text().splitlines()
+    summary = pd.read_csv(root / "summary.csv")
+    assert {"eval_loss_lo", "eval_loss_hi", "exact_match_lo", "exact_match_hi", "chrf_stderr"} <= set(summary)
+    shown = [line.split("\t") for line in text.splitlines()]
+    for row in rows:
+        assert row.split(",") in shown, (row, text[:2000])
+    download, _ = open_report_item(report, "Evaluation", "Other", "samples.html", tmp_path)  # no subcategory
+    assert download is None
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 from pipeline_io import cli, write_json
-from plotting import plt, save_png
+from plotting import model_color, plt, save_png
 
 
 def collect(manifest: dict, stats: dict[str, dict], lengths: dict[str, list[int]], decon: dict | None = None) -> dict:
@@ -120,7 +120,7 @@ def draw_lengths(ax, counts: dict[str, dict[int, int]], max_len: int | None, bef
     lies right of it is truncated or left out."""
     for name, c in counts.items():
         if c:
-            ax.hist(list(c), bins=40, weights=list(c.values()), histtype="step", label=name)
+            ax.hist(list(c), bins=40, weights=list(c.values()), histtype="step", label=name, color=model_color(name))
     if max_len:
         ax.axvline(max_len, color="black", linestyle="--", label=f"max_seq_len {max_len}")
     title = "Example length per shard" + (" (before truncation)" if before else "")
@@ -140,15 +140,31 @@ def draw_funnel(ax, report: dict) -> None:
     ax.legend()
 
 
+def draw_packing(ax, shards: dict[str, dict]) -> None:
+    """Per shard: the share of token slots holding real tokens, packed into bins of max_seq_len against each
+    micro-batch padded to its longest example (packing.py's packing_efficiency, pad_to_longest_efficiency)."""
+    names = [n for n, s in shards.items() if "packing_efficiency" in s]
+    x = range(len(names))
+    for offset, key, label, hatch in ((-0.2, "packing_efficiency", "packed", None),
+                                      (0.2, "pad_to_longest_efficiency", "padded to longest", "//")):  # fmt: skip
+        values = [shards[n][key] for n in names]
+        ax.bar([i + offset for i in x], values, 0.4, label=label, hatch=hatch,
+               color=[model_color(n) for n in names], edgecolor="black")  # fmt: skip
+    ax.set_xticks(list(x), names)
+    ax.set(title="Token slots holding real tokens", ylabel="share of slots", ylim=(0, 1))
+    ax.legend(fontsize="small")
+
+
 def plot(report: dict, counts: dict[str, dict[int, int]], path: Path, before: bool = False) -> None:
-    fig, (ax_len, ax_rej, ax_fun, ax_tok) = plt.subplots(1, 4, figsize=(18, 4))
+    fig, (ax_len, ax_rej, ax_fun, ax_tok, ax_pack) = plt.subplots(1, 5, figsize=(22, 4))
     draw_lengths(ax_len, counts, report.get("max_seq_len"), before)
     draw_rejects(ax_rej, report)
     draw_funnel(ax_fun, report)
     names = list(report["shards"])
-    ax_tok.bar(names, [report["shards"][n]["tokens"] for n in names], color="tab:blue")
+    ax_tok.bar(names, [report["shards"][n]["tokens"] for n in names], color=[model_color(n) for n in names])
     ax_tok.set(title="Tokens per shard", ylabel="tokens")
-    for ax in (ax_len, ax_fun, ax_tok):
+    draw_packing(ax_pack, report["shards"])
+    for ax in (ax_len, ax_fun, ax_tok, ax_pack):
         ax.grid(alpha=0.3)
     save_png(fig, path)
 

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from heldout import evaluate_model, exact_match, flat_metrics, leaf_tasks, model_class
+from contracts import IGNORE
+from heldout import evaluate_model, exact_match, exact_matches, flat_metrics, label_spans, leaf_tasks, model_class
+from intervals import LEVEL, RESAMPLES, SEED, example_losses, heldout_intervals
 from metrics import HELDOUT, HELDOUT_LOSS, SCORES
 from pipeline_io import UserError, atomic_path, cli, write_json
 from settings import EvalConfig
@@ -61,6 +63,14 @@ def exact_match_by_category(predictions: list[str], references: list[str], categ
     return {str(c): exact_match(list(zip(g["p"], g["r"], strict=True))) for c, g in rows.groupby("c", sort=True)}
 
 
+def scored_losses(frame: pd.DataFrame, loss_samples: list[dict]):
+    """Per example of ``frame`` (summed loss, label tokens) from lm-eval's heldout_loss samples, one per run of
+    label tokens, in the order heldout_tasks made them (example by example)."""
+    spans = [len(label_spans([IGNORE, *labels[1:]])) for labels in frame["labels"]]
+    pairs = [s["eval_loss"] for s in sorted(loss_samples, key=lambda s: s["doc_id"])]
+    return example_losses(pairs, spans)
+
+
 def result_json(name: str, path: str, frame: pd.DataFrame, out: dict, tokenizer) -> dict:
     """Our result (the keys summarize and soup read) from lm-eval's output."""
     scores = {k: flat_metrics(v) for k, v in out["results"].items()}
@@ -72,10 +82,17 @@ def result_json(name: str, path: str, frame: pd.DataFrame, out: dict, tokenizer)
     if frame["category"].astype(bool).any():
         categories = frame["category"].tolist()
         result["exact_match_by_category"] = exact_match_by_category(predictions, references, categories)
+    pairs = list(zip(predictions, references, strict=True))
+    result["intervals"] = heldout_intervals(pairs, scored_losses(frame, out["samples"][HELDOUT_LOSS]))
+    result["intervals"] |= {"resamples": RESAMPLES, "level": LEVEL, "seed": SEED}
+    result |= {f"{k}_stderr": v["stderr"] for k, v in result["intervals"].items() if isinstance(v, dict)}
+    correct = exact_matches(pairs)
     result["samples"] = [
-        {"prompt": tokenizer.decode(ids[:n], skip_special_tokens=True)[-300:], "reference": r, "prediction": p}
-        for ids, n, r, p in zip(frame["input_ids"], frame["prompt_length"], references[:20], predictions, strict=False)
-    ]
+        {"prompt": tokenizer.decode(ids[:n], skip_special_tokens=True)[-300:], "reference": r, "prediction": p,
+         "correct": ok, "content_hash": h}
+        for ids, n, r, p, ok, h in zip(frame["input_ids"], frame["prompt_length"], references[:20], predictions,
+                                       correct, frame["content_hash"], strict=False)
+    ]  # fmt: skip
     result["tasks"] = {k: v for k, v in scores.items() if k not in (HELDOUT, HELDOUT_LOSS)}
     counts = {k: v for k, v in (out.get("n-samples") or {}).items() if k not in (HELDOUT, HELDOUT_LOSS)}
     result["tasks_documents"] = {k: {"scored": v["effective"], "of": v["original"]} for k, v in counts.items()}

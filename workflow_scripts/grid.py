@@ -130,7 +130,7 @@ def grid_table(rows: list[dict], variants: dict[str, dict]):
 
 def plot_grid(table, path: Path, metrics=("eval_loss", "exact_match")) -> None:
     """One panel per metric: a bar per variant x model, the base model's value as a dashed line."""
-    from plotting import plt, save_png  # matplotlib: not imported when the Snakefile imports this
+    from plotting import model_color, plt, save_png  # matplotlib: not imported when the Snakefile imports this
 
     metrics = [m for m in metrics if m in table]
     trained = table[table["variant"] != "base"]
@@ -139,10 +139,10 @@ def plot_grid(table, path: Path, metrics=("eval_loss", "exact_match")) -> None:
     fig, axes = plt.subplots(1, panels, figsize=(panels * max(4.0, 0.8 * len(labels)), 4.5), squeeze=False)
     axes = list(axes[0])
     for ax, metric in zip(axes, metrics, strict=False):
-        ax.bar(range(len(labels)), trained[metric], color="tab:blue")
+        ax.bar(range(len(labels)), trained[metric], color=[model_color(m) for m in trained["model"]])
         base = table.loc[table["variant"] == "base", metric]
         if len(base) and base.notna().all():
-            ax.axhline(float(base.iloc[0]), color="tab:red", linestyle="--", label="base")
+            ax.axhline(float(base.iloc[0]), color=model_color("base"), linestyle="--", label="base")
             ax.legend()
         ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
         ax.set_title(f"{metric} ({direction(metric)})")

@@ -78,16 +78,26 @@ def model_class(backend: str):
 
 
 # lm-eval aggregations over (answer, reference) pairs, each on 0-1
+def exact_matches(pairs) -> list[bool]:
+    """Per pair: the answer equals its reference, ends stripped and inner runs of whitespace taken as one space."""
+    return [re.sub(r"\s+", " ", a).strip() == re.sub(r"\s+", " ", r).strip() for a, r in pairs]
+
+
 def exact_match(pairs) -> float:
-    """Answers equal to their reference, ends stripped and inner runs of whitespace taken as one space."""
-    same = [re.sub(r"\s+", " ", a).strip() == re.sub(r"\s+", " ", r).strip() for a, r in pairs]
+    """The share of answers equal to their reference (exact_matches)."""
+    same = exact_matches(pairs)
     return sum(same) / max(len(same), 1)
 
 
-def rouge_l(pairs) -> float:
-    """Mean ROUGE-L F1 (rouge_score, no stemming)."""
+def rouge_ls(pairs) -> list[float]:
+    """Per pair: ROUGE-L F1 (rouge_score, no stemming)."""
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
-    return sum(scorer.score(r, a)["rougeL"].fmeasure for a, r in pairs) / max(len(pairs), 1)
+    return [scorer.score(r, a)["rougeL"].fmeasure for a, r in pairs]
+
+
+def rouge_l(pairs) -> float:
+    """Mean ROUGE-L F1 (rouge_ls)."""
+    return sum(rouge_ls(pairs)) / max(len(pairs), 1)
 
 
 def corpus(score, pairs) -> float:

@@ -36,6 +36,10 @@ RUN_FILES = {
     "BASE_LM_EVAL": "eval/lm_eval/{model}.json",
     "GRID_TABLE": "eval/grid.csv",  # compare_grid: every variant's models against base
     "GRID_PLOT": "eval/grid.png",
+    # the report's pages (render_page, rules/report_pages.smk): an output above as HTML the report shows in place
+    "ENV_PAGE": "env/check.html",
+    "DATA_PAGE": "data/data_report.html",
+    "GRID_PAGE": "eval/grid.html",
     "REPORT": "report.html",  # snakemake --report (the Makefile)
     "TRACKERS": "trackers",  # logging.trackers' local stores: wandb's offline runs, MLflow's SQLite store
 }
@@ -63,6 +67,14 @@ VARIANT_FILES = {
     "SAMPLES": "eval/samples.csv",
     "CONSOLIDATION": "eval/consolidation.csv",
     "PROVENANCE": "provenance.json",
+    # the report's pages (render_page, rules/report_pages.smk)
+    "PLAN_PAGE": "plan/memory.html",
+    "SUMMARY_PAGE": "eval/summary.html",
+    "TASKS_PAGE": "eval/tasks.html",
+    "SAMPLES_PAGE": "eval/samples.html",
+    "CONSOLIDATION_PAGE": "eval/consolidation.html",
+    "LEADERBOARD_PAGE": "eval/leaderboard.html",
+    "PROVENANCE_PAGE": "provenance.html",
 }
 
 

@@ -138,7 +138,9 @@ def summary_lines(nodes: list, results: Path) -> list[str]:
         )
     lines += leaderboard_head(results)
     for variant in dict.fromkeys(s.variant for s in nodes if s.variant):  # a grid: each variant's best model
-        lines += [f"{variant}: {line}" for line in leaderboard_head(results / variant)[:1]]
+        head = leaderboard_head(results / variant)
+        first = head[1:2] if head[:1] and head[0].startswith("Best model per metric") else head[:1]  # eval loss's
+        lines += [f"{variant}: {line.strip()}" for line in first]
     return lines
 
 

@@ -6,9 +6,10 @@ import math
 from pathlib import Path
 
 import pandas as pd
-from metrics import HELDOUT, LOSSES, SCORES, direction, lower_is_better, number, task_scores
+from metrics import HELDOUT, LOSSES, SCORES, direction, number, task_scores
 from pipeline_io import atomic_path, cli
-from plotting import plt, save_png
+from plotting import model_color, plt, save_png
+from winners import best_model_lines, score_table, winner_lines
 
 COLUMNS = ["model", *LOSSES, *SCORES]  # summary.csv's first columns; HELDOUT is the held-out set's task in tasks.csv
 TASK_COLUMNS = [
@@ -56,6 +57,17 @@ def summary_table(results: list[dict]) -> pd.DataFrame:
     return frame.reset_index(drop=True)
 
 
+def with_intervals(table: pd.DataFrame, results: list[dict]) -> pd.DataFrame:
+    """The summary with ``<metric>_lo``, ``_hi`` and ``_stderr`` of each held-out score at its end (evaluation's
+    bootstrap, a result's ``intervals``; NaN for a result without them)."""
+    intervals = {r["model"]: r.get("intervals") or {} for r in results}
+    for metric in [c for c in COLUMNS[1:] if c in table]:
+        if any(metric in i for i in intervals.values()):
+            for end in ("lo", "hi", "stderr"):
+                table[f"{metric}_{end}"] = [intervals[m].get(metric, {}).get(end, math.nan) for m in table["model"]]
+    return table
+
+
 def tasks_table(results: list[dict]) -> pd.DataFrame:
     """The long table of tasks.csv: one row per model x task x metric (base, trained models, soups; the held-out
     set first as task "heldout", then each extra task), its stderr where known, base's value and the delta to it.
@@ -82,64 +94,26 @@ def tasks_table(results: list[dict]) -> pd.DataFrame:
     return table
 
 
-def task_lines(tasks: pd.DataFrame, best_model: str) -> list[str]:
-    """One leaderboard line per extra task (its first metric): the best model's value against base's, and the
-    model that does best on that task when it is another one."""
-    lines = []
-    extra = tasks[tasks["task"] != HELDOUT]
-    for task, rows in extra.groupby("task", sort=False):
-        metric = rows["metric"].iloc[0]
-        rows = rows[(rows["metric"] == metric) & rows["value"].notna()].set_index("model")
-        if not len(rows):
-            continue
-        top = rows["value"].idxmin() if lower_is_better(metric) else rows["value"].idxmax()
-        label = f"  {task} {metric} ".ljust(
-            15
-        )  # the value under the eval loss's and exact match's; a space after a long one
-        line = f"{label}{rows.loc[best_model, 'value']:.3f}" if best_model in rows.index else f"{label}n/a"
-        if "base" in rows.index and best_model in rows.index:
-            b = rows.loc["base", "value"]
-            line += f" vs base {b:.3f}: {rows.loc[best_model, 'value'] - b:+.3f}"
-        if top != best_model:
-            line += f" (best on this task: {top} {rows.loc[top, 'value']:.3f})"
-        scored, of = rows["documents"].max(), rows["of_documents"].max()
-        if scored < of:  # eval.limit
-            line += f" [first {scored:.0f} of {of:.0f} documents: eval.limit]"
-        lines.append(line)
-    return lines
-
-
-def leaderboard_text(table: pd.DataFrame, tasks: pd.DataFrame | None = None) -> str:
-    """What the end of a run says: the best model (lowest held-out eval loss), its eval loss and exact match
-    against the untrained base model's, a line per extra task (tasks_table's), then every model's numbers.
-    `make run` prints it; the report shows it."""
-    rows = table.dropna(subset=["eval_loss"])
-    best = rows.loc[rows["eval_loss"].idxmin()]
-    lines = [
-        f"Best model: {best['model']} (lowest eval loss of the {len(rows)} models evaluated on the same held-out set)"
-    ]
-    base = rows[rows["model"] == "base"]
-    if len(base):
-        b = base.iloc[0]
-        lines += [
-            f"  eval loss    {best['eval_loss']:.3f} vs base {b['eval_loss']:.3f}:"
-            f" {best['eval_loss'] / b['eval_loss']:.2f}x base ({best['eval_loss'] - b['eval_loss']:+.3f})",
-            f"  exact match  {best['exact_match']:.3f} vs base {b['exact_match']:.3f}:"
-            f" {best['exact_match'] - b['exact_match']:+.3f}",
-        ]
-        if best["model"] == "base":
-            lines.append("  no trained model has a lower eval loss than the untrained base model")
-    else:
-        lines.append(f"  eval loss {best['eval_loss']:.3f}, exact match {best['exact_match']:.3f} (no base model)")
-    if tasks is not None:
-        lines += task_lines(tasks, best["model"])
+def leaderboard_text(table: pd.DataFrame, tasks: pd.DataFrame | None = None, folders: dict | None = None) -> str:
+    """What the end of a run says: the best model per metric with its interval, ties and forgetting flags
+    (winners.py; the held-out metrics, then every extra task's of ``tasks``), every model's numbers, then
+    where the model to use is and how to load it (``folders``: model -> its folder). `make run` prints it;
+    the report's first page shows it."""
+    scores = score_table(table, tasks)
     columns = [c for c in ("model", "eval_loss", *SCORES) if c in table]
-    lines += [
+    lines = [
+        *winner_lines(scores),
         "",
         f"{LOSSES[0]}: {direction(LOSSES[0])}; {', '.join(SCORES)}: 0-1, {direction(SCORES[0])}",
         table[columns].to_string(index=False, float_format="{:.3f}".format),
     ]
-    return "\n".join(lines) + "\n"
+    if tasks is not None:  # eval.limit: a task scored on its first documents only, said on its lines
+        extra = tasks[(tasks["task"] != HELDOUT) & (tasks["documents"] < tasks["of_documents"])]
+        for task, rows in extra.groupby("task", sort=False):
+            note = f" [first {rows['documents'].max():.0f} of {rows['of_documents'].max():.0f} documents: eval.limit]"
+            lines = [line + note if line.startswith(f"  {task}.") else line for line in lines]
+    load = best_model_lines(scores, folders or {})
+    return "\n".join(lines + ([""] + load if load else [])) + "\n"
 
 
 def decontamination_line(decon: dict | None) -> str:
@@ -211,8 +185,8 @@ def plot_curves(curves: dict[str, pd.DataFrame], path: Path) -> list[str]:
     the epochs on the top axis; the learning rate beside. Returns the loss panel's legend labels."""
     fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
     for name, frame in curves.items():
-        (line,) = ax_loss.plot(frame["step"], frame["loss"], alpha=0.25, lw=1)
-        colour = line.get_color()
+        colour = model_color(name)
+        ax_loss.plot(frame["step"], frame["loss"], color=colour, alpha=0.25, lw=1)
         ax_loss.plot(frame["step"], smoothed_loss(frame), color=colour, label=f"{name} training (mean of {SMOOTH})")
         points = held_out_points(frame)
         if len(points):
@@ -254,7 +228,8 @@ def plot_throughput(curves: dict[str, pd.DataFrame], path: Path) -> dict[str, fl
     fig, ax = plt.subplots(figsize=(11, 4))
     for name, median in medians.items():
         frame = curves[name]
-        ax.plot(frame["step"], frame["tokens_per_s"], marker="o", ms=3, label=f"{name} (median {median:,.0f})")
+        ax.plot(frame["step"], frame["tokens_per_s"], marker="o", ms=3, color=model_color(name),
+                label=f"{name} (median {median:,.0f})")  # fmt: skip
     ax.set(xlabel="step", ylabel="tokens/s per node", title="Training throughput per node", ylim=(0, None))
     ax.grid(alpha=0.3)
     if medians:
@@ -264,18 +239,31 @@ def plot_throughput(curves: dict[str, pd.DataFrame], path: Path) -> dict[str, fl
 
 
 def plot_leaderboard(table: pd.DataFrame, path: Path) -> str:
-    """Eval loss per model, the best one highlighted and named in the title. Returns its name."""
+    """Eval loss per model with its 95% interval (where summary.csv has one), the lowest outlined and named in
+    the title with the model of highest exact match when that is another. Returns the lowest's name."""
     best = table.loc[table["eval_loss"].idxmin()]
     fig, ax = plt.subplots(figsize=(11, 0.6 * len(table) + 1.6))
-    colors = ["tab:green" if m == best["model"] else "tab:gray" for m in table["model"]]
-    ax.barh(table["model"], table["eval_loss"], color=colors)
+    errors = None
+    if {"eval_loss_lo", "eval_loss_hi"} <= set(table):
+        errors = [
+            (table["eval_loss"] - table["eval_loss_lo"]).tolist(),
+            (table["eval_loss_hi"] - table["eval_loss"]).tolist(),
+        ]
+    ax.barh(table["model"], table["eval_loss"], xerr=errors, capsize=4, color=[model_color(m) for m in table["model"]],
+            edgecolor=["black" if m == best["model"] else "none" for m in table["model"]], linewidth=2)  # fmt: skip
     for y, (loss, em) in enumerate(zip(table["eval_loss"], table["exact_match"], strict=True)):
-        ax.text(loss, y, f"  loss {loss:.3f}   exact match {em:.3f}", va="center")
+        ax.text(loss, y, f"  loss {loss:.3f}   exact match {em:.3f}", va="bottom")
     ax.invert_yaxis()
     ax.set_xlim(0, table["eval_loss"].max() * 1.45)
     vs_base = f", {best['eval_loss_vs_base']:.2f}x the base model's loss" if "eval_loss_vs_base" in best else ""
-    ax.set_title(f"Best model: {best['model']} (eval loss {best['eval_loss']:.3f}{vs_base})", fontweight="bold")
-    ax.set_xlabel("held-out loss (lower is better)")
+    title = f"Lowest eval loss: {best['model']} ({best['eval_loss']:.3f}{vs_base})"
+    top_em = table.loc[table["exact_match"].idxmax(), "model"] if table["exact_match"].notna().any() else None
+    if top_em is not None and top_em != best["model"]:
+        title += f"\nhighest exact match: {top_em}"
+    ax.set_title(title, fontweight="bold")
+    ax.set_xlabel(
+        "held-out loss, 95% bootstrap interval (lower is better)" if errors else "held-out loss (lower is better)"
+    )
     save_png(fig, path)
     return str(best["model"])
 
@@ -285,7 +273,7 @@ def plot_categories(results: list[dict], path: Path) -> None:
     table = pd.DataFrame({r["model"]: r.get("exact_match_by_category", {}) for r in results})
     fig, ax = plt.subplots(figsize=(11, 4))
     if len(table):
-        table.plot.bar(ax=ax, rot=0)
+        table.plot.bar(ax=ax, rot=0, color=[model_color(m) for m in table.columns])
     ax.set(title="Exact match per category", ylabel="exact match", ylim=(0, 1))
     ax.grid(alpha=0.3, axis="y")
     save_png(fig, path)
@@ -313,8 +301,7 @@ def plot_tasks(tasks: pd.DataFrame, path: Path) -> list[str]:
         ax = axes[0, 0]
         ax.axis("off")
         ax.text(0.5, 0.5, "No evaluation scores in the results", ha="center", va="center", fontsize=14)
-    colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * len(models))
-    color = {m: "lightgray" if m == "base" else next(colors) for m in models}
+    color = {m: model_color(m) for m in models}
     width = 0.8 / max(len(models), 1)
     for ax, (task, rows) in zip(axes[:, 0], panels.items(), strict=False):
         metrics = list(dict.fromkeys(rows["metric"]))
@@ -370,13 +357,34 @@ def consolidation_table(folders: list[Path]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def samples_table(results: list[dict]) -> pd.DataFrame:
-    """Prompt, reference and every model's answer, side by side."""
+def last_user_turns(split: Path) -> dict[str, str]:
+    """The eval split's (data/eval.parquet) last user turn of each conversation by its content_hash: the prompt
+    as written, without the chat template's markup."""
+    frame = pd.read_parquet(split, columns=["messages", "content_hash"])
+    turns = {}
+    for messages, key in zip(frame["messages"], frame["content_hash"], strict=True):
+        users = [m["content"] for m in json.loads(messages)[:-1] if m["role"] == "user"]
+        turns[key] = users[-1] if users else ""
+    return turns
+
+
+def samples_table(results: list[dict], questions: dict[str, str] | None = None) -> pd.DataFrame:
+    """Prompt (the last user turn where ``questions`` has the example, else the rendered prompt's end), reference,
+    and every model's answer with ``<model>_correct`` beside it (its exact match: evaluation's per-example
+    verdict)."""
+    from heldout import exact_matches
+
     base = results[0]["samples"]
-    rows = [{"prompt": s.get("prompt", ""), "reference": s["reference"]} for s in base]
+    questions = questions or {}
+    rows = [{"prompt": questions.get(s.get("content_hash"), s.get("prompt", "")), "reference": s["reference"]}
+            for s in base]  # fmt: skip
     for r in results:
         for row, sample in zip(rows, r["samples"], strict=False):
             row[r["model"]] = sample["prediction"]
+            correct = sample.get("correct")
+            if correct is None:  # a result written before evaluation kept its verdict: judged as it judges
+                correct = exact_matches([(sample["prediction"], sample["reference"])])[0]
+            row[f"{r['model']}_correct"] = bool(correct)
     return pd.DataFrame(rows)
 
 
@@ -396,11 +404,12 @@ def main(argv=None) -> None:
     p.add_argument("--samples", required=True, type=Path)
     p.add_argument("--models", nargs="+", required=True, type=Path, help="models/<node> folders")
     p.add_argument("--consolidation", required=True, type=Path)
+    p.add_argument("--eval-split", type=Path, help="data/eval.parquet: the samples' prompts without the template")
     p.add_argument("--decontamination", type=Path, help="data/decontamination.json: a line on the leaderboard")
     p.add_argument("--trackers", nargs="*", default=[], help="logging.trackers: their runs get the summary")
     a = p.parse_args(argv)
     results = [json.loads(p.read_text()) for p in a.results]
-    table = with_examples_trained(summary_table(results), a.metrics)
+    table = with_intervals(with_examples_trained(summary_table(results), a.metrics), results)
     with atomic_path(a.summary) as tmp:
         table.to_csv(tmp, index=False, float_format="%.6g")
     tasks = tasks_table(results)
@@ -413,12 +422,13 @@ def main(argv=None) -> None:
         print(f"{node}: median {tps:,.0f} tokens/s")
     plot_categories(results, a.categories)
     plot_leaderboard(table, a.leaderboard)
-    board = leaderboard_text(table, tasks)
+    board = leaderboard_text(table, tasks, {r["model"]: r["path"] for r in results if r.get("path")})
     board += decontamination_line(json.loads(a.decontamination.read_text()) if a.decontamination else None)
     with atomic_path(a.leaderboard_text) as tmp:
         tmp.write_text(board)
     with atomic_path(a.samples) as tmp:
-        samples_table(results).to_csv(tmp, index=False)
+        questions = last_user_turns(a.eval_split) if a.eval_split else None
+        samples_table(results, questions).to_csv(tmp, index=False)
     with atomic_path(a.consolidation) as tmp:
         consolidation_table(a.models).to_csv(tmp, index=False, float_format="%.6g")
     print(table.to_string(index=False))

@@ -1,0 +1,118 @@
+"""A headless Chromium driven over the DevTools protocol (aiohttp's websocket client, already installed with
+lm-eval): open a Snakemake report, click an item's view button as a user does, read the text shown.
+
+The report is a single-page app: its items are data URIs inside report.html, an HTML item opens in an iframe
+(a CSV, JSON or TXT item's button is a download link instead). Site isolation is off, so the iframe's document
+is in the page's process and an isolated world there can read its text.
+"""
+
+import asyncio
+import itertools
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
+
+
+def find_browser() -> str | None:
+    return next(filter(None, map(shutil.which, BROWSERS)), None)
+
+
+class Page:
+    def __init__(self, ws):
+        self.ws, self.ids = ws, itertools.count(1)
+
+    async def call(self, method: str, **params) -> dict:
+        n = next(self.ids)
+        await self.ws.send_json({"id": n, "method": method, "params": params})
+        while True:
+            message = json.loads((await self.ws.receive()).data)
+            if message.get("id") == n:
+                if "error" in message:
+                    raise RuntimeError(f"{method}: {message['error']}")
+                return message["result"]
+
+    async def js(self, expression: str, context: int | None = None):
+        args = {"expression": expression, "returnByValue": True, "awaitPromise": True}
+        result = await self.call("Runtime.evaluate", **args, **({"contextId": context} if context else {}))
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"{expression[:80]}: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    async def wait(self, expression: str, timeout: float = 30) -> object:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if value := await self.js(expression):
+                return value
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"waited {timeout} s for {expression}")
+
+    async def frame_text(self) -> str:
+        """The text of the page's first iframe's document."""
+        tree = await self.call("Page.getFrameTree")
+        frames = tree["frameTree"].get("childFrames") or []
+        if not frames:
+            raise RuntimeError("no iframe in the page")
+        world = await self.call("Page.createIsolatedWorld", frameId=frames[0]["frame"]["id"])
+        return await self.js("document.body ? document.body.innerText : ''", world["executionContextId"])
+
+
+async def open_item(browser: str, report: Path, category: str, subcategory: str | None, item: str, workdir: Path):
+    """Open ``report`` in ``browser``, show ``category`` (and ``subcategory``) as its menu does, and click the view
+    button of the item named ``item``. Returns (the button's download attribute or None, the text shown)."""
+    import aiohttp
+
+    profile = Path(tempfile.mkdtemp(prefix="chromium-", dir=workdir))  # a fresh one: no stale DevToolsActivePort
+    proc = subprocess.Popen(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-port=0",
+         f"--user-data-dir={profile}", "--disable-site-isolation-trials",
+         "--disable-features=IsolateOrigins,site-per-process", "about:blank"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        port_file = profile / "DevToolsActivePort"
+        for _ in range(300):
+            if port_file.exists() and port_file.read_text().strip():
+                break
+            time.sleep(0.1)
+        port = int(port_file.read_text().split()[0])
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/json/list") as response:
+                target = next(t for t in await response.json() if t["type"] == "page")
+            async with session.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+                page = Page(ws)
+                await page.call("Page.enable")
+                await page.call("Page.navigate", url=report.resolve().as_uri())
+                await page.wait("typeof app !== 'undefined' && document.readyState === 'complete'", 60)
+                # the menu's category view, as clicking the category (and subcategory) does
+                if subcategory:
+                    view = {"navbarMode": "subcategory", "category": category, "subcategory": subcategory}
+                    await page.js(f"app.setView({json.dumps(view)}) || 1")
+                else:
+                    await page.js(f"app.showCategory({json.dumps(category)}) || 1")
+                name = json.dumps(item)
+                find = (f"[...document.querySelectorAll('tr')].find(r => r.innerText.includes({name}))"
+                        "?.querySelector('a')")  # fmt: skip
+                await page.wait(f"!!({find})", 30)
+                download = await page.js(f"({find}).getAttribute('download')")
+                if download is None:
+                    await page.js(f"({find}).click() || 1")
+                    await page.wait("!!document.querySelector('iframe')", 30)
+                    await asyncio.sleep(1)
+                    return None, await page.frame_text()
+                return download, ""
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def open_report_item(report: Path, category: str, subcategory: str | None, item: str, workdir: Path):
+    browser = find_browser()
+    if browser is None:
+        raise RuntimeError(f"no browser ({', '.join(BROWSERS)}) on PATH")
+    return asyncio.run(open_item(browser, report, category, subcategory, item, workdir))
