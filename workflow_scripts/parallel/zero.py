@@ -133,6 +133,10 @@ def deepspeed_config(cfg, world_size: int, model_config) -> dict:
         zero.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": True})
     if cfg.offload == "all" and cfg.zero_stage == 3:
         zero.setdefault("offload_param", {"device": "cpu", "pin_memory": True})
+    if cfg.offload_ratio < 1:  # ZeRO-3's partial optimizer offload: the first sub-groups stay on the GPU
+        if error := offload_ratio_error(zero["stage"], cfg.offload, cfg.offload_ratio):
+            raise UserError(error)
+        zero["offload_optimizer"] = {**zero["offload_optimizer"], "ratio": cfg.offload_ratio}
     return base | {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
@@ -147,6 +151,14 @@ def deepspeed_config(cfg, world_size: int, model_config) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+
+
+def offload_ratio_error(stage: int, offload: str, ratio: float) -> str | None:
+    """DeepSpeed 0.19 takes offload_optimizer.ratio < 1 with ZeRO-3 only (its config asserts it), and only
+    where the optimizer is offloaded."""
+    if ratio < 1 and (stage != 3 or offload == "none"):
+        return f"training.offload_ratio {ratio} needs training.zero_stage 3 and training.offload optimizer or all"
+    return None
 
 
 class DeepSpeedStrategy(Strategy):
@@ -307,6 +319,24 @@ class DeepSpeedStrategy(Strategy):
             params = offload == "all"  # offload_param: the parameters' partitions live on the host too
             return (f.trainable * (16 + f.c * params) + f.frozen * f.c * params) / f.nodes * DS_BUFFER
         return f.trainable * 16 / f.nodes * DS_BUFFER if offload != "none" else 0.0
+
+    @classmethod
+    def unsupported(cls, t: dict) -> str | None:
+        return offload_ratio_error(t.get("zero_stage", 0), t["offload"], t.get("offload_ratio", 1.0))
+
+    @classmethod
+    def model_states(cls, t: dict, layout, world: int) -> dict | None:
+        """ZeRO's model states from DeepSpeed's source (parallel/zero_memory.py)."""
+        from parallel.zero_memory import model_states
+
+        return model_states(t, layout(), world, t.get("optimizer_device", "cpu"))
+
+    @classmethod
+    def probe_config(cls, t: dict) -> dict:
+        """DeepSpeed has no fake-tensor path: the probe runs the same micro-batch, sequence, checkpointing
+        and LoRA under FSDP2, for the activations (and logits) alone."""
+        probed = {k: v for k, v in t.items() if k != "optimizer_device"}  # optimizer_device: the planner's NVMe
+        return probed | {"strategy": "fsdp", "zero_stage": 3, "offload": "none", "fsdp_no_sync": False, "offload_ratio": 1.0}
 
     @classmethod
     def gpu_tips(cls, t: dict, gb: dict) -> list[str]:

@@ -1,0 +1,201 @@
+"""ZeRO's memory terms for the planner, per rank, read from DeepSpeed 0.19's own source rather than from its
+estimators (``estimate_zero3_model_states_mem_needs`` counts offloaded gradients on the GPU, leaves out the
+bf16 gradient partition on the host and the pinned blocks' rounding, and hedges with a 1.5 buffer factor).
+
+ZeRO-3 (``runtime/zero/stage3.py``, ``partition_parameters.py``), each trainable parameter of n elements
+has a partition of ceil(n / N) elements on each of the N ranks; the optimizer's parameter groups (decay,
+no decay) are cut into sub-groups of at least ``sub_group_size`` partition elements, as
+``_create_fp16_sub_groups`` does (zero_buffer_sizes sets 10 h²):
+
+- GPU, no offload: the bf16 partitions (c per element), the bf16 gradient partition
+  (``grad_partitions_flat_buffer``, in the gradient accumulation dtype, which is the model's), the fp32
+  master and Adam's two moments (4 + 8) and one fp32 gradient buffer of the largest sub-group
+  (``initialize_optimizer_states``' ``gradient_buffer``, shared by the sub-groups);
+- with ``offload_optimizer`` (cpu): the gradient partition lives on the host, pinned, one block; each
+  sub-group's fp32 master, fp32 gradient (pinned, one block per sub-group) and Adam's moments live on the
+  host, except with ``offload_optimizer.ratio`` r < 1 (training.offload_ratio): the first
+  int((1 - r) × sub-groups) sub-groups stay on the GPU, 16 bytes an element there (master, gradient,
+  moments), stepped by a torch AdamW (``backup_optimizer``), the rest on the host, stepped by
+  DeepSpeedCPUAdam; the pinned gradient block of a GPU sub-group is made on the host first and stays
+  in torch's pinned cache (one block of that size is reused);
+- with ``offload_param`` (offload: all) the bf16 partitions live on the host, pinned, one block per
+  parameter group (``param_groups_fp16_flat_cpu_memory``); a frozen parameter's (LoRA's base) is
+  pinned on its own (``partition_parameters``);
+- on the GPU besides: the parameters gathered for compute (``stage3_max_live_parameters``, two decoder
+  layers, plus the largest parameter: the embedding or head is gathered whole), the reduce bucket
+  (h² elements) and the largest parameter's full gradient (a gradient larger than the bucket is
+  reduced alone), and the small parameters every rank keeps whole (``param_persistence_threshold``).
+- NVMe (``offload_optimizer.device: nvme``): the sub-groups' states are swapped to disk; the host keeps
+  the pinned gradient partition, ``buffer_count`` (4) pinned swap buffers of the largest sub-group and
+  one fp32 gradient buffer of that size.
+
+ZeRO-1/2 (``stage_1_and_2.py``): every rank holds the bf16 weights; the fp32 master and Adam's moments
+are partitioned (flat, one partition per parameter group); gradients are whole (stage 1) or partitioned
+(stage 2); with offload the master partition, a bf16 copy of it and the fp32 gradient partition are
+pinned on the host, with Adam's moments, plus a pinned bf16 buffer of the largest parameter.
+
+torch rounds each pinned block up to a power of two (``CachingHostAllocator``: ``PowerOf2Ceil`` with
+the default ``pinned_max_round_threshold``), so each pinned block is counted at its rounded size
+(``pinned``) and the rounding is shown as its own component.
+"""
+
+import dataclasses
+import math
+
+GB = 2**30
+ADAM = 8  # Adam's two fp32 moments, bytes per element
+MASTER = 4  # the fp32 master weight
+SWAP_BUFFERS = 4  # offload_optimizer.buffer_count (DeepSpeed's default): NVMe swap buffers
+
+
+def pinned(nbytes: float) -> int:
+    """Bytes torch's pinned-memory allocator takes for a block of ``nbytes``: the next power of two."""
+    nbytes = int(math.ceil(nbytes))
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The model's parameters as ZeRO partitions them: trainable (numel, ndim) in model order, frozen numels,
+    the hidden size, one decoder layer's parameters and the largest parameter."""
+
+    trainable: tuple[tuple[int, int], ...]
+    frozen: tuple[int, ...]
+    hidden: int
+    layer: int | None
+    largest: int
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """The trainer's parameter groups (Strategy.param_groups): matrices (weight decay), then the rest."""
+        return [[n for n, d in self.trainable if d >= 2], [n for n, d in self.trainable if d < 2]]
+
+
+def base_parameters(config) -> list[tuple[str, int, int]]:
+    """(name, numel, ndim) of every parameter of the model, built on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [(name, p.numel(), p.dim()) for name, p in model.named_parameters()]
+
+
+def lora_adapters(config, r: int, targets: list[str]) -> list[tuple[int, int]]:
+    """LoRA's trainable matrices (A: r × in, B: out × r) on the targeted projections of every layer."""
+    h = config.hidden_size
+    head = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv, ffn = config.num_attention_heads * head, config.num_key_value_heads * head, config.intermediate_size
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h)}  # fmt: skip
+    one = [m for name, (i, o) in shapes.items() if name in targets for m in ((r * i, 2), (o * r, 2))]
+    return one * config.num_hidden_layers
+
+
+def layout(config, base: list[tuple[str, int, int]], t: dict) -> Layout:
+    from parallel.zero import hidden_size, layer_parameters
+
+    if t["peft"] == "lora":
+        trainable = tuple(lora_adapters(config, t["lora"]["r"], t["lora"]["target_modules"]))
+        frozen = tuple(n for _, n, _ in base)
+    else:
+        trainable, frozen = tuple((n, d) for _, n, d in base), ()
+    largest = max(n for _, n, _ in base)
+    return Layout(trainable, frozen, hidden_size(config), layer_parameters(config), largest)
+
+
+def sub_groups(group: list[int], size: int) -> list[int]:
+    """Partition elements of each sub-group of one parameter group (stage3's _create_fp16_sub_groups)."""
+    if not group:
+        return []
+    if size >= sum(group):
+        return [sum(group)]
+    out, acc = [], 0
+    for i, n in enumerate(group):
+        acc += n
+        if acc >= size or i == len(group) - 1:
+            out.append(acc)
+            acc = 0
+    return out
+
+
+def zero3(t: dict, lay: Layout, world: int, device: str = "cpu") -> dict:
+    """ZeRO-3's bytes per rank on the GPU and on the host, by component (module docstring). ``device`` is
+    offload_optimizer's device when the optimizer is offloaded (cpu or nvme)."""
+    c, h = 2 if t["precision"] in ("bf16", "fp16") else 4, lay.hidden
+    offload, ratio = t["offload"], t.get("offload_ratio", 1.0) if t["offload"] != "none" else 1.0
+    part = lambda n: -(-n // world)  # noqa: E731  (ceil(n / N), a partition's elements)
+    groups = [[part(n) for n in g] for g in lay.groups]
+    size = 10 * h * h  # zero_buffer_sizes' sub_group_size
+    subs = [s for g in groups for s in sub_groups(g, size)]
+    on_gpu = len(subs) if offload == "none" else int((1 - ratio) * len(subs))
+    gpu_subs, host_subs = subs[:on_gpu], subs[on_gpu:]
+    trainable = sum(sum(g) for g in groups)
+    frozen = [part(n) for n in lay.frozen]
+    persistent = 10 * h  # stage3_param_persistence_threshold: whole on every rank
+    whole = sum(n for n, _ in lay.trainable if n < persistent) + sum(n for n in lay.frozen if n < persistent)
+    live = 2 * lay.layer if lay.layer else 10**9  # zero_buffer_sizes' max live parameters, else DeepSpeed's 1e9
+    gpu = {
+        "params": c * whole + (0 if offload == "all" else c * (trainable + sum(frozen))),
+        "grads": c * trainable if offload == "none" else 0,
+        "optimizer": (12 * trainable + 4 * max(subs, default=0)) if offload == "none" else 16 * sum(gpu_subs),
+        "buffers": c * (live + lay.largest) + c * (h * h + lay.largest),
+    }
+    host, rounding = {}, 0
+
+    def pin(nbytes):
+        nonlocal rounding
+        rounding += pinned(nbytes) - int(math.ceil(nbytes))
+        return int(math.ceil(nbytes))
+
+    if offload == "all":
+        host["params"] = sum(pin(c * sum(g)) for g in groups if g) + sum(pin(c * n) for n in frozen)
+    if offload != "none":
+        host["grads"] = pin(c * trainable)
+        if device == "nvme":
+            largest = max(subs, default=0)
+            host["optimizer"] = SWAP_BUFFERS * pin(4 * largest) + 4 * largest
+        else:
+            cached = pin(4 * max(gpu_subs)) if gpu_subs else 0  # a GPU sub-group's block, kept in torch's cache
+            host["optimizer"] = sum((MASTER + ADAM) * s + pin(4 * s) for s in host_subs) + cached
+    host["pinned_rounding"] = rounding
+    return {
+        "gpu": gpu,
+        "host": host,
+        "sub_groups": len(subs),
+        "sub_groups_on_gpu": on_gpu,
+        "offload_ratio": ratio,
+    }
+
+
+def zero12(t: dict, lay: Layout, world: int) -> dict:
+    """ZeRO-1/2's bytes per rank on the GPU and on the host, by component (module docstring)."""
+    c, h, stage, offload = 2 if t["precision"] in ("bf16", "fp16") else 4, lay.hidden, t["zero_stage"], t["offload"]
+    trainable = sum(n for n, _ in lay.trainable)
+    parts = [-(-sum(g) // world) for g in lay.groups if g]
+    partition = sum(parts)
+    gpu = {
+        "params": c * (trainable + sum(lay.frozen)),
+        "grads": c * (trainable if stage == 1 else partition) if offload == "none" else 0,
+        "optimizer": (MASTER + ADAM + 4) * partition if offload == "none" else 0,
+        "buffers": c * h * h + (c * lay.largest if offload != "none" else 0),
+    }
+    host, rounding = {}, 0
+    if offload != "none":
+        blocks = [b for p in parts for b in (4 * p, c * p, 4 * p)] + [c * lay.largest]
+        rounding = sum(pinned(b) - b for b in blocks)
+        host["optimizer"] = sum(blocks) + ADAM * partition
+        host["grads"] = c * partition if t.get("grad_accum", 1) > 1 else 0  # accumulated_grads_in_cpu
+    host["pinned_rounding"] = rounding
+    return {"gpu": gpu, "host": host}
+
+
+def model_states(t: dict, lay: Layout, world: int, device: str = "cpu") -> dict:
+    """ZeRO's model states per rank (bytes): ``gpu`` and ``host`` components, for the stage of ``t``."""
+    return zero3(t, lay, world, device) if t["zero_stage"] == 3 else zero12(t, lay, world)
+
+
+def best_ratio(fits) -> float | None:
+    """The smallest training.offload_ratio, in hundredths (the least optimizer work on the host's CPU
+    Adam), for which ``fits(ratio)``, or None."""
+    return next((r / 100 for r in range(1, 101) if fits(r / 100)), None)
