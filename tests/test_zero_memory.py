@@ -93,8 +93,45 @@ def test_pinned_rounding_of_sub_groups_just_over_a_power_of_two():
     assert z["host"]["pinned_rounding"] >= 2**24 - block
 
 
-def test_best_ratio_is_the_smallest_that_fits():
+def test_best_ratio_leaves_the_most_room():
     from parallel.zero_memory import best_ratio
 
-    assert best_ratio(lambda r: r >= 0.63) == 0.63
-    assert best_ratio(lambda r: False) is None
+    # the GPU fits from 0.6 up, the host up to 0.8: the middle has the most room on both
+    assert best_ratio(lambda r: min(r - 0.6, 0.8 - r) if 0.6 <= r <= 0.8 else None) == 0.7
+    assert best_ratio(lambda r: None) is None
+
+
+def test_offload_ratio_reaches_deepspeed_for_zero3_only():
+    from parallel.zero import deepspeed_config
+    from pipeline_io import UserError
+    from settings import training_config
+    from transformers import Qwen3Config
+
+    shape = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+
+    def zero(**kw):
+        cfg = training_config({"strategy": "deepspeed", "zero_stage": 3, "offload": "optimizer"} | kw)
+        return deepspeed_config(cfg, 2, shape)["zero_optimization"]
+
+    assert "ratio" not in zero()["offload_optimizer"]  # 1.0, the schema's default: DeepSpeed's own default
+    assert zero(offload_ratio=0.5)["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.5}
+    with pytest.raises(UserError, match="training.offload_ratio 0.5 needs training.zero_stage 3"):
+        zero(offload_ratio=0.5, zero_stage=2)
+    with pytest.raises(UserError, match="training.offload_ratio 0.5 needs"):
+        zero(offload_ratio=0.5, offload="none")
+
+
+@pytest.mark.torchrun
+def test_zero3_partial_offload_trains_on_two_cpu_ranks(tmp_path, demo_assets):
+    """DeepSpeed 0.19's partial optimizer offload (offload_optimizer.ratio 0.5) on the CPU accelerator: half the
+    sub-groups stepped by torch's AdamW (DeepSpeed's backup optimizer), half by DeepSpeedCPUAdam."""
+    import json
+
+    from conftest import run_trainer
+
+    cfg = {"strategy": "deepspeed", "zero_stage": 3, "offload": "optimizer", "offload_ratio": 0.5, "lr": 3e-3,
+           "micro_batch_size": 2, "max_steps": 6, "log_every": 1, "checkpoint_every": 100}  # fmt: skip
+    proc = run_trainer(tmp_path, demo_assets, cfg)
+    assert "DeepSpeedCPUAdam (50% of the optimizer offloaded to cpu)" in proc.stdout + proc.stderr
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses

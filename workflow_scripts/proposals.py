@@ -25,6 +25,7 @@ def _try(label: str, change: dict, t: dict, plan) -> dict:
         "gpu_gb": round(est["total_gb"], 2),
         "host_gb": round(est["host"]["peak_gb"], 1),
         "fits": est["fits"],
+        "host_limit_gb": est["host"]["memory_gb"],
         "grad_accum": est["grad_accum"],
         "world_size": est["world_size"],
     }
@@ -60,20 +61,26 @@ def partial_offload(t: dict, plan) -> list[dict]:
     """ZeRO-3 with the optimizer offloaded (with the parameters too where ``t`` offloads them, and without),
     each at the smallest offload_ratio that fits, or fully offloaded where none does."""
     offloads = ["all", "optimizer"] if t["strategy"] == "deepspeed" and t["offload"] == "all" else ["optimizer"]
-    return [ratio_for(t, plan, offload) for offload in offloads]
+    out = [ratio_for(t, plan, {"offload": offload}) for offload in offloads]
+    if not any(p["fits"] for p in out):  # unpinned: no power-of-two rounding of the optimizer's host blocks
+        out += [ratio_for(t, plan, {"offload": offload, "offload_pin_memory": False}) for offload in offloads]
+    return out
 
 
-def ratio_for(t: dict, plan, offload: str) -> dict:
+def ratio_for(t: dict, plan, keys_: dict) -> dict:
     from parallel.zero_memory import best_ratio
 
-    base = {"strategy": "deepspeed", "zero_stage": 3, "offload": offload}
+    base = {"strategy": "deepspeed", "zero_stage": 3} | keys_
     found = {}
 
-    def fits(ratio: float) -> bool:
-        found[ratio] = _try("", base | {"offload_ratio": ratio}, t, plan)
-        return found[ratio]["fits"]
+    def slack(ratio: float) -> float | None:
+        p = found[ratio] = _try("", base | {"offload_ratio": ratio}, t, plan)
+        if not p["fits"]:
+            return None
+        host = 1 - p["host_gb"] / limit if (limit := p.get("host_limit_gb")) else 1.0
+        return min(1 - p["gpu_gb"] / t["gpu_memory_gb"], host)
 
-    ratio = best_ratio(fits) or 1.0
+    ratio = best_ratio(slack) or 1.0
     result = found.get(ratio) or _try("", base | {"offload_ratio": ratio}, t, plan)
     change = base | {"offload_ratio": ratio}
     label = f"{keys(change)} (ZeRO-3 partial offload: {ratio:.0%} of the optimizer on the host)"

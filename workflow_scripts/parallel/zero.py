@@ -130,7 +130,7 @@ def deepspeed_config(cfg, world_size: int, model_config) -> dict:
         if zero.get(key, "auto") == "auto":  # unset, or transformers' "auto"
             zero[key] = size
     if cfg.offload in ("optimizer", "all"):
-        zero.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": True})
+        zero.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": cfg.offload_pin_memory})
     if cfg.offload == "all" and cfg.zero_stage == 3:
         zero.setdefault("offload_param", {"device": "cpu", "pin_memory": True})
     if cfg.offload_ratio < 1:  # ZeRO-3's partial optimizer offload: the first sub-groups stay on the GPU
@@ -352,10 +352,14 @@ def choose_optimizer(zero: dict, cpu_adam, torch_adamw, on_gpu: bool = True) -> 
     optimizer states are offloaded (offload_optimizer on cpu or nvme: DeepSpeed steps them on the host), else
     torch's AdamW (``torch_adamw()``); torch's AdamW too, said as a warning, where the cpu_adam op cannot be
     built or loaded (no compiler, an unsupported CPU). A CPU run (DS_ACCELERATOR=cpu) keeps torch's AdamW: its
-    states are host memory already, and the op's first build takes minutes there."""
-    device = (zero.get("offload_optimizer") or {}).get("device", "none")
+    states are host memory already, and the op's first build takes minutes there; except with a partial
+    offload (offload_optimizer.ratio < 1), which DeepSpeed runs with DeepSpeedCPUAdam only."""
+    offload = zero.get("offload_optimizer") or {}
+    device = offload.get("device", "none")
     if device not in ("cpu", "nvme"):
         return torch_adamw(), "torch AdamW (optimizer states on the accelerator)"
+    if offload.get("ratio", 1.0) < 1:  # stage3's partial offload asserts DeepSpeedCPUAdam, on a CPU run too
+        return cpu_adam(), f"DeepSpeedCPUAdam ({offload['ratio']:.0%} of the optimizer offloaded to {device})"
     if not on_gpu:
         return torch_adamw(), f"torch AdamW (a CPU run: offload_optimizer {device} steps on the host either way)"
     try:

@@ -36,7 +36,9 @@ pinned on the host, with Adam's moments, plus a pinned bf16 buffer of the larges
 
 torch rounds each pinned block up to a power of two (``CachingHostAllocator``: ``PowerOf2Ceil`` with
 the default ``pinned_max_round_threshold``), so each pinned block is counted at its rounded size
-(``pinned``) and the rounding is shown as its own component.
+(``pinned``) and the rounding is shown as its own component. training.offload_pin_memory false
+(offload_optimizer.pin_memory) leaves the optimizer's buffers unpinned: no rounding there (the
+parameters' offload_param blocks stay pinned).
 """
 
 import dataclasses
@@ -143,20 +145,23 @@ def zero3(t: dict, lay: Layout, world: int, device: str = "cpu") -> dict:
     }
     host, rounding = {}, 0
 
-    def pin(nbytes):
+    def pin(nbytes, optimizer: bool = True):
+        """A pinned block's bytes, its rounding counted apart (the optimizer's blocks unless pin_memory is off)."""
         nonlocal rounding
-        rounding += pinned(nbytes) - int(math.ceil(nbytes))
+        if not optimizer or t.get("offload_pin_memory", True):
+            rounding += pinned(nbytes) - int(math.ceil(nbytes))
         return int(math.ceil(nbytes))
 
     if offload == "all":
-        host["params"] = sum(pin(c * sum(g)) for g in groups if g) + sum(pin(c * n) for n in frozen)
+        host["params"] = sum(pin(c * sum(g), False) for g in groups if g) + sum(pin(c * n, False) for n in frozen)
     if offload != "none":
         host["grads"] = pin(c * trainable)
         if device == "nvme":
             largest = max(subs, default=0)
             host["optimizer"] = SWAP_BUFFERS * pin(4 * largest) + 4 * largest
         else:
-            cached = pin(4 * max(gpu_subs)) if gpu_subs else 0  # a GPU sub-group's block, kept in torch's cache
+            pinning = t.get("offload_pin_memory", True)  # a GPU sub-group's pinned block, kept in torch's cache
+            cached = pin(4 * max(gpu_subs)) if gpu_subs and pinning else 0
             host["optimizer"] = sum((MASTER + ADAM) * s + pin(4 * s) for s in host_subs) + cached
     host["pinned_rounding"] = rounding
     return {
@@ -183,7 +188,7 @@ def zero12(t: dict, lay: Layout, world: int) -> dict:
     host, rounding = {}, 0
     if offload != "none":
         blocks = [b for p in parts for b in (4 * p, c * p, 4 * p)] + [c * lay.largest]
-        rounding = sum(pinned(b) - b for b in blocks)
+        rounding = sum(pinned(b) - b for b in blocks) if t.get("offload_pin_memory", True) else 0
         host["optimizer"] = sum(blocks) + ADAM * partition
         host["grads"] = c * partition if t.get("grad_accum", 1) > 1 else 0  # accumulated_grads_in_cpu
     host["pinned_rounding"] = rounding
@@ -195,7 +200,10 @@ def model_states(t: dict, lay: Layout, world: int, device: str = "cpu") -> dict:
     return zero3(t, lay, world, device) if t["zero_stage"] == 3 else zero12(t, lay, world)
 
 
-def best_ratio(fits) -> float | None:
-    """The smallest training.offload_ratio, in hundredths (the least optimizer work on the host's CPU
-    Adam), for which ``fits(ratio)``, or None."""
-    return next((r / 100 for r in range(1, 101) if fits(r / 100)), None)
+def best_ratio(slack) -> float | None:
+    """The training.offload_ratio, in hundredths, with the most room: ``slack(ratio)`` is the smaller of the
+    GPU's and the host's free share under that ratio's plan (None where it does not fit); the ratio with the
+    largest, so that neither side sits at its edge. None if no ratio fits."""
+    room = {r / 100: slack(r / 100) for r in range(1, 101)}
+    fitting = {r: v for r, v in room.items() if v is not None}
+    return max(fitting, key=lambda r: (fitting[r], -r)) if fitting else None
