@@ -131,7 +131,11 @@ def test_preflight_stops_when_the_host_memory_is_short(tmp_path):
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: training needs about") and "of host memory per node (in training)" in last
-    assert "TRAIN_MEM_MB" in last and "mem_mb 16000" in last and "training.mode: joint" in last, last
+    assert "TRAIN_MEM_MB" in last and "mem_mb 16000" in last and "fits with training." in last, last
+    # the named proposal was planned again and fits the 16 GB
+    chosen = next(p for p in plan["proposals"] if p["fits"])
+    assert chosen["proposal"] in last and chosen["host_gb"] <= 16000 / 1024 and chosen["gpu_gb"] <= 80
+    assert any(p["change"].get("mode") == "joint" for p in plan["proposals"]), plan["proposals"]
     need = plan["host"]["peak_gb"]
     assert f"TRAIN_MEM_MB={math.ceil(need * 1024)} or more" in last, last
     assert plan["gpu_fits"] is True and plan["host"]["fits"] is False and plan["fits"] is False

@@ -243,7 +243,7 @@ def with_states(est: dict, states: dict, probed: dict | None, note: str) -> dict
         parts["activations"] = probed["activations_peak_bytes"] / GB
     else:
         parts["activations"] = formula["per_gpu_gb"]["activations"] + formula["per_gpu_gb"]["logits"]
-    how = f"model states by ZeRO's terms (parallel/zero_memory.py); activations {note.removeprefix('by ')}"
+    how = f"model states by ZeRO's terms (parallel/zero_memory.py); activations {note}"
     parts["allocator_headroom"] = sum(parts.values()) * ALLOCATOR_HEADROOM
     parts |= GPU_CONSTANTS_GB
     est |= {"method": how, "formula": formula, "probe": probed, "model_states": states}

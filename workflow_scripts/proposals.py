@@ -28,7 +28,7 @@ def _try(label: str, change: dict, t: dict, plan) -> dict:
         "host_limit_gb": est["host"]["memory_gb"],
         "grad_accum": est["grad_accum"],
         "world_size": est["world_size"],
-    }
+    } | {k: v for k, v in (est.get("model_states") or {}).items() if k.startswith("sub_groups")}
 
 
 def keys(change: dict) -> str:
@@ -83,7 +83,8 @@ def ratio_for(t: dict, plan, keys_: dict) -> dict:
     ratio = best_ratio(slack) or 1.0
     result = found.get(ratio) or _try("", base | {"offload_ratio": ratio}, t, plan)
     change = base | {"offload_ratio": ratio}
-    label = f"{keys(change)} (ZeRO-3 partial offload: {ratio:.0%} of the optimizer on the host)"
+    split = f"{result['sub_groups'] - result['sub_groups_on_gpu']} of {result['sub_groups']}" if "sub_groups" in result else "all"
+    label = f"{keys(change)} (ZeRO-3 partial offload: {split} optimizer sub-groups per rank on the host)"
     return result | {"proposal": label, "change": change}
 
 
