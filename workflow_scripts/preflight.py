@@ -345,7 +345,9 @@ class Planner:
         states = strategy.model_states(t, lambda: self.layout(t), world)
         probed, note = self.probe(strategy.probe_config(t), world)
         est = with_states(est, states, probed, note) if states else planned(est, probed, note, t)
-        host = host_estimate(self.n, est["trainable_parameters"], self.largest_layer, t, world, self.largest_file, states)
+        host = host_estimate(
+            self.n, est["trainable_parameters"], self.largest_layer, t, world, self.largest_file, states
+        )
         limit_gb = None if self.host_memory_mb is None else self.host_memory_mb / 1024
         host |= {
             "largest_checkpoint_file": self.file_source,
@@ -366,7 +368,10 @@ class Planner:
 def table_rows(est: dict, mem_mb: int | None) -> list[tuple[str, str]]:
     host = est["host"]
     rows = [("component", "GB")] + [(k, f"{v:.2f}") for k, v in est["per_gpu_gb"].items()]
-    rows += [("total per GPU", f"{est['total_gb']:.2f}"), ("GPU memory (training.gpu_memory_gb)", f"{est['gpu_memory_gb']:.1f}")]
+    rows += [
+        ("total per GPU", f"{est['total_gb']:.2f}"),
+        ("GPU memory (training.gpu_memory_gb)", f"{est['gpu_memory_gb']:.1f}"),
+    ]
     rows += [("estimated by", est["method"].replace(",", ";"))]
     rows += [(f"formula (cross-check): {k}", f"{v:.2f}") for k, v in est["formula"]["per_gpu_gb"].items()]
     rows += [("formula (cross-check): total per GPU", f"{est['formula']['total_gb']:.2f}")]

@@ -83,7 +83,11 @@ def ratio_for(t: dict, plan, keys_: dict) -> dict:
     ratio = best_ratio(slack) or 1.0
     result = found.get(ratio) or _try("", base | {"offload_ratio": ratio}, t, plan)
     change = base | {"offload_ratio": ratio}
-    split = f"{result['sub_groups'] - result['sub_groups_on_gpu']} of {result['sub_groups']}" if "sub_groups" in result else "all"
+    split = (
+        f"{result['sub_groups'] - result['sub_groups_on_gpu']} of {result['sub_groups']}"
+        if "sub_groups" in result
+        else "all"
+    )
     label = f"{keys(change)} (ZeRO-3 partial offload: {split} optimizer sub-groups per rank on the host)"
     return result | {"proposal": label, "change": change}
 

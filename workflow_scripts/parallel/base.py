@@ -287,7 +287,8 @@ class Strategy:
     def unsupported(cls, t: dict) -> str | None:
         """A planner key this strategy cannot apply, as a one-line error, or None."""
         if t.get("offload_ratio", 1.0) < 1:
-            return f"training.offload_ratio {t['offload_ratio']} applies to DeepSpeed ZeRO-3 with offload, not {t['strategy']}"
+            ratio, name = t["offload_ratio"], t["strategy"]
+            return f"training.offload_ratio {ratio} applies to DeepSpeed ZeRO-3 with offload, not {name}"
         return None
 
     @classmethod

@@ -29,6 +29,9 @@ no decay) are cut into sub-groups of at least ``sub_group_size`` partition eleme
   the pinned gradient partition, ``buffer_count`` (4) pinned swap buffers of the largest sub-group and
   one fp32 gradient buffer of that size.
 
+ZeRO's buffer sizes scaled to the model (``zero_buffer_sizes``, which the trainer's DeepSpeed config takes)
+live here too, as the planner reads them.
+
 ZeRO-1/2 (``stage_1_and_2.py``): every rank holds the bf16 weights; the fp32 master and Adam's moments
 are partitioned (flat, one partition per parameter group); gradients are whole (stage 1) or partitioned
 (stage 2); with offload the master partition, a bf16 copy of it and the fp32 gradient partition are
@@ -48,6 +51,78 @@ GB = 2**30
 ADAM = 8  # Adam's two fp32 moments, bytes per element
 MASTER = 4  # the fp32 master weight
 SWAP_BUFFERS = 4  # offload_optimizer.buffer_count (DeepSpeed's default): NVMe swap buffers
+
+
+def hidden_size(config) -> int | None:
+    """The model's hidden size, found as transformers' DeepSpeed integration finds it (the largest of
+    ``hidden_sizes``, or the text model's for a multimodal config); None if it has none."""
+    for c in (config, getattr(config, "text_config", None)):
+        if getattr(c, "hidden_size", None):
+            return c.hidden_size
+        if getattr(c, "hidden_sizes", None):
+            return max(c.hidden_sizes)
+    return None
+
+
+def layer_parameters(config) -> int | None:
+    """One decoder layer's weights in a Llama/Qwen-style config (attention at its q and kv widths, a gated
+    MLP); None for another layout (mixture of experts, no such fields)."""
+    c = getattr(config, "text_config", None) or config
+    if getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None):
+        return None
+    h, heads, ffn = (getattr(c, k, None) for k in ("hidden_size", "num_attention_heads", "intermediate_size"))
+    if not all(isinstance(v, int) for v in (h, heads, ffn)):
+        return None
+    head, kv = getattr(c, "head_dim", None) or h // heads, getattr(c, "num_key_value_heads", None) or heads
+    return h * head * (2 * heads + 2 * kv) + 3 * h * ffn
+
+
+def zero_buffer_sizes(stage: int, config) -> dict:
+    """ZeRO's buffer sizes (in elements) scaled to the model, as transformers fills DeepSpeed's "auto"
+    values, plus ZeRO-3's sub-group and reuse window. DeepSpeed's defaults are sized for big GPUs, not
+    for one layer, and on the CPU accelerator each is host memory. Per rank, h the hidden size, n the
+    parameters, N the ranks (docs/benchmarks.md measures them on a 0.6B model, 2 ranks, bf16):
+
+    - ``reduce_bucket_size`` h² (default 5e8): gradients are copied into a bucket of this many
+      elements in the compute dtype, all-reduced whole, and this rank's slices added to its gradient
+      partition; the bucket is kept for the whole run. Default: up to 5e8 x 2 bytes (1 GB) touched;
+      here 2 h² bytes (2 MB at h = 1024). A larger gradient (the embedding) is reduce-scattered alone.
+    - ``sub_group_size`` (ZeRO-3) 10 h² (default 1e9): the fp32 master partition is split into groups
+      of about this many elements and the optimizer steps one group at a time. What ``initialize``
+      and the step allocate besides the states is one group's size: the fp32 cast of the bf16
+      partition before its clone (initialize), a zeroed fp32 gradient buffer (initialize), the
+      group's gradients flattened and cast to fp32 for AdamW and AdamW's ``sqrt``/division
+      temporaries (step: 3 x 4 bytes a group element at once). With the default the whole partition
+      (n / N elements) is one group: 12 n / N bytes at once in the step, 8 n / N in initialize.
+      10 h² is two thirds of a Qwen3 layer; a single larger tensor (the embedding) is a group of its own.
+    - ``stage3_prefetch_bucket_size`` 0.9 h² (default 5e7): parameters gathered ahead of use.
+    - ``stage3_param_persistence_threshold`` 10 h (default 1e5): tensors this small (norms, biases)
+      stay gathered on every rank.
+    - ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` two decoder layers
+      (layer_parameters; defaults 1e9, kept for other layouts): once the first step has traced the
+      module order, a gathered parameter used again within this many elements is kept gathered, and
+      prefetching stops at this many. Two layers hold the one computing and the next, and a layer's
+      recompute and backward under gradient checkpointing, as FSDP2 keeps one block unsharded at a
+      time; at 32B (487M a layer) it is about the default, while with the default a model under 1e9
+      parameters (the 0.6B proxy) stays gathered in the compute dtype after the first step.
+
+    None of these changes a step's arithmetic: the same elementwise sums and updates in the same
+    dtypes, grouped differently (the gradient norm is summed per sub-group, so its last bits depend
+    on the grouping; a run and its resume use the same sizes). A checkpoint's optimizer state is
+    saved per sub-group: the ZeRO section is part of the checkpoint key (train.checkpoint_folder)."""
+    hidden, layer = hidden_size(config), layer_parameters(config)
+    if hidden is None:  # DeepSpeed's defaults (training.deepspeed_config can set them)
+        return {}
+    sizes = {"reduce_bucket_size": hidden * hidden}
+    if stage == 3:
+        sizes |= {
+            "sub_group_size": 10 * hidden * hidden,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden,
+        }
+    if stage == 3 and layer:
+        sizes |= {"stage3_max_live_parameters": 2 * layer, "stage3_max_reuse_distance": 2 * layer}
+    return sizes
 
 
 def pinned(nbytes: float) -> int:
@@ -95,8 +170,6 @@ def lora_adapters(config, r: int, targets: list[str]) -> list[tuple[int, int]]:
 
 
 def layout(config, base: list[tuple[str, int, int]], t: dict) -> Layout:
-    from parallel.zero import hidden_size, layer_parameters
-
     if t["peft"] == "lora":
         trainable = tuple(lora_adapters(config, t["lora"]["r"], t["lora"]["target_modules"]))
         frozen = tuple(n for _, n, _ in base)
