@@ -279,4 +279,4 @@ def best_ratio(slack) -> float | None:
     largest, so that neither side sits at its edge. None if no ratio fits."""
     room = {r / 100: slack(r / 100) for r in range(1, 101)}
     fitting = {r: v for r, v in room.items() if v is not None}
-    return max(fitting, key=lambda r: (fitting[r], -r)) if fitting else None
+    return max(fitting, key=lambda r: (fitting[r], r)) if fitting else None  # ties: the same split, the plainer ratio
