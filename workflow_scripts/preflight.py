@@ -79,6 +79,7 @@ import math
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from parallel import strategy_for
@@ -269,6 +270,8 @@ def host_estimate(
     at_load = strategy.host_load_bytes(t, f, largest_file) / GB + overhead
     offloaded = f.procs * sum(states["host"].values()) if states else strategy.offloaded_bytes(t, f)
     in_training = offloaded / GB + overhead
+    # ZeRO: DeepSpeed's own estimator beside its corrected terms, as the cross-check
+    cross = {"deepspeed_estimator_gb": strategy.offloaded_bytes(t, f) / GB + overhead} if states else {}
     return {
         "nodes": f.nodes,
         "ranks_per_node": f.procs,
@@ -276,7 +279,7 @@ def host_estimate(
         "at_load_gb": at_load,
         "in_training_gb": in_training,
         "peak_gb": max(at_load, in_training),
-    }
+    } | cross
 
 
 def dtype_bytes(config) -> int:
@@ -318,11 +321,19 @@ class Planner:
             model, self.config, self.n, preset_name(model) is not None
         )
         self.probes, self.base = {}, None
+        self.deadline = None  # the proposals' probes share one --probe-timeout (set_budget)
+
+    def set_budget(self) -> None:
+        """From now on the probes together take at most one --probe-timeout; past it, the formula."""
+        self.deadline = time.monotonic() + self.timeout
 
     def probe(self, t: dict, world: int) -> tuple[dict | None, str]:
         key = json.dumps([t, world], sort_keys=True)
         if key not in self.probes:
-            self.probes[key] = probe_memory(self.model, t, world, self.timeout)
+            left = self.timeout if self.deadline is None else self.deadline - time.monotonic()
+            if self.timeout > 0 and left <= 0:
+                return None, "by the formula (module docstring): the proposals' --probe-timeout is spent"
+            self.probes[key] = probe_memory(self.model, t, world, left)
         return self.probes[key]
 
     def layout(self, t: dict):
@@ -380,6 +391,13 @@ def table_rows(est: dict, mem_mb: int | None) -> list[tuple[str, str]]:
         ("host RAM per node in training", f"{host['in_training_gb']:.2f}"),
         ("host memory (TRAIN_MEM_MB)", host_limit(mem_mb)),
     ]
+    if "deepspeed_estimator_gb" in host:
+        rows += [
+            (
+                "DeepSpeed's estimator (cross-check): host RAM per node in training",
+                f"{host['deepspeed_estimator_gb']:.2f}",
+            )
+        ]
     rows += [(f"proposal: {p['proposal'].replace(',', ';')}", f"{p['gpu_gb']:.2f} GPU / {p['host_gb']:.1f} host"
               f"{'' if p['fits'] else ' (does not fit)'}") for p in est.get("proposals", [])]  # fmt: skip
     return rows
@@ -408,6 +426,7 @@ def main(argv=None) -> None:
     planner = Planner(a.model, t, a.probe_timeout, a.host_memory_mb)
     est = planner.plan(t)
     if not est["fits"]:
+        planner.set_budget()
         est["proposals"] = propose(t, planner.plan)
     write_json(a.output, est)
     a.table.write_text("".join(f"{k},{v}\n" for k, v in table_rows(est, a.host_memory_mb)))

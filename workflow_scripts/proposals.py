@@ -6,7 +6,9 @@ optimizer offload (training.offload_ratio: the smallest ratio, in hundredths, th
 and the host), ZeRO-3 with the optimizer on NVMe, more nodes on one model (training.mode: joint) and
 LoRA. ``plan(t)`` is preflight's ``Planner.plan``: the same estimate (fake-tensor probe, ZeRO's terms,
 host RAM) as the job's own config. Each proposal is kept with its planned GPU and host GB; the best is
-the first that fits.
+the first that fits. With the fake-tensor probe on, the proposals' probes share one --probe-timeout
+(the refusal stays minutes at most); past it a proposal is planned by the formula, and its ``method``
+says so.
 """
 
 from pipeline_io import UserError
@@ -28,6 +30,7 @@ def _try(label: str, change: dict, t: dict, plan) -> dict:
         "host_limit_gb": est["host"]["memory_gb"],
         "grad_accum": est["grad_accum"],
         "world_size": est["world_size"],
+        "method": est["method"],
     } | {k: v for k, v in (est.get("model_states") or {}).items() if k.startswith("sub_groups")}
 
 

@@ -239,8 +239,9 @@ class DeepSpeedStrategy(Strategy):
 
     @classmethod
     def offloaded_bytes(cls, t: dict, f: Footprint) -> float:
-        """DeepSpeed's estimate_zero3_model_states_mem_needs (zero_init=True) and
-        estimate_zero2_model_states_mem_needs, over the trainable parameters (preflight's docstring)."""
+        """DeepSpeed's own estimate_zero3_model_states_mem_needs (zero_init=True) and
+        estimate_zero2_model_states_mem_needs, over the trainable parameters: the plan's cross-check
+        (plan/memory.json's host.deepspeed_estimator_gb); the plan itself counts ``model_states``."""
         offload = t["offload"]
         if t.get("zero_stage", 0) == 3:
             if offload == "none":
