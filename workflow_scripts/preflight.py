@@ -56,7 +56,8 @@ is kept in the compute dtype and the adapters in fp32), for a GPU run, at two mo
   gradient of each sub-group, the fp32 master and Adam's moments, 20 bytes a parameter with
   ``offload: all`` before torch's power-of-two rounding of pinned blocks; training.offload_ratio
   keeps part of the optimizer on the GPU), per rank × the node's ranks; DeepSpeed's own estimators
-  (``estimate_zero3_model_states_mem_needs``) put the gradients on the GPU and add a 1.5 factor.
+  (``estimate_zero3_model_states_mem_needs``), which put the gradients on the GPU and add a 1.5
+  factor, stay beside it as ``host.deepspeed_estimator_gb`` (the cross-check).
   FSDP2's CPUOffloadPolicy (``offload: optimizer`` or ``all``) keeps each rank's shard of the
   parameters, gradients and optimizer states on the host: 4 + 4 + 8 = 16 bytes per trainable
   parameter / world per rank (frozen ones: c), i.e. 16 / nodes per node. DDP has no offload.
@@ -69,7 +70,8 @@ node), passed as ``--host-memory-mb``; without it there is no limit to check. GB
 On a CPU run (the demo) the GPU column's weights and states are on the host as well.
 
 Each strategy's terms are its own (workflow_scripts/parallel/: ``shards``, ``host_load_bytes``,
-``offloaded_bytes``, ``gpu_tips``, ``sharded_alternative``); this module holds the shared arithmetic.
+``offloaded_bytes``, ``model_states``, ``probe_config``, ``unsupported``); this module holds the shared
+arithmetic, and ``Planner`` plans any training config of one model (the job's, or a proposal's).
 """
 
 import argparse

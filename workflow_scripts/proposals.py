@@ -1,7 +1,8 @@
 """What fits when a training config does not: each change re-planned by the planner itself, not guessed.
 
 ``propose(t, plan)`` tries, in order of how little each changes the experiment: gradient checkpointing,
-a smaller micro-batch with more accumulation (the same global batch), DeepSpeed ZeRO-3's partial
+a smaller micro-batch with more accumulation (the same global batch), the strategy's sharded
+alternative (DDP and ZeRO-1/2: ZeRO-3, the ``sharded_alternative`` of parallel/), DeepSpeed ZeRO-3's partial
 optimizer offload (training.offload_ratio: the smallest ratio, in hundredths, that fits both the GPUs
 and the host), ZeRO-3 with the optimizer on NVMe, more nodes on one model (training.mode: joint) and
 LoRA. ``plan(t)`` is preflight's ``Planner.plan``: the same estimate (fake-tensor probe, ZeRO's terms,
@@ -58,6 +59,16 @@ def smaller_micro_batch(t: dict, plan) -> list[dict]:
         if out[0]["fits"]:
             break
     return out
+
+
+def sharded(t: dict, plan) -> list[dict]:
+    """The strategy's sharded alternative (DDP, ZeRO-1/2: ZeRO-3), which loads partitions, not a replica per rank."""
+    from parallel import strategy_for
+
+    change = strategy_for(t["strategy"]).sharded_alternative(t)
+    if change is None:
+        return []
+    return [_try(f"{keys(change)} (weights, gradients and optimizer states sharded over the ranks)", change, t, plan)]
 
 
 def partial_offload(t: dict, plan) -> list[dict]:
@@ -125,7 +136,7 @@ def lora(t: dict, plan) -> list[dict]:
     return [_try(keys(change) + f" (r {t['lora']['r']} on {', '.join(t['lora']['target_modules'])})", change, t, plan)]
 
 
-PROPOSALS = (checkpointing, smaller_micro_batch, partial_offload, nvme, more_nodes, lora)
+PROPOSALS = (checkpointing, smaller_micro_batch, sharded, partial_offload, nvme, more_nodes, lora)
 
 
 def propose(t: dict, plan) -> list[dict]:

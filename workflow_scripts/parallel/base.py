@@ -304,11 +304,6 @@ class Strategy:
         return t
 
     @classmethod
-    def gpu_tips(cls, t: dict, gb: dict) -> list[str]:
-        """What to change in this strategy's settings when the GPUs are too small."""
-        return []
-
-    @classmethod
     def sharded_alternative(cls, t: dict) -> dict | None:
         """The training keys of a strategy that loads partitions instead of this one's replica per rank
         (None: this one already does)."""

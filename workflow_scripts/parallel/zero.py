@@ -275,10 +275,6 @@ class DeepSpeedStrategy(Strategy):
         }
 
     @classmethod
-    def gpu_tips(cls, t: dict, gb: dict) -> list[str]:
-        return ["training.zero_stage: 3"] if t["zero_stage"] < 3 else []
-
-    @classmethod
     def sharded_alternative(cls, t: dict) -> dict | None:
         return SHARDED_LOAD if t.get("zero_stage", 0) < 3 else None
 
