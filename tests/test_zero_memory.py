@@ -135,3 +135,24 @@ def test_zero3_partial_offload_trains_on_two_cpu_ranks(tmp_path, demo_assets):
     assert "DeepSpeedCPUAdam (50% of the optimizer offloaded to cpu)" in proc.stdout + proc.stderr
     losses = [json.loads(line)["loss"] for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 6 and losses[-1] < losses[0], losses
+
+
+def test_offload_keys_enter_the_checkpoint_key_only_when_set():
+    """training.offload_ratio and offload_pin_memory came after checkpoints existed: at their defaults the
+    key is what it was before them (a run from before resumes), set otherwise it is another training."""
+    import dataclasses
+
+    from checkpoint import KEYED_WHEN_SET, run_key
+    from settings import for_world, training_config
+
+    cfg = for_world(training_config({"strategy": "deepspeed", "zero_stage": 3, "offload": "optimizer"}), 2)
+    key = run_key(cfg, 2, "data", "base", None)
+    before = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in KEYED_WHEN_SET}
+
+    @dataclasses.dataclass(frozen=True)
+    class Before:  # the training config as it was, without the two keys
+        __annotations__ = {k: object for k in before}
+
+    assert run_key(Before(**before), 2, "data", "base", None) == key
+    assert run_key(dataclasses.replace(cfg, offload_ratio=0.5), 2, "data", "base", None) != key
+    assert run_key(dataclasses.replace(cfg, offload_pin_memory=False), 2, "data", "base", None) != key
