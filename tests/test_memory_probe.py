@@ -125,9 +125,22 @@ def test_plan_falls_back_to_the_formula_and_says_why(tmp_path):
     assert "by the formula" in est["method"] and "took over 0 s" in est["method"], est["method"]
     assert est["method"] in proc.stdout and est["probe"] is None
     assert est["per_gpu_gb"] == est["formula"]["per_gpu_gb"] and est["total_gb"] == est["formula"]["total_gb"]
-    _, est, table = run_plan(tmp_path, plan(strategy="deepspeed", zero_stage=3))
-    assert est["method"] == "by the formula (module docstring): DeepSpeed has no fake-tensor path"
-    assert table["estimated by"] == est["method"]
+    _, est, table = run_plan(tmp_path, plan(strategy="deepspeed", zero_stage=3), "--probe-timeout", "0")
+    assert est["method"].startswith("model states by ZeRO's terms") and "probe is off" in est["method"], est["method"]
+    assert table["estimated by"] == est["method"].replace(",", ";")
+
+
+def test_zero_plan_takes_the_activations_of_the_probe(tmp_path):
+    """DeepSpeed has no fake-tensor path: ZeRO's model states are its own terms, and the activations are the
+    peak of the activations alone in the probe's FSDP2 run of the same micro-batch (not the global peak's)."""
+    from memory_probe import GB
+
+    _, est, _ = run_plan(tmp_path, plan(strategy="deepspeed", zero_stage=3, gradient_checkpointing=True))
+    assert "activations by the fake-tensor probe" in est["method"], est["method"]
+    probed = est["probe"]
+    assert est["per_gpu_gb"]["activations"] == pytest.approx(probed["activations_peak_bytes"] / GB)
+    assert probed["activations_peak_bytes"] >= probed["components_bytes"]["activations"] > 0
+    assert est["model_states"]["gpu"]["optimizer"] > 0 and set(est["model_states"]["host"]) == {"pinned_rounding"}
 
 
 def test_formula_prices_fsdp_no_sync():

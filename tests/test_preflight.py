@@ -131,7 +131,11 @@ def test_preflight_stops_when_the_host_memory_is_short(tmp_path):
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: training needs about") and "of host memory per node (in training)" in last
-    assert "TRAIN_MEM_MB" in last and "mem_mb 16000" in last and "training.mode: joint" in last, last
+    assert "TRAIN_MEM_MB" in last and "mem_mb 16000" in last and "fits with training." in last, last
+    # the named proposal was planned again and fits the 16 GB
+    chosen = next(p for p in plan["proposals"] if p["fits"])
+    assert chosen["proposal"] in last and chosen["host_gb"] <= 16000 / 1024 and chosen["gpu_gb"] <= 80
+    assert any(p["change"].get("mode") == "joint" for p in plan["proposals"]), plan["proposals"]
     need = plan["host"]["peak_gb"]
     assert f"TRAIN_MEM_MB={math.ceil(need * 1024)} or more" in last, last
     assert plan["gpu_fits"] is True and plan["host"]["fits"] is False and plan["fits"] is False
@@ -190,3 +194,20 @@ def test_a_new_host_memory_replans_and_keeps_training_in_the_dag(ddp_run, tmp_pa
     target = f"results/{config['run']}/train/node0/train_state.json"
     jobs = planned_jobs(snakemake(fresh, config, "-n", target, "--set-resources", "train_node:mem_mb=64000"))
     assert jobs["plan_training"] == 1 and jobs["train_node"] == 1, jobs
+
+
+def test_proposals_share_one_probe_timeout():
+    """Once the proposals' one --probe-timeout is spent, a proposal is planned by the formula and says why."""
+    import time
+
+    from preflight import Planner
+
+    t = training(strategy="ddp", offload="none") | {"max_seq_len": 2048, "demo_vocab_size": 32000}
+    planner = Planner("preset:1b", t, 600, None)
+    planner.set_budget()
+    assert 590 < planner.deadline - time.monotonic() <= 600
+    planner.deadline = time.monotonic() - 1
+    probed, note = planner.probe(t, 4)
+    assert probed is None and note.endswith("the proposals' --probe-timeout is spent")
+    plan = Planner("preset:1b", t, 0, None)
+    assert plan.probe(t, 4)[1].endswith("the fake-tensor probe is off (--probe-timeout 0)")

@@ -313,8 +313,13 @@ def test_preflight_fails_with_advice(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env())
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
-    assert "needs about" in last and "training.gpu_memory_gb is 80" in last and "gradient_checkpointing" in last
-    assert json.loads((tmp_path / "m.json").read_text())["fits"] is False
+    assert "needs about" in last and "training.gpu_memory_gb is 80.0" in last and "fits with training." in last
+    plan = json.loads((tmp_path / "m.json").read_text())
+    assert plan["fits"] is False
+    # every proposal re-planned: checkpointing alone leaves DDP's 16 bytes a parameter, over 80 GB
+    first = plan["proposals"][0]
+    assert first["change"] == {"gradient_checkpointing": True} and first["gpu_gb"] > 80 and not first["fits"]
+    assert any(p["fits"] and p["gpu_gb"] <= 80 and p["proposal"] in last for p in plan["proposals"])
 
 
 @pytest.mark.torchrun

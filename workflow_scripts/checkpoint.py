@@ -83,6 +83,9 @@ def set_rng_state(path: Path) -> None:
 # What a job's world size decides, not what it trains: the ranks, and how the global batch is split
 # into accumulated micro-batches over them (the data order is a function of the global batch: batching.py).
 WORLD_KEYS = ("procs_per_node", "grad_accum", "global_batch_size")
+# Keys added after checkpoints were written, at the value every earlier run had: keyed only when set
+# otherwise, so a run from before them still resumes its own checkpoints.
+KEYED_WHEN_SET = {"offload_ratio": 1.0, "offload_pin_memory": True}
 
 
 def run_key(cfg, world: int, data_sha: str, base_fingerprint: str, deepspeed_json_sha: str | None) -> str:
@@ -91,7 +94,11 @@ def run_key(cfg, world: int, data_sha: str, base_fingerprint: str, deepspeed_jso
     DeepSpeed JSON content. ``cfg`` is the job's (settings.for_world at ``world`` ranks); the key has
     its global batch, not its world size or accumulation, so a job on another world size with the same
     global batch resumes (resharding the checkpoint: Strategy.load)."""
-    keyed = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in WORLD_KEYS}
+    keyed = {
+        k: v
+        for k, v in dataclasses.asdict(cfg).items()
+        if k not in WORLD_KEYS and not (k in KEYED_WHEN_SET and v == KEYED_WHEN_SET[k])
+    }
     keyed["global_batch"] = cfg.micro_batch_size * cfg.grad_accum * world
     text = json.dumps([keyed, data_sha, base_fingerprint, deepspeed_json_sha], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -50,6 +50,8 @@ GPU_CONSTANTS_GB = {"cuda_context": CUDA_CONTEXT_GB, "nccl_buffers": NCCL_GB}
 GB = 2**30
 STEPS = 2  # optimizer steps probed: the second runs with the optimizer's states already allocated
 FAKE_PATH_STRATEGIES = ("ddp", "fsdp")  # DeepSpeed has no fake-tensor path
+ACTIVATIONS = ("Activation", "Temp", "Inputs")  # the tracker's categories of the step's activations
+ACTIVATION_PEAK = "Activations peak"  # their own peak over the run (not the global peak's share)
 
 
 class FakeFiles:
@@ -285,10 +287,15 @@ def tracker_for(strategy):
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
+        activation_peak = 0  # the largest activations (ACTIVATIONS' categories) at any moment
+
         def _update_peak_stats(self, peak_state) -> None:
             """The global peak only: torch's also walks every module's own peak on every op (most of
-            the probe's time at billions of parameters), which the plan does not use."""
+            the probe's time at billions of parameters), which the plan does not use; and the peak of
+            the activations alone (what ZeRO's plan takes from a probe run without DeepSpeed)."""
             for dev, snap in self._curr_mem_snap.items():
+                act = sum(v for k, v in snap.items() if getattr(k, "value", k) in ACTIVATIONS)
+                self.activation_peak = max(self.activation_peak, act)
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
@@ -320,7 +327,8 @@ def run_steps(strategy, data, steps: int = STEPS) -> dict:
             train_step(strategy, data, step, NullMetrics())
     snap = tracker.get_tracker_snapshot("peak")
     device = next(iter(snap))
-    return {getattr(k, "value", str(k)): int(v) for k, v in snap[device].items()}
+    peak = {getattr(k, "value", str(k)): int(v) for k, v in snap[device].items()}
+    return peak | {ACTIVATION_PEAK: int(tracker.activation_peak)}
 
 
 def categories(peak: dict) -> dict:
@@ -329,7 +337,7 @@ def categories(peak: dict) -> dict:
         "params": ("Parameter", "Sharded Param", "Unsharded Param"),
         "grads": ("Gradient", "Sharded Grad", "Unsharded Grad"),
         "optimizer": ("Optstate", "OptState"),
-        "activations": ("Activation", "Temp", "Inputs"),
+        "activations": ACTIVATIONS,
         "buffers": ("Buffer", "All Gather", "Reduce Scatter"),
     }
     out = {k: sum(peak.get(n, 0) for n in names) for k, names in fold.items()}
@@ -373,6 +381,7 @@ def probe(config, t: dict, world: int, steps: int = STEPS) -> dict:
         peak = measure(config, t, steps, FakeTensorMode(allow_non_fake_inputs=True))
     return {
         "peak_bytes": peak["Total"],
+        "activations_peak_bytes": peak[ACTIVATION_PEAK],
         "components_bytes": categories(peak),
         "tracker_categories_bytes": peak,
         "world_size": world,

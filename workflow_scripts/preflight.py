@@ -6,8 +6,16 @@ grads, optimizer, activations, buffers) over two optimizer steps of the configur
 max_seq_len × grad_accum, plus memory_probe's stated constants (allocator headroom, CUDA context, NCCL
 buffers); FSDP2 with offload leaves out the shards CPUOffloadPolicy keeps on the host. plan/memory.json
 keeps the formula below as ``formula`` (the cross-check; memory.csv shows both) and says in ``method``
-how the plan's numbers were made. For DeepSpeed (no fake-tensor path), or when the probe fails or runs
-out of time, the formula is the plan, and ``method`` and the console say why.
+how the plan's numbers were made. DeepSpeed has no fake-tensor path: its model states are ZeRO's own
+terms (parallel/zero_memory.py, from DeepSpeed 0.19's source), and its activations and logits the
+probe's run of the same micro-batch, sequence, checkpointing and LoRA under FSDP2 (their own peak), plus
+the same constants. When the probe is off, fails or runs out of time, the formula's activations (or the
+whole formula, for DDP and FSDP2) stand, and ``method`` and the console say why.
+
+When either does not fit, plan_training re-plans the config with each change that could make it fit
+(proposals.py: gradient checkpointing, a smaller micro-batch with more accumulation, ZeRO-3's partial
+offload at the ratio that fits both, NVMe offload, LoRA, more nodes), lists them all in plan/memory.json
+(``proposals``, with their GPU and host GB) and names the best one that fits in its one-line refusal.
 
 The formula, per GPU, in bytes, by the usual accounting (ZeRO paper; Korthikanti et al. 2022 for
 activations):
@@ -17,9 +25,11 @@ activations):
 - fp32 master weights (bf16 and fp16 only) and AdamW's two moments: 4 + 8 per *trainable* parameter,
   sharded by ZeRO-1/2/3 / FSDP, on the CPU with any offload;
 - gradients: the compute dtype per trainable parameter, sharded by ZeRO-2/3 / FSDP;
-- activations per layer and token: about 34 × hidden bytes in 16-bit (attention is SDPA/flash,
-  so no sequence² term), only the layer inputs (2 × hidden) with gradient checkpointing plus one
-  layer's worth; the logits: vocab × 4 bytes per token, twice (values and gradient);
+- activations per layer and token: about 52 × hidden bytes in 16-bit (the fake-tensor probe's
+  measure at Llama-3-8B/70B shapes, issue 24: SDPA with a mask saves K/V expanded to every head,
+  fp32 norm casts, SwiGLU's widths; no sequence² term), only the layer inputs (2 × hidden) with
+  gradient checkpointing plus one layer's worth; the logits: vocab × 12 bytes per token (the bf16
+  logits, their fp32 cast at the loss and its gradient);
 - FSDP2 with ``fsdp_no_sync`` and grad_accum > 1: the unsharded fp32 gradient, 4 per trainable parameter;
 - a fixed 1.5 GB for the CUDA context, NCCL buffers and allocator slack.
 
@@ -41,21 +51,13 @@ is kept in the compute dtype and the adapters in fp32), for a GPU run, at two mo
   The largest checkpoint file is measured where the model's folder is here (a local folder or a
   hub model in the cache), else taken as the model's size in its dtype up to 5 GB (hub checkpoints
   are sharded at 5 GB or less) or, for a from-scratch preset, up to 50 GB (save_pretrained's shard).
-- in training, what CPU offload keeps on the host, by DeepSpeed's own accounting
-  (``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs`` with ``zero_init=True``
-  and ``deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs``, deepspeed
-  0.19), applied to the trainable parameters only:
-  ZeRO-3 with ``offload: all`` (offload_param and offload_optimizer): c + 16 bytes per parameter
-  (DeepSpeed's 18 in bf16/fp16: the 16-bit parameter, then fp32 master weights, gradients and Adam's
-  two moments, 4 + 4 + 8), with ``offload: optimizer`` 16, times 1/nodes (DeepSpeed's gpus_factor)
-  times its additional_buffer_factor 1.5; without offload DeepSpeed counts 4 bytes of the largest
-  layer per rank, × 1.5. The frozen base of a LoRA run is partitioned onto the host too with
-  ``offload: all``: c per frozen parameter / nodes, × 1.5.
-  ZeRO-1/2 with ``offload: optimizer``: 16 bytes per parameter / nodes, × 1.5. DeepSpeed's ZeRO-2
-  estimator writes max(4 × total GPUs, 16) and no 1/nodes: the 4 bytes per GPU are the fp32 replica
-  each rank loads without zero.Init (counted here at load, in the dtype the trainer loads), and
-  ZeRO-2 partitions the offloaded states over every rank as ZeRO-3 does; for one node of at most 4
-  GPUs the two agree.
+- in training, what CPU offload keeps on the host: DeepSpeed ZeRO's terms read from DeepSpeed 0.19's
+  source (parallel/zero_memory.py: the bf16 parameter and gradient partitions, the pinned fp32
+  gradient of each sub-group, the fp32 master and Adam's moments, 20 bytes a parameter with
+  ``offload: all`` before torch's power-of-two rounding of pinned blocks; training.offload_ratio
+  keeps part of the optimizer on the GPU), per rank × the node's ranks; DeepSpeed's own estimators
+  (``estimate_zero3_model_states_mem_needs``), which put the gradients on the GPU and add a 1.5
+  factor, stay beside it as ``host.deepspeed_estimator_gb`` (the cross-check).
   FSDP2's CPUOffloadPolicy (``offload: optimizer`` or ``all``) keeps each rank's shard of the
   parameters, gradients and optimizer states on the host: 4 + 4 + 8 = 16 bytes per trainable
   parameter / world per rank (frozen ones: c), i.e. 16 / nodes per node. DDP has no offload.
@@ -68,7 +70,8 @@ node), passed as ``--host-memory-mb``; without it there is no limit to check. GB
 On a CPU run (the demo) the GPU column's weights and states are on the host as well.
 
 Each strategy's terms are its own (workflow_scripts/parallel/: ``shards``, ``host_load_bytes``,
-``offloaded_bytes``, ``gpu_tips``, ``sharded_alternative``); this module holds the shared arithmetic.
+``offloaded_bytes``, ``model_states``, ``probe_config``, ``unsupported``); this module holds the shared
+arithmetic, and ``Planner`` plans any training config of one model (the job's, or a proposal's).
 """
 
 import argparse
@@ -78,6 +81,7 @@ import math
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from parallel import strategy_for
@@ -91,6 +95,8 @@ OVERHEAD_GB = 1.5
 HOST_OVERHEAD_GB = 1.5  # per rank: Python with torch and transformers (0.4 GB), the CUDA context's host side
 HUB_SHARD_BYTES = 5 * 10**9  # hub checkpoints: files of at most 5 GB (transformers 4's max_shard_size)
 SAVE_SHARD_BYTES = 50 * 10**9  # save_pretrained's max_shard_size (transformers 5): build_demo_model's files
+ACTIVATION_BYTES = 52  # per token, hidden unit and layer in 16-bit (the formula; the probe measures them)
+LOGIT_BYTES = 12  # per token and vocabulary entry at the loss
 PROBE_TIMEOUT_S = 600  # the fake-tensor probe's bound; past it the formula's estimate stands, and says so
 
 
@@ -155,12 +161,12 @@ def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
     unsharded_grads = trainable * 4 if no_sync else 0
     tokens = t["micro_batch_size"] * seq_len
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    per_layer = 34 * h * tokens * (w / 2)
+    per_layer = ACTIVATION_BYTES * h * tokens * (w / 2)
     if t["gradient_checkpointing"]:
         activations = layers * 2 * h * tokens * (w / 2) + per_layer
     else:
         activations = layers * per_layer
-    logits = 2 * vocab * tokens * 4
+    logits = LOGIT_BYTES * vocab * tokens
     gb = {
         "weights": weights,
         "optimizer_states": optim,
@@ -189,7 +195,7 @@ def probe_memory(model: str, t: dict, world: int, timeout: float) -> tuple[dict 
 
     formula = "by the formula (module docstring)"
     if t["strategy"] not in FAKE_PATH_STRATEGIES:
-        return None, f"{formula}: DeepSpeed has no fake-tensor path"
+        return None, f"{formula}: no fake-tensor path for {t['strategy']}"
     if timeout <= 0:
         return None, f"{formula}: the fake-tensor probe is off (--probe-timeout 0)"
     with tempfile.TemporaryDirectory() as tmp:
@@ -229,6 +235,24 @@ def planned(est: dict, probed: dict | None, note: str, t: dict) -> dict:
     return est | {"per_gpu_gb": gb, "total_gb": sum(gb.values())}
 
 
+def with_states(est: dict, states: dict, probed: dict | None, note: str) -> dict:
+    """The plan's GPU memory for a strategy that states its own model states (ZeRO): those, plus the probe's
+    activations peak where it ran (else the formula's activations and logits), plus the stated constants."""
+    from memory_probe import ALLOCATOR_HEADROOM, GPU_CONSTANTS_GB
+
+    formula = {k: est.pop(k) for k in ("per_gpu_gb", "total_gb", "without_checkpointing_gb")}
+    parts = {k: v / GB for k, v in states["gpu"].items()}
+    if probed is not None:
+        parts["activations"] = probed["activations_peak_bytes"] / GB
+    else:
+        parts["activations"] = formula["per_gpu_gb"]["activations"] + formula["per_gpu_gb"]["logits"]
+    how = f"model states by ZeRO's terms (parallel/zero_memory.py); activations {note}"
+    parts["allocator_headroom"] = sum(parts.values()) * ALLOCATOR_HEADROOM
+    parts |= GPU_CONSTANTS_GB
+    est |= {"method": how, "formula": formula, "probe": probed, "model_states": states}
+    return est | {"per_gpu_gb": parts, "total_gb": sum(parts.values())}
+
+
 def footprint(n_params: int, trainable: int, largest_layer: int, t: dict, world: int) -> Footprint:
     return Footprint(n_params, trainable, largest_layer, compute_bytes(t), t["procs_per_node"], world)
 
@@ -238,12 +262,18 @@ def offloaded_bytes(n_params: int, trainable: int, largest_layer: int, t: dict, 
     return strategy_for(t["strategy"]).offloaded_bytes(t, footprint(n_params, trainable, largest_layer, t, world))
 
 
-def host_estimate(n_params: int, trainable: int, largest_layer: int, t: dict, world: int, largest_file: int) -> dict:
-    """Host RAM per node in GB at load and in training, for the training config ``t`` (module docstring)."""
+def host_estimate(
+    n_params: int, trainable: int, largest_layer: int, t: dict, world: int, largest_file: int, states=None
+) -> dict:
+    """Host RAM per node in GB at load and in training, for the training config ``t`` (module docstring);
+    ``states``: the strategy's own per-rank model states (ZeRO's), whose ``host`` part is what offload keeps."""
     strategy, f = strategy_for(t["strategy"]), footprint(n_params, trainable, largest_layer, t, world)
     overhead = f.procs * HOST_OVERHEAD_GB
     at_load = strategy.host_load_bytes(t, f, largest_file) / GB + overhead
-    in_training = strategy.offloaded_bytes(t, f) / GB + overhead
+    offloaded = f.procs * sum(states["host"].values()) if states else strategy.offloaded_bytes(t, f)
+    in_training = offloaded / GB + overhead
+    # ZeRO: DeepSpeed's own estimator beside its corrected terms, as the cross-check
+    cross = {"deepspeed_estimator_gb": strategy.offloaded_bytes(t, f) / GB + overhead} if states else {}
     return {
         "nodes": f.nodes,
         "ranks_per_node": f.procs,
@@ -251,7 +281,7 @@ def host_estimate(n_params: int, trainable: int, largest_layer: int, t: dict, wo
         "at_load_gb": at_load,
         "in_training_gb": in_training,
         "peak_gb": max(at_load, in_training),
-    }
+    } | cross
 
 
 def dtype_bytes(config) -> int:
@@ -275,50 +305,110 @@ def largest_checkpoint_file(model: str, config, n_params: int, preset: bool) -> 
     return min(n_params * dtype_bytes(config), HUB_SHARD_BYTES), "assumed: files of at most 5 GB"
 
 
-def advice(t: dict, est: dict) -> str:
-    """What to change for the GPUs, biggest saving first."""
-    gb = est["per_gpu_gb"]
-    tips = []
-    if not t["gradient_checkpointing"] and gb["activations"] > 1:
-        tips.append("training.gradient_checkpointing: true")
-    strategy = strategy_for(t["strategy"])
-    tips += strategy.gpu_tips(t, gb)
-    if t["offload"] == "none" and strategy.offloads:
-        tips.append("training.offload: optimizer")
-    if t["peft"] == "none":
-        tips.append("training.peft: lora")
-    if t["micro_batch_size"] > 1:
-        tips.append("a smaller training.micro_batch_size (with grad_accum to keep the batch)")
-    tips.append("more training.procs_per_node (GPUs)")
-    return "; ".join(tips)
-
-
-def host_advice(t: dict, host: dict, peak) -> str:
-    """What to change for the host memory, each change with its estimate: ``peak(t, world)`` is the host
-    peak per node in GB of another training config."""
-    tips = [f"TRAIN_MEM_MB={math.ceil(host['peak_gb'] * 1024)} or more (nodes with that much memory)"]
-    procs, nodes = t["procs_per_node"], host["nodes"]
-    world = procs * nodes
-    if host["in_training_gb"] >= host["at_load_gb"]:  # offloaded states: split them over more nodes
-        more = max(2, t.get("nodes", 1)) if t.get("mode", "per_node") == "per_node" else 2 * nodes
-        where = "training.mode: joint" if t.get("mode", "per_node") == "per_node" else "training.mode joint"
-        tips.append(f"{where} on {more} nodes ({peak(t, more * procs):.0f} GB per node; one model over them)")
-        if t["offload"] == "all":
-            tips.append(f"training.offload: optimizer ({peak(t | {'offload': 'optimizer'}, world):.0f} GB)")
-    elif (sharded := strategy_for(t["strategy"]).sharded_alternative(t)) is not None:
-        keys = " with ".join(f"{k}: {v}" for k, v in sharded.items())
-        tips.append(f"training.{keys} ({peak(t | sharded, world):.0f} GB; it loads partitions, not a replica per rank)")
-    if t["peft"] == "none":
-        tips.append(f"training.peft: lora ({peak(t | {'peft': 'lora'}, world):.0f} GB)")
-    return "; ".join(tips)
-
-
 def host_limit(mem_mb: int | None) -> str:
     return "no mem_mb set" if mem_mb is None else f"{mem_mb / 1024:.0f} (mem_mb {mem_mb})"
 
 
+class Planner:
+    """One model's plans: ``plan(t)`` for any training config ``t`` (the job's, or a proposal's), with the
+    model's shape, checkpoint file and fake-tensor probes computed once (probes cached by their config)."""
+
+    def __init__(self, model: str, t: dict, timeout: float, host_memory_mb: int | None):
+        from presets import preset_name
+
+        self.model, self.timeout, self.host_memory_mb = model, timeout, host_memory_mb
+        self.config = load_config(model, t)
+        self.n, self.largest_layer = model_to_params(self.config)
+        self.largest_file, self.file_source = largest_checkpoint_file(
+            model, self.config, self.n, preset_name(model) is not None
+        )
+        self.probes, self.base = {}, None
+        self.deadline = None  # the proposals' probes share one --probe-timeout (set_budget)
+
+    def set_budget(self) -> None:
+        """From now on the probes together take at most one --probe-timeout; past it, the formula."""
+        self.deadline = time.monotonic() + self.timeout
+
+    def probe(self, t: dict, world: int) -> tuple[dict | None, str]:
+        key = json.dumps([t, world], sort_keys=True)
+        if key not in self.probes:
+            left = self.timeout if self.deadline is None else self.deadline - time.monotonic()
+            if self.timeout > 0 and left <= 0:
+                return None, "by the formula (module docstring): the proposals' --probe-timeout is spent"
+            self.probes[key] = probe_memory(self.model, t, world, left)
+        return self.probes[key]
+
+    def layout(self, t: dict):
+        from parallel.zero_memory import base_parameters, layout
+
+        self.base = self.base or base_parameters(self.config)
+        return layout(self.config, self.base, t)
+
+    def plan(self, t: dict) -> dict:
+        """GPU memory per GPU and host memory per node of the training config ``t`` (module docstring)."""
+        strategy = strategy_for(t["strategy"])
+        if error := strategy.unsupported(t):
+            raise UserError(error)
+        t = dict(t)
+        world, seq_len = job_ranks(t, t["nodes"]), t["max_seq_len"]  # joint: every node's ranks
+        t["grad_accum"] = accumulation(t["micro_batch_size"], t["grad_accum"], t["global_batch_size"], world)
+        est = estimate(self.config, self.n, t, world, seq_len)
+        no_ckpt = t | {"gradient_checkpointing": False}
+        est["without_checkpointing_gb"] = estimate(self.config, self.n, no_ckpt, world, seq_len)["total_gb"]
+        states = strategy.model_states(t, lambda: self.layout(t), world)
+        probed, note = self.probe(strategy.probe_config(t), world)
+        est = with_states(est, states, probed, note) if states else planned(est, probed, note, t)
+        host = host_estimate(
+            self.n, est["trainable_parameters"], self.largest_layer, t, world, self.largest_file, states
+        )
+        limit_gb = None if self.host_memory_mb is None else self.host_memory_mb / 1024
+        host |= {
+            "largest_checkpoint_file": self.file_source,
+            "memory_mb": self.host_memory_mb,
+            "memory_gb": limit_gb,
+            "fits": None if limit_gb is None else host["peak_gb"] <= limit_gb,
+        }
+        gpu_fits = est["total_gb"] <= t["gpu_memory_gb"]
+        return est | {
+            "grad_accum": t["grad_accum"],
+            "gpu_memory_gb": t["gpu_memory_gb"],
+            "gpu_fits": gpu_fits,
+            "host": host,
+            "fits": gpu_fits and host["fits"] is not False,
+        }
+
+
+def table_rows(est: dict, mem_mb: int | None) -> list[tuple[str, str]]:
+    host = est["host"]
+    rows = [("component", "GB")] + [(k, f"{v:.2f}") for k, v in est["per_gpu_gb"].items()]
+    rows += [
+        ("total per GPU", f"{est['total_gb']:.2f}"),
+        ("GPU memory (training.gpu_memory_gb)", f"{est['gpu_memory_gb']:.1f}"),
+    ]
+    rows += [("estimated by", est["method"].replace(",", ";"))]
+    rows += [(f"formula (cross-check): {k}", f"{v:.2f}") for k, v in est["formula"]["per_gpu_gb"].items()]
+    rows += [("formula (cross-check): total per GPU", f"{est['formula']['total_gb']:.2f}")]
+    rows += [
+        ("host RAM per node at load", f"{host['at_load_gb']:.2f}"),
+        ("host RAM per node in training", f"{host['in_training_gb']:.2f}"),
+        ("host memory (TRAIN_MEM_MB)", host_limit(mem_mb)),
+    ]
+    if "deepspeed_estimator_gb" in host:
+        rows += [
+            (
+                "DeepSpeed's estimator (cross-check): host RAM per node in training",
+                f"{host['deepspeed_estimator_gb']:.2f}",
+            )
+        ]
+    rows += [(f"proposal: {p['proposal'].replace(',', ';')}", f"{p['gpu_gb']:.2f} GPU / {p['host_gb']:.1f} host"
+              f"{'' if p['fits'] else ' (does not fit)'}") for p in est.get("proposals", [])]  # fmt: skip
+    return rows
+
+
 @cli
 def main(argv=None) -> None:
+    from proposals import best, propose, said
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="base model folder, hub id, demo or preset:<size>")
     p.add_argument("--config", required=True, help="its config keys as JSON (settings.PlanConfig)")
@@ -335,71 +425,32 @@ def main(argv=None) -> None:
     )
     a = p.parse_args(argv)
     t = dataclasses.asdict(PlanConfig.from_json(a.config))
-    seq_len = t["max_seq_len"]
-    from presets import preset_name
-
-    preset = preset_name(a.model)
-    config = load_config(a.model, t)
-    n, largest_layer = model_to_params(config)
-    world = job_ranks(t, t["nodes"])  # joint: every node's ranks
-    t["grad_accum"] = accumulation(t["micro_batch_size"], t["grad_accum"], t["global_batch_size"], world)
-    est = estimate(config, n, t, world, seq_len)
-    est["without_checkpointing_gb"] = estimate(config, n, t | {"gradient_checkpointing": False}, world, seq_len)[
-        "total_gb"
-    ]
-    capacity = t["gpu_memory_gb"]
-    probed, note = probe_memory(a.model, t, world, a.probe_timeout)
-    est = planned(est, probed, note, t)
-    largest_file, file_source = largest_checkpoint_file(a.model, config, n, preset is not None)
-
-    def host_peak(alt: dict, alt_world: int) -> float:
-        trainable = trainable_parameters(config, n, alt)
-        return host_estimate(n, trainable, largest_layer, alt, alt_world, largest_file)["peak_gb"]
-
-    host = host_estimate(n, est["trainable_parameters"], largest_layer, t, world, largest_file)
-    limit_gb = None if a.host_memory_mb is None else a.host_memory_mb / 1024
-    host |= {
-        "largest_checkpoint_file": file_source,
-        "memory_mb": a.host_memory_mb,
-        "memory_gb": limit_gb,
-        "fits": None if limit_gb is None else host["peak_gb"] <= limit_gb,
-    }
-    gpu_fits = est["total_gb"] <= capacity
-    est |= {
-        "gpu_memory_gb": capacity,
-        "gpu_fits": gpu_fits,
-        "host": host,
-        "fits": gpu_fits and host["fits"] is not False,
-    }
+    planner = Planner(a.model, t, a.probe_timeout, a.host_memory_mb)
+    est = planner.plan(t)
+    if not est["fits"]:
+        planner.set_budget()
+        est["proposals"] = propose(t, planner.plan)
     write_json(a.output, est)
-    rows = [("component", "GB")] + [(k, f"{v:.2f}") for k, v in est["per_gpu_gb"].items()]
-    rows += [("total per GPU", f"{est['total_gb']:.2f}"), ("GPU memory (training.gpu_memory_gb)", f"{capacity:.0f}")]
-    rows += [("estimated by", est["method"].replace(",", ";"))]
-    rows += [(f"formula (cross-check): {k}", f"{v:.2f}") for k, v in est["formula"]["per_gpu_gb"].items()]
-    rows += [("formula (cross-check): total per GPU", f"{est['formula']['total_gb']:.2f}")]
-    rows += [
-        ("host RAM per node at load", f"{host['at_load_gb']:.2f}"),
-        ("host RAM per node in training", f"{host['in_training_gb']:.2f}"),
-        ("host memory (TRAIN_MEM_MB)", host_limit(a.host_memory_mb)),
-    ]
-    a.table.write_text("".join(f"{k},{v}\n" for k, v in rows))
-    if not gpu_fits:
+    a.table.write_text("".join(f"{k},{v}\n" for k, v in table_rows(est, a.host_memory_mb)))
+    host, n, capacity = est["host"], est["parameters"], t["gpu_memory_gb"]
+    what = f"{n / 1e9:.2f}B parameters, {t['strategy']}, world size {est['world_size']}"
+    if not est["gpu_fits"]:
         raise UserError(
-            f"training needs about {est['total_gb']:.1f} GB per GPU but training.gpu_memory_gb is {capacity:.0f} "
-            f"({n / 1e9:.2f}B parameters, {t['strategy']}, world size {world}; {est['method']}); try: "
-            f"{advice(t, est['formula'])}"
+            f"training needs about {est['total_gb']:.1f} GB per GPU but training.gpu_memory_gb is {capacity:.1f} "
+            f"({what}; {est['method']}); {said(best(est['proposals']), est['proposals'])}"
         )
     moment = "in training" if host["in_training_gb"] >= host["at_load_gb"] else "at load"
     if host["fits"] is False:
+        more = f"TRAIN_MEM_MB={math.ceil(host['peak_gb'] * 1024)} or more (nodes with that much memory)"
         raise UserError(
             f"training needs about {host['peak_gb']:.0f} GB of host memory per node ({moment}) but the training job "
-            f"has {limit_gb:.0f} GB (mem_mb {a.host_memory_mb}: TRAIN_MEM_MB in profiles/slurm; {n / 1e9:.2f}B "
-            f"parameters, {t['strategy']}, offload {t['offload']}, {host['ranks_per_node']} ranks per node); try: "
-            f"{host_advice(t, host, host_peak)}"
+            f"has {host['memory_gb']:.0f} GB (mem_mb {a.host_memory_mb}: TRAIN_MEM_MB in profiles/slurm; {what}, "
+            f"offload {t['offload']}, {host['ranks_per_node']} ranks per node); "
+            f"{said(best(est['proposals']), est['proposals'])}; or {more}"
         )
     print(f"preflight: GPU memory {est['method']}")
     print(
-        f"preflight: {est['total_gb']:.2f} GB per GPU of {capacity:.0f} GB; host {host['peak_gb']:.1f} GB per node "
+        f"preflight: {est['total_gb']:.2f} GB per GPU of {capacity:.1f} GB; host {host['peak_gb']:.1f} GB per node "
         f"({moment}) of {host_limit(a.host_memory_mb)}"
     )
 

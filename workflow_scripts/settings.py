@@ -93,6 +93,8 @@ class TrainConfig:
     strategy: str
     zero_stage: int
     offload: str
+    offload_ratio: float
+    offload_pin_memory: bool
     deepspeed_config: str | None
     peft: str
     lora_r: int
@@ -341,7 +343,8 @@ PlanConfig = stage_config(
     "plan_training's keys: what changes memory use (a new learning rate re-plans nothing), the sequence length, "
     "a from-scratch preset's vocabulary, and the nodes (joint mode shards over all of their ranks).",
     "training.mode", "training.strategy", "training.zero_stage", "training.offload", "training.peft",
-    "training.lora", "training.procs_per_node", "training.precision", "training.micro_batch_size",
+    "training.offload_ratio", "training.offload_pin_memory", "training.lora", "training.procs_per_node",
+    "training.precision", "training.micro_batch_size",
     "training.gradient_checkpointing", "training.grad_accum", "training.global_batch_size", "training.fsdp_no_sync",
     "training.packing",
     "training.gpu_memory_gb", "nodes", "data.max_seq_len",

@@ -284,9 +284,24 @@ class Strategy:
         return 0.0
 
     @classmethod
-    def gpu_tips(cls, t: dict, gb: dict) -> list[str]:
-        """What to change in this strategy's settings when the GPUs are too small."""
-        return []
+    def unsupported(cls, t: dict) -> str | None:
+        """A planner key this strategy cannot apply, as a one-line error, or None."""
+        if t.get("offload_ratio", 1.0) < 1:
+            ratio, name = t["offload_ratio"], t["strategy"]
+            return f"training.offload_ratio {ratio} applies to DeepSpeed ZeRO-3 with offload, not {name}"
+        return None
+
+    @classmethod
+    def model_states(cls, t: dict, layout, world: int) -> dict | None:
+        """Per-rank bytes of what this strategy keeps by its own arithmetic (``gpu`` and ``host`` components),
+        for a strategy the fake-tensor probe cannot run; None where the probe runs the real step. ``layout()``
+        gives the model's parameters (parallel/zero_memory.Layout)."""
+        return None
+
+    @classmethod
+    def probe_config(cls, t: dict) -> dict:
+        """The planner keys the fake-tensor probe runs: this config itself, where the probe runs it."""
+        return t
 
     @classmethod
     def sharded_alternative(cls, t: dict) -> dict | None:

@@ -72,12 +72,6 @@ class DDPStrategy(Strategy):
         return DDPSource(folder)
 
     @classmethod
-    def gpu_tips(cls, t: dict, gb: dict) -> list[str]:
-        if gb["weights"] + gb["optimizer_states"] + gb["gradients"] > 4:
-            return ["training.strategy: fsdp (or deepspeed with zero_stage: 3)"]
-        return []
-
-    @classmethod
     def sharded_alternative(cls, t: dict) -> dict | None:
         return SHARDED_LOAD
 

@@ -35,83 +35,12 @@ from pipeline_io import UserError
 from weights import READ_BYTES
 
 from parallel.base import SHARDED_LOAD, Footprint, Strategy, compute_dtype
+from parallel.zero_memory import hidden_size, layer_parameters, zero_buffer_sizes  # noqa: F401 (hidden_size: tests)
 
 log = logging.getLogger("train")
 
 DS_BUFFER = 1.5  # DeepSpeed's additional_buffer_factor (its memory estimators)
 _KEEP_ALIVE = []  # HfDeepSpeedConfig: transformers holds it by weak reference until deepspeed.initialize
-
-
-def hidden_size(config) -> int | None:
-    """The model's hidden size, found as transformers' DeepSpeed integration finds it (the largest of
-    ``hidden_sizes``, or the text model's for a multimodal config); None if it has none."""
-    for c in (config, getattr(config, "text_config", None)):
-        if getattr(c, "hidden_size", None):
-            return c.hidden_size
-        if getattr(c, "hidden_sizes", None):
-            return max(c.hidden_sizes)
-    return None
-
-
-def layer_parameters(config) -> int | None:
-    """One decoder layer's weights in a Llama/Qwen-style config (attention at its q and kv widths, a gated
-    MLP); None for another layout (mixture of experts, no such fields)."""
-    c = getattr(config, "text_config", None) or config
-    if getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None):
-        return None
-    h, heads, ffn = (getattr(c, k, None) for k in ("hidden_size", "num_attention_heads", "intermediate_size"))
-    if not all(isinstance(v, int) for v in (h, heads, ffn)):
-        return None
-    head, kv = getattr(c, "head_dim", None) or h // heads, getattr(c, "num_key_value_heads", None) or heads
-    return h * head * (2 * heads + 2 * kv) + 3 * h * ffn
-
-
-def zero_buffer_sizes(stage: int, config) -> dict:
-    """ZeRO's buffer sizes (in elements) scaled to the model, as transformers fills DeepSpeed's "auto"
-    values, plus ZeRO-3's sub-group and reuse window. DeepSpeed's defaults are sized for big GPUs, not
-    for one layer, and on the CPU accelerator each is host memory. Per rank, h the hidden size, n the
-    parameters, N the ranks (docs/benchmarks.md measures them on a 0.6B model, 2 ranks, bf16):
-
-    - ``reduce_bucket_size`` h² (default 5e8): gradients are copied into a bucket of this many
-      elements in the compute dtype, all-reduced whole, and this rank's slices added to its gradient
-      partition; the bucket is kept for the whole run. Default: up to 5e8 x 2 bytes (1 GB) touched;
-      here 2 h² bytes (2 MB at h = 1024). A larger gradient (the embedding) is reduce-scattered alone.
-    - ``sub_group_size`` (ZeRO-3) 10 h² (default 1e9): the fp32 master partition is split into groups
-      of about this many elements and the optimizer steps one group at a time. What ``initialize``
-      and the step allocate besides the states is one group's size: the fp32 cast of the bf16
-      partition before its clone (initialize), a zeroed fp32 gradient buffer (initialize), the
-      group's gradients flattened and cast to fp32 for AdamW and AdamW's ``sqrt``/division
-      temporaries (step: 3 x 4 bytes a group element at once). With the default the whole partition
-      (n / N elements) is one group: 12 n / N bytes at once in the step, 8 n / N in initialize.
-      10 h² is two thirds of a Qwen3 layer; a single larger tensor (the embedding) is a group of its own.
-    - ``stage3_prefetch_bucket_size`` 0.9 h² (default 5e7): parameters gathered ahead of use.
-    - ``stage3_param_persistence_threshold`` 10 h (default 1e5): tensors this small (norms, biases)
-      stay gathered on every rank.
-    - ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` two decoder layers
-      (layer_parameters; defaults 1e9, kept for other layouts): once the first step has traced the
-      module order, a gathered parameter used again within this many elements is kept gathered, and
-      prefetching stops at this many. Two layers hold the one computing and the next, and a layer's
-      recompute and backward under gradient checkpointing, as FSDP2 keeps one block unsharded at a
-      time; at 32B (487M a layer) it is about the default, while with the default a model under 1e9
-      parameters (the 0.6B proxy) stays gathered in the compute dtype after the first step.
-
-    None of these changes a step's arithmetic: the same elementwise sums and updates in the same
-    dtypes, grouped differently (the gradient norm is summed per sub-group, so its last bits depend
-    on the grouping; a run and its resume use the same sizes). A checkpoint's optimizer state is
-    saved per sub-group: the ZeRO section is part of the checkpoint key (train.checkpoint_folder)."""
-    hidden, layer = hidden_size(config), layer_parameters(config)
-    if hidden is None:  # DeepSpeed's defaults (training.deepspeed_config can set them)
-        return {}
-    sizes = {"reduce_bucket_size": hidden * hidden}
-    if stage == 3:
-        sizes |= {
-            "sub_group_size": 10 * hidden * hidden,
-            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-            "stage3_param_persistence_threshold": 10 * hidden,
-        }
-    if stage == 3 and layer:
-        sizes |= {"stage3_max_live_parameters": 2 * layer, "stage3_max_reuse_distance": 2 * layer}
-    return sizes
 
 
 def quiet_deepspeed_collectives() -> None:
@@ -130,9 +59,13 @@ def deepspeed_config(cfg, world_size: int, model_config) -> dict:
         if zero.get(key, "auto") == "auto":  # unset, or transformers' "auto"
             zero[key] = size
     if cfg.offload in ("optimizer", "all"):
-        zero.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": True})
+        zero.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": cfg.offload_pin_memory})
     if cfg.offload == "all" and cfg.zero_stage == 3:
         zero.setdefault("offload_param", {"device": "cpu", "pin_memory": True})
+    if cfg.offload_ratio < 1:  # ZeRO-3's partial optimizer offload: the first sub-groups stay on the GPU
+        if error := offload_ratio_error(zero["stage"], cfg.offload, cfg.offload_ratio):
+            raise UserError(error)
+        zero["offload_optimizer"] = {**zero["offload_optimizer"], "ratio": cfg.offload_ratio}
     return base | {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
@@ -147,6 +80,14 @@ def deepspeed_config(cfg, world_size: int, model_config) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+
+
+def offload_ratio_error(stage: int, offload: str, ratio: float) -> str | None:
+    """DeepSpeed 0.19 takes offload_optimizer.ratio < 1 with ZeRO-3 only (its config asserts it), and only
+    where the optimizer is offloaded."""
+    if ratio < 1 and (stage != 3 or offload == "none"):
+        return f"training.offload_ratio {ratio} needs training.zero_stage 3 and training.offload optimizer or all"
+    return None
 
 
 class DeepSpeedStrategy(Strategy):
@@ -298,8 +239,9 @@ class DeepSpeedStrategy(Strategy):
 
     @classmethod
     def offloaded_bytes(cls, t: dict, f: Footprint) -> float:
-        """DeepSpeed's estimate_zero3_model_states_mem_needs (zero_init=True) and
-        estimate_zero2_model_states_mem_needs, over the trainable parameters (preflight's docstring)."""
+        """DeepSpeed's own estimate_zero3_model_states_mem_needs (zero_init=True) and
+        estimate_zero2_model_states_mem_needs, over the trainable parameters: the plan's cross-check
+        (plan/memory.json's host.deepspeed_estimator_gb); the plan itself counts ``model_states``."""
         offload = t["offload"]
         if t.get("zero_stage", 0) == 3:
             if offload == "none":
@@ -309,8 +251,28 @@ class DeepSpeedStrategy(Strategy):
         return f.trainable * 16 / f.nodes * DS_BUFFER if offload != "none" else 0.0
 
     @classmethod
-    def gpu_tips(cls, t: dict, gb: dict) -> list[str]:
-        return ["training.zero_stage: 3"] if t["zero_stage"] < 3 else []
+    def unsupported(cls, t: dict) -> str | None:
+        return offload_ratio_error(t.get("zero_stage", 0), t["offload"], t.get("offload_ratio", 1.0))
+
+    @classmethod
+    def model_states(cls, t: dict, layout, world: int) -> dict | None:
+        """ZeRO's model states from DeepSpeed's source (parallel/zero_memory.py)."""
+        from parallel.zero_memory import model_states
+
+        return model_states(t, layout(), world, t.get("optimizer_device", "cpu"))
+
+    @classmethod
+    def probe_config(cls, t: dict) -> dict:
+        """DeepSpeed has no fake-tensor path: the probe runs the same micro-batch, sequence, checkpointing
+        and LoRA under FSDP2, for the activations (and logits) alone."""
+        probed = {k: v for k, v in t.items() if k != "optimizer_device"}  # optimizer_device: the planner's NVMe
+        return probed | {
+            "strategy": "fsdp",
+            "zero_stage": 3,
+            "offload": "none",
+            "fsdp_no_sync": False,
+            "offload_ratio": 1.0,
+        }
 
     @classmethod
     def sharded_alternative(cls, t: dict) -> dict | None:
@@ -322,10 +284,14 @@ def choose_optimizer(zero: dict, cpu_adam, torch_adamw, on_gpu: bool = True) -> 
     optimizer states are offloaded (offload_optimizer on cpu or nvme: DeepSpeed steps them on the host), else
     torch's AdamW (``torch_adamw()``); torch's AdamW too, said as a warning, where the cpu_adam op cannot be
     built or loaded (no compiler, an unsupported CPU). A CPU run (DS_ACCELERATOR=cpu) keeps torch's AdamW: its
-    states are host memory already, and the op's first build takes minutes there."""
-    device = (zero.get("offload_optimizer") or {}).get("device", "none")
+    states are host memory already, and the op's first build takes minutes there; except with a partial
+    offload (offload_optimizer.ratio < 1), which DeepSpeed runs with DeepSpeedCPUAdam only."""
+    offload = zero.get("offload_optimizer") or {}
+    device = offload.get("device", "none")
     if device not in ("cpu", "nvme"):
         return torch_adamw(), "torch AdamW (optimizer states on the accelerator)"
+    if offload.get("ratio", 1.0) < 1:  # stage3's partial offload asserts DeepSpeedCPUAdam, on a CPU run too
+        return cpu_adam(), f"DeepSpeedCPUAdam ({offload['ratio']:.0%} of the optimizer offloaded to {device})"
     if not on_gpu:
         return torch_adamw(), f"torch AdamW (a CPU run: offload_optimizer {device} steps on the host either way)"
     try:

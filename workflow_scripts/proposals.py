@@ -1,0 +1,159 @@
+"""What fits when a training config does not: each change re-planned by the planner itself, not guessed.
+
+``propose(t, plan)`` tries, in order of how little each changes the experiment: gradient checkpointing,
+a smaller micro-batch with more accumulation (the same global batch), the strategy's sharded
+alternative (DDP and ZeRO-1/2: ZeRO-3, the ``sharded_alternative`` of parallel/), DeepSpeed ZeRO-3's partial
+optimizer offload (training.offload_ratio: the smallest ratio, in hundredths, that fits both the GPUs
+and the host), ZeRO-3 with the optimizer on NVMe, more nodes on one model (training.mode: joint) and
+LoRA. ``plan(t)`` is preflight's ``Planner.plan``: the same estimate (fake-tensor probe, ZeRO's terms,
+host RAM) as the job's own config. Each proposal is kept with its planned GPU and host GB; the best is
+the first that fits. With the fake-tensor probe on, the proposals' probes share one --probe-timeout
+(the refusal stays minutes at most); past it a proposal is planned by the formula, and its ``method``
+says so.
+"""
+
+from pipeline_io import UserError
+
+MAX_NODES = 16  # more nodes: tried up to this many on one model
+
+
+def _try(label: str, change: dict, t: dict, plan) -> dict:
+    try:
+        est = plan(t | change)
+    except UserError as e:  # e.g. a global batch the new world size does not divide
+        return {"proposal": label, "change": change, "gpu_gb": None, "host_gb": None, "fits": False, "why": str(e)}
+    return {
+        "proposal": label,
+        "change": change,
+        "gpu_gb": round(est["total_gb"], 2),
+        "host_gb": round(est["host"]["peak_gb"], 1),
+        "fits": est["fits"],
+        "host_limit_gb": est["host"]["memory_gb"],
+        "grad_accum": est["grad_accum"],
+        "world_size": est["world_size"],
+        "method": est["method"],
+    } | {k: v for k, v in (est.get("model_states") or {}).items() if k.startswith("sub_groups")}
+
+
+def keys(change: dict) -> str:
+    return ", ".join(f"training.{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in change.items())
+
+
+def checkpointing(t: dict, plan) -> list[dict]:
+    if t["gradient_checkpointing"]:
+        return []
+    change = {"gradient_checkpointing": True}
+    return [_try(keys(change), change, t, plan)]
+
+
+def smaller_micro_batch(t: dict, plan) -> list[dict]:
+    """Halving the micro-batch, accumulation doubled (or grad_accum derived from global_batch_size), down
+    to the first that fits (or 1)."""
+    mb, out = t["micro_batch_size"], []
+    while mb > 1 and mb % 2 == 0:
+        mb //= 2
+        change = {"micro_batch_size": mb}
+        if t["global_batch_size"] is None:
+            change["grad_accum"] = t["grad_accum"] * (t["micro_batch_size"] // mb)
+        out = [_try(keys(change) + " (the same global batch)", change, t, plan)]
+        if out[0]["fits"]:
+            break
+    return out
+
+
+def sharded(t: dict, plan) -> list[dict]:
+    """The strategy's sharded alternative (DDP, ZeRO-1/2: ZeRO-3), which loads partitions, not a replica per rank."""
+    from parallel import strategy_for
+
+    change = strategy_for(t["strategy"]).sharded_alternative(t)
+    if change is None:
+        return []
+    return [_try(f"{keys(change)} (weights, gradients and optimizer states sharded over the ranks)", change, t, plan)]
+
+
+def partial_offload(t: dict, plan) -> list[dict]:
+    """ZeRO-3 with the optimizer offloaded (with the parameters too where ``t`` offloads them, and without),
+    each at the smallest offload_ratio that fits, or fully offloaded where none does."""
+    offloads = ["all", "optimizer"] if t["strategy"] == "deepspeed" and t["offload"] == "all" else ["optimizer"]
+    out = [ratio_for(t, plan, {"offload": offload}) for offload in offloads]
+    if not any(p["fits"] for p in out):  # unpinned: no power-of-two rounding of the optimizer's host blocks
+        out += [ratio_for(t, plan, {"offload": offload, "offload_pin_memory": False}) for offload in offloads]
+    return out
+
+
+def ratio_for(t: dict, plan, keys_: dict) -> dict:
+    from parallel.zero_memory import best_ratio
+
+    base = {"strategy": "deepspeed", "zero_stage": 3} | keys_
+    found = {}
+
+    def slack(ratio: float) -> float | None:
+        p = found[ratio] = _try("", base | {"offload_ratio": ratio}, t, plan)
+        if not p["fits"]:
+            return None
+        host = 1 - p["host_gb"] / limit if (limit := p.get("host_limit_gb")) else 1.0
+        return min(1 - p["gpu_gb"] / t["gpu_memory_gb"], host)
+
+    ratio = best_ratio(slack) or 1.0
+    result = found.get(ratio) or _try("", base | {"offload_ratio": ratio}, t, plan)
+    change = base | {"offload_ratio": ratio}
+    split = (
+        f"{result['sub_groups'] - result['sub_groups_on_gpu']} of {result['sub_groups']}"
+        if "sub_groups" in result
+        else "all"
+    )
+    label = f"{keys(change)} (ZeRO-3 partial offload: {split} optimizer sub-groups per rank on the host)"
+    return result | {"proposal": label, "change": change}
+
+
+def nvme(t: dict, plan) -> list[dict]:
+    change = {"strategy": "deepspeed", "zero_stage": 3, "offload": "all", "optimizer_device": "nvme"}
+    label = (
+        "ZeRO-3 with the optimizer states on NVMe (training.strategy: deepspeed, training.zero_stage: 3, "
+        'training.offload: all, and training.deepspeed_config with "offload_optimizer": {"device": "nvme", '
+        '"nvme_path": <local disk>})'
+    )
+    return [_try(label, change, t, plan)]
+
+
+def more_nodes(t: dict, plan) -> list[dict]:
+    """One model over more nodes (joint mode), doubling up to MAX_NODES: the first that fits."""
+    now = t["nodes"] if t["mode"] == "joint" else 1
+    out, nodes = [], 2 * now
+    while nodes <= MAX_NODES:
+        change = {"mode": "joint", "nodes": nodes}
+        out = [_try(f"{keys(change)} (one model over {nodes * t['procs_per_node']} GPUs)", change, t, plan)]
+        if out[0]["fits"]:
+            break
+        nodes *= 2
+    return out
+
+
+def lora(t: dict, plan) -> list[dict]:
+    if t["peft"] == "lora":
+        return []
+    change = {"peft": "lora"}
+    return [_try(keys(change) + f" (r {t['lora']['r']} on {', '.join(t['lora']['target_modules'])})", change, t, plan)]
+
+
+PROPOSALS = (checkpointing, smaller_micro_batch, sharded, partial_offload, nvme, more_nodes, lora)
+
+
+def propose(t: dict, plan) -> list[dict]:
+    """Every proposal for the config ``t``, each re-planned by ``plan``, in PROPOSALS' order."""
+    return [p for make in PROPOSALS for p in make(t, plan)]
+
+
+def best(proposals: list[dict]) -> dict | None:
+    return next((p for p in proposals if p["fits"]), None)
+
+
+def said(chosen: dict | None, proposals: list[dict]) -> str:
+    """The refusal's advice: the best proposal with its numbers, or that none of them fits."""
+    if chosen is None:
+        return f"none of {len(proposals)} re-planned changes fits (plan/memory.json lists them)"
+    others = sum(p["fits"] for p in proposals) - 1
+    return (
+        f"fits with {chosen['proposal']}: {chosen['gpu_gb']:.1f} GB per GPU, {chosen['host_gb']:.0f} GB host per node"
+        f" (re-planned; {others} other fitting change{'s' * (others != 1)} in plan/memory.json)"
+    )
