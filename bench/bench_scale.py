@@ -22,6 +22,10 @@ RSS is VmRSS from /proc/self/status, split into anonymous memory (the rank's own
                                                                                    # the first optimizer step
     .venv/bin/python bench/bench_scale.py --part zero3-host --workdir /tmp/bench_scale  # issue 24 item 7
     .venv/bin/python bench/bench_scale.py --part phases --workdir /tmp/bench_scale      # FSDP2 + LoRA per phase
+    .venv/bin/python bench/bench_scale.py --part planner --workdir /tmp/bench_scale     # issue 24 item 8 (CPU)
+    .venv/bin/python bench/bench_scale.py --part planner --workdir /tmp/bench_scale --case zero3 --fresh  # one case
+    .venv/bin/python bench/bench_scale.py --part planner --device cuda --nproc 1 --precision bf16 \
+        --vocab 151936 --layers 28 --seq 2048 --workdir /tmp/bench_gpu   # the GPU checklist (docs/benchmarks.md)
 
 Parts load and world (issue 13, bench parts a, b and d): a Qwen3-0.6B-shaped checkpoint (28 layers,
 hidden 1024, vocab 151936, untied head: 751.6M parameters) built once with random weights and saved in
@@ -31,6 +35,14 @@ training.precision bf16, gradient checkpointing): every rank reports its residen
 its peak (VmHWM) after load, and after load + wrap; the table shows the largest rank's peaks above
 imports and their ratio to the model's fp32 bytes (4 x parameters). "before" rows load as the trainer
 did until issue 13: from_pretrained(dtype=float32) on every rank, then the same build_strategy.
+
+Part planner (issue 24 item 8): for each --case (ddp, fsdp, fsdp-lora, zero3) at each --grad-accum, the
+planner's per-GPU plan (preflight.py, plan_training's entry point, on a Qwen3-0.6B-wide checkpoint of
+--layers layers and a --vocab vocabulary; micro-batch 1 x --seq packed tokens) without its GPU-only terms
+(allocator headroom, CUDA context, NCCL buffers; the formula's fixed overhead), against the same two
+optimizer steps run for real under torchrun by the trainer's own code (bench/planner_check.py: its
+docstring says what is measured and why it is the plan's quantity). Rows are kept in --workdir's
+planner_rows.jsonl with their settings, so a case can be measured alone and the table printed with the rest.
 """
 
 import argparse
@@ -648,17 +660,22 @@ def planner_part(args) -> list[dict]:
             except SystemExit as e:  # the other cases still run
                 print(e, flush=True)
                 continue
-            worst = max(m["ranks"], key=lambda r: r["allocated_peak"])
-            row = {
-                "case": f"{case}, grad_accum {accum}", "planned by": "probe" if est.get("probe") else "formula",
-                "planned MiB": live / MB, "measured MiB": worst["allocated_peak"] / MB,
-                "planned / measured": live / worst["allocated_peak"],
-            }  # fmt: skip
-            if args.device == "cpu":
-                row["RSS above start MiB"] = max(r["rss_peak"] for r in m["ranks"]) / MB
+            row = {"case": f"{case}, grad_accum {accum}", "planned by": "probe" if est.get("probe") else "formula",
+                   "planned MiB": live / MB}  # fmt: skip
+            if args.device == "cpu":  # live tensor storages (the ratio), the allocator's events, the RSS
+                tensors = max(r["storages_peak"] for r in m["ranks"])
+                allocator = max(m["ranks"], key=lambda r: r["allocated_peak"])
+                row |= {"measured MiB": tensors / MB, "planned / measured": live / tensors,
+                        "allocator events MiB": allocator["allocated_peak"] / MB,
+                        "RSS above start MiB": max(r["rss_peak"] for r in m["ranks"]) / MB,
+                        "allocator peak in": allocator["peak_in"]}  # fmt: skip
             else:
+                worst = max(r["allocated_peak"] for r in m["ranks"])
+                row |= {"measured MiB": worst / MB, "planned / measured": live / worst}
+                # the caching allocator's reserve against the plan's live bytes plus its stated headroom
+                headroom = est["per_gpu_gb"].get("allocator_headroom", 0) * 2**30
                 row["reserved MiB"] = max(r["reserved_peak"] for r in m["ranks"]) / MB
-                row["planned total MiB"] = est["total_gb"] * 1024
+                row["planned + headroom MiB"] = (live + headroom) / MB
             row |= {"GPU-only terms left out MiB": gpu_only / MB, "fp32 gradient shard MiB": 4 * n / args.nproc / MB,
                     "plan s": plan_s, "run s": max(r["seconds"] for r in m["ranks"])}  # fmt: skip
             rows.append(row)

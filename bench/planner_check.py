@@ -25,6 +25,7 @@ import itertools
 import json
 import sys
 import time
+import weakref
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow_scripts"))
@@ -38,12 +39,103 @@ def status(key: str) -> int:
     raise KeyError(key)
 
 
-def allocator_peak(prof) -> tuple[int, int]:
-    """The profiler's CPU memory events summed in time order: (peak, end) bytes above the start."""
+def live_storages():
+    """A LiveStorages mode (made here: torch is imported by the rank, not at this module's import)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+    from torch.utils._pytree import tree_leaves
+
+    class LiveStorages(TorchDispatchMode):
+        """The bytes of the storages that ops return on this thread, each counted until it is freed on
+        whichever thread frees it (a weakref's callback) and followed through UntypedStorage.resize_
+        (FSDP2 frees and re-allocates its unsharded parameters that way): the live bytes and their peak."""
+
+        def __init__(self):
+            super().__init__()
+            self.sizes, self.live, self.peak = {}, 0, 0
+
+        def change(self, n: int) -> None:
+            self.live += n
+            self.peak = max(self.peak, self.live)
+
+        def track(self, t) -> None:
+            if is_traceable_wrapper_subclass(t):  # DTensor: its local tensor
+                for name in t.__tensor_flatten__()[0]:
+                    if isinstance(getattr(t, name), torch.Tensor):
+                        self.track(getattr(t, name))
+                return
+            if t.device.type == "meta":
+                return
+            st = t.untyped_storage()
+            key = st._cdata
+            if key not in self.sizes:
+                self.sizes[key] = st.nbytes()
+                self.change(st.nbytes())
+                weakref.finalize(st, self.freed, key)
+
+        def freed(self, key) -> None:
+            self.change(-self.sizes.pop(key, 0))
+
+        def resized(self, st, size: int) -> None:
+            if st._cdata in self.sizes:
+                self.change(size - self.sizes[st._cdata])
+                self.sizes[st._cdata] = size
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.track(t)
+            return out
+
+        def __enter__(self):
+            original = self.original_resize = torch.UntypedStorage.resize_
+            tracker = self
+
+            def resize_(st, size):
+                result = original(st, size)
+                tracker.resized(st, size)
+                return result
+
+            torch.UntypedStorage.resize_ = resize_
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            torch.UntypedStorage.resize_ = self.original_resize
+            return super().__exit__(*exc)
+
+    return LiveStorages()
+
+
+PHASES = ("load", "wrap", "step 1", "step 2")
+MARK = 7_777_777  # bytes of a marker allocation (MARK + i after phase i): phase ends in the memory events
+
+
+def mark(i: int) -> None:
+    import torch
+
+    torch.empty(MARK + i, dtype=torch.uint8)  # allocated and freed at once
+
+
+def allocator_peak(prof) -> dict:
+    """The profiler's CPU memory events summed in time order: the peak bytes above the start, the bytes
+    live at the end of each phase (``mark``) and the phase the peak falls in."""
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events = sorted((e for e in events if str(e.device_type()).endswith("CPU")), key=lambda e: e.start_ns())
-    running = list(itertools.accumulate(e.nbytes() for e in events)) or [0]
-    return max(0, max(running)), running[-1]
+    marks = {MARK + i: i for i in range(len(PHASES))}
+    # ends: phase -> the index in sizes (the markers left out) where it ended
+    ends, sizes = {}, [0]
+    for e in events:
+        if e.nbytes() in marks:
+            ends[marks[e.nbytes()]] = len(sizes) - 1
+        elif -e.nbytes() not in marks:
+            sizes.append(e.nbytes())
+    running = list(itertools.accumulate(sizes))
+    at = {PHASES[i]: running[k] for i, k in sorted(ends.items())}
+    top = max(range(len(running)), key=running.__getitem__)
+    phase = next((PHASES[i] for i, k in sorted(ends.items()) if top <= k), "after")
+    return {"allocated_peak": max(0, running[top]), "allocated_end": running[-1], "allocated_at": at,
+            "peak_in": phase}  # fmt: skip
 
 
 def run(base: str, t: dict, device_name: str) -> dict:
@@ -68,10 +160,13 @@ def run(base: str, t: dict, device_name: str) -> dict:
 
     def steps() -> None:
         model, _ = load_model(base, cfg, device)
+        mark(0)
         strategy = build_strategy(cfg, model, device, total_steps=STEPS)
+        mark(1)
         strategy.model.train()
         for step in range(STEPS):
             train_step(strategy, data, step, NullMetrics())
+            mark(2 + step)
         record["params"] = sum(p.numel() for p in model.parameters())
 
     if device.type == "cuda":
@@ -87,10 +182,10 @@ def run(base: str, t: dict, device_name: str) -> dict:
 
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the current resident set
         before = status("VmRSS")
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, live_storages() as live:
             steps()
         record["rss_peak"] = status("VmHWM") - before
-        record["allocated_peak"], record["allocated_end"] = allocator_peak(prof)
+        record |= allocator_peak(prof) | {"storages_peak": live.peak, "storages_end": live.live}
     record["seconds"] = time.perf_counter() - start
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, record)
