@@ -613,8 +613,8 @@ def run_case(base: Path, t: dict, args) -> dict:
     out = args.workdir / "measured.json"
     out.unlink(missing_ok=True)
     env = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if args.device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
+    if args.device == "cpu":  # a GPU machine's ranks on the CPU too
+        env |= {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(args.nproc),
            str(REPO / "bench" / "planner_check.py"), str(base), json.dumps(t), str(out), args.device]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=args.workdir)
@@ -702,9 +702,10 @@ def planner_summary(rows: list[dict]) -> None:
         one, two = by.get(f"{case}, grad_accum 1"), by.get(f"{case}, grad_accum 2")
         if one and two:
             extra, shard = two["measured MiB"] - one["measured MiB"], two["fp32 gradient shard MiB"]
-            print(f"{case}: grad_accum 2 - 1 per rank: measured {extra:+.1f} MiB, planned "
-                  f"{two['planned MiB'] - one['planned MiB']:+.1f} MiB; one sharded fp32 gradient {shard:.1f} MiB "
-                  f"(extra / shard {extra / shard:.2f})")  # fmt: skip
+            planned = two["planned MiB"] - one["planned MiB"]
+            against = f"; one sharded fp32 gradient {shard:.1f} MiB (extra / shard {extra / shard:.2f})"
+            against = against if case == "fsdp" else ""
+            print(f"{case}: grad_accum 2 - 1 per rank: measured {extra:+.1f} MiB, planned {planned:+.1f} MiB{against}")
 
 
 PARTS = {

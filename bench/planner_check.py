@@ -8,15 +8,20 @@ micro_batch_size × max_seq_len, grad_accum of them). Rank 0 writes every rank's
 
 What is measured, per rank, from before the model is built to the end of the second step:
 
-- cpu: the peak of the bytes torch's CPU allocator holds for this rank's tensors, from the profiler's
-  memory events (``profile_memory=True``: every c10 CPU allocation and free the rank makes, tensors and
-  kernels' scratch alike, summed in time order; what existed before the profiler started is not counted).
-  On a GPU these are the device allocations ``torch.cuda.max_memory_allocated`` counts; the planner's
-  probe predicts the same quantity (live tensor bytes). Allocations made on threads the profiler does not
-  follow (gloo's work threads) are not seen; the collectives gloo runs on the calling thread are. Also
-  the resident set's peak (VmHWM) above the resident set just before the model is built: a cross-check
-  that includes what is not a tensor (Python objects, the allocator's free pages, the checkpoint's file
-  pages while they are read).
+- cpu, the measurement: the peak of the live tensor bytes (``LiveStorages``): every storage an op returns
+  on the rank's thread counted from its creation until it is freed, on whichever thread frees it (a
+  weakref's callback), and through ``UntypedStorage.resize_`` (FSDP2 frees and re-allocates its unsharded
+  parameters that way). That is what the planner's probe predicts (live tensor bytes: on a GPU the
+  device allocations ``torch.cuda.max_memory_allocated`` counts, and what is in host memory on a CPU).
+  Not seen: allocations inside an op's kernel that do not come back as its output (gloo's staging copies,
+  kernel scratch).
+- cpu, beside it: the profiler's memory events (``profile_memory=True``: every c10 CPU allocation and free
+  made on the rank's thread, kernels' scratch and gloo's staging included, summed in time order). A tensor
+  freed on one of gloo's work threads (the input of an asynchronous collective, when the work outlives
+  the caller's reference: DeepSpeed's ZeRO-3 all-gathers) has no free event, so this sum overcounts
+  there; where the frees are on the rank's thread (DDP, FSDP2) it is the allocator's own peak. Also the
+  resident set's peak (VmHWM) above the resident set just before the model is built: it includes what is
+  not a tensor (Python objects, the profiler's events, the checkpoint's file pages while they are read).
 - cuda: ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` above what was allocated before
   the model was built (the planner's live bytes, and its live bytes plus the allocator's headroom).
 """
@@ -157,16 +162,22 @@ def run(base: str, t: dict, device_name: str) -> dict:
     dist.barrier()
     record = {"rank": dist.get_rank()}
     start = time.perf_counter()
+    tracker, at = [], {}  # the LiveStorages mode (cpu), its live bytes at each phase's end
+
+    def end_of(i: int) -> None:
+        mark(i)
+        if tracker:
+            at[PHASES[i]] = tracker[0].live
 
     def steps() -> None:
         model, _ = load_model(base, cfg, device)
-        mark(0)
+        end_of(0)
         strategy = build_strategy(cfg, model, device, total_steps=STEPS)
-        mark(1)
+        end_of(1)
         strategy.model.train()
         for step in range(STEPS):
             train_step(strategy, data, step, NullMetrics())
-            mark(2 + step)
+            end_of(2 + step)
         record["params"] = sum(p.numel() for p in model.parameters())
 
     if device.type == "cuda":
@@ -183,9 +194,10 @@ def run(base: str, t: dict, device_name: str) -> dict:
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the current resident set
         before = status("VmRSS")
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, live_storages() as live:
+            tracker.append(live)
             steps()
         record["rss_peak"] = status("VmHWM") - before
-        record |= allocator_peak(prof) | {"storages_peak": live.peak, "storages_end": live.live}
+        record |= allocator_peak(prof) | {"storages_peak": live.peak, "storages_end": live.live, "storages_at": at}
     record["seconds"] = time.perf_counter() - start
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, record)
