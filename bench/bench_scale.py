@@ -22,6 +22,10 @@ RSS is VmRSS from /proc/self/status, split into anonymous memory (the rank's own
                                                                                    # the first optimizer step
     .venv/bin/python bench/bench_scale.py --part zero3-host --workdir /tmp/bench_scale  # issue 24 item 7
     .venv/bin/python bench/bench_scale.py --part phases --workdir /tmp/bench_scale      # FSDP2 + LoRA per phase
+    .venv/bin/python bench/bench_scale.py --part planner --workdir /tmp/bench_scale     # issue 24 item 8 (CPU)
+    .venv/bin/python bench/bench_scale.py --part planner --workdir /tmp/bench_scale --case zero3 --fresh  # one case
+    .venv/bin/python bench/bench_scale.py --part planner --device cuda --nproc 1 --precision bf16 \
+        --vocab 151936 --layers 28 --seq 2048 --workdir /tmp/bench_gpu   # the GPU checklist (docs/benchmarks.md)
 
 Parts load and world (issue 13, bench parts a, b and d): a Qwen3-0.6B-shaped checkpoint (28 layers,
 hidden 1024, vocab 151936, untied head: 751.6M parameters) built once with random weights and saved in
@@ -31,6 +35,14 @@ training.precision bf16, gradient checkpointing): every rank reports its residen
 its peak (VmHWM) after load, and after load + wrap; the table shows the largest rank's peaks above
 imports and their ratio to the model's fp32 bytes (4 x parameters). "before" rows load as the trainer
 did until issue 13: from_pretrained(dtype=float32) on every rank, then the same build_strategy.
+
+Part planner (issue 24 item 8): for each --case (ddp, fsdp, fsdp-lora, zero3) at each --grad-accum, the
+planner's per-GPU plan (preflight.py, plan_training's entry point, on a Qwen3-0.6B-wide checkpoint of
+--layers layers and a --vocab vocabulary; micro-batch 1 x --seq packed tokens) without its GPU-only terms
+(allocator headroom, CUDA context, NCCL buffers; the formula's fixed overhead), against the same two
+optimizer steps run for real under torchrun by the trainer's own code (bench/planner_check.py: its
+docstring says what is measured and why it is the plan's quantity). Rows are kept in --workdir's
+planner_rows.jsonl with their settings, so a case can be measured alone and the table printed with the rest.
 """
 
 import argparse
@@ -535,6 +547,167 @@ def model_summary(rows: list[dict]) -> None:
               f"{by[('fsdp', 4)]['load+wrap GiB'] / by[('fsdp', 2)]['load+wrap GiB']:.2f}")  # fmt: skip
 
 
+# ---------------------------------------------------------------- part planner (issue 24 item 8)
+
+PLANNER_CASES = {
+    "ddp": {"strategy": "ddp"},
+    "fsdp": {"strategy": "fsdp"},
+    "fsdp-lora": {"strategy": "fsdp", "peft": "lora",
+                  "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": LORA["lora"]["target_modules"]}},
+    "zero3": {"strategy": "deepspeed", "zero_stage": 3},
+}  # fmt: skip
+# What the plan adds for a GPU beyond the live tensor bytes (memory_probe's stated constants, the formula's
+# fixed overhead): left out of the comparison with a CPU run, whose tensors live in host memory.
+GPU_ONLY_TERMS = ("allocator_headroom", "cuda_context", "nccl_buffers", "overhead")
+
+
+def planner_shape(layers: int, vocab: int) -> dict:
+    """Qwen3-0.6B's width (hidden 1024, 16 heads / 8 KV heads of 128, MLP 3072), tied embeddings as the
+    released model, ``layers`` decoder layers and a ``vocab``-token vocabulary."""
+    return QWEN3_06B | {"num_hidden_layers": layers, "vocab_size": vocab, "tie_word_embeddings": True}
+
+
+def planner_keys(args, case: str, grad_accum: int) -> dict:
+    """The planner's keys (settings.PlanConfig) of one case: micro-batch 1 × --seq packed tokens."""
+    import dataclasses
+
+    from settings import PlanConfig
+
+    keys = {
+        "precision": args.precision,
+        "micro_batch_size": 1,
+        "max_seq_len": args.seq,
+        "grad_accum": grad_accum,
+        "gradient_checkpointing": args.checkpointing,
+        "procs_per_node": args.nproc,
+        "gpu_memory_gb": 1000,
+    }
+    return dataclasses.asdict(PlanConfig.build(keys | PLANNER_CASES[case]))  # fmt: skip
+
+
+def build_planner_checkpoint(folder: Path, shape: dict) -> Path:
+    """The reduced-layer checkpoint (bf16, random weights), built once; its config.json is the planner's input."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    if not (folder / "model.safetensors").exists():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(Qwen3Config(**shape), dtype=torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def plan(base: Path, t: dict, workdir: Path) -> dict:
+    """plan_training's public entry point (preflight.py) on the checkpoint's folder: plan/memory.json."""
+    out = workdir / "memory.json"
+    cmd = [sys.executable, str(REPO / "workflow_scripts" / "preflight.py"), "--model", str(base), "--config",
+           json.dumps(t), "--output", str(out), "--table", str(workdir / "memory.csv")]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "workflow_scripts")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"preflight failed for {t['strategy']}:\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def run_case(base: Path, t: dict, args) -> dict:
+    """planner_check.py under torchrun (--nproc ranks): every rank's measured peaks."""
+    out = args.workdir / "measured.json"
+    out.unlink(missing_ok=True)
+    env = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if args.device == "cpu":  # a GPU machine's ranks on the CPU too
+        env |= {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(args.nproc),
+           str(REPO / "bench" / "planner_check.py"), str(base), json.dumps(t), str(out), args.device]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=args.workdir)
+    if proc.returncode != 0 or not out.exists():
+        raise SystemExit(f"{t['strategy']}: the measured run failed\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def planned_live(est: dict) -> tuple[float, float]:
+    """The plan's per-GPU bytes without its GPU-only terms (GPU_ONLY_TERMS), and those terms' bytes."""
+    gb = est["per_gpu_gb"]
+    gpu_only = sum(v for k, v in gb.items() if k in GPU_ONLY_TERMS)
+    return (est["total_gb"] - gpu_only) * 2**30, gpu_only * 2**30
+
+
+def planner_part(args) -> list[dict]:
+    """Issue 24 item 8: the planner's per-rank peak against the same training measured (see planner_check.py).
+    Each row is kept in --workdir's planner_rows.jsonl with its settings: a later run with the same
+    settings reuses it (--fresh measures again), so cases can be run one at a time (--case zero3)."""
+    shape = planner_shape(args.layers, args.vocab)
+    base = build_planner_checkpoint(args.workdir / f"qwen3-0.6b-width-{args.layers}-layers-{args.vocab}", shape)
+    n = n_params(shape)
+    kept_file = args.workdir / "planner_rows.jsonl"
+    kept = [json.loads(line) for line in kept_file.read_text().splitlines()] if kept_file.exists() else []
+    rows = []
+    for case in args.case:
+        for accum in args.grad_accum:
+            settings = {"case": case, "grad_accum": accum, "layers": args.layers, "vocab": args.vocab, "seq": args.seq,
+                        "precision": args.precision, "checkpointing": args.checkpointing, "nproc": args.nproc,
+                        "device": args.device}  # fmt: skip
+            old = [k["row"] for k in kept if k["settings"] == settings]
+            if old and not args.fresh:
+                rows.append(old[-1])
+                print(f"kept: {old[-1]}", flush=True)
+                continue
+            t = planner_keys(args, case, accum)
+            start = time.perf_counter()
+            est = plan(base, t, args.workdir)
+            plan_s = time.perf_counter() - start
+            live, gpu_only = planned_live(est)
+            try:
+                m = run_case(base, t, args)
+            except SystemExit as e:  # the other cases still run
+                print(e, flush=True)
+                continue
+            row = {"case": f"{case}, grad_accum {accum}", "planned by": "probe" if est.get("probe") else "formula",
+                   "planned MiB": live / MB}  # fmt: skip
+            if args.device == "cpu":  # live tensor storages (the ratio), the allocator's events, the RSS
+                tensors = max(r["storages_peak"] for r in m["ranks"])
+                allocator = max(m["ranks"], key=lambda r: r["allocated_peak"])
+                row |= {"measured MiB": tensors / MB, "planned / measured": live / tensors,
+                        "allocator events MiB": allocator["allocated_peak"] / MB,
+                        "RSS above start MiB": max(r["rss_peak"] for r in m["ranks"]) / MB,
+                        "allocator peak in": allocator["peak_in"]}  # fmt: skip
+            else:
+                worst = max(r["allocated_peak"] for r in m["ranks"])
+                row |= {"measured MiB": worst / MB, "planned / measured": live / worst}
+                # the caching allocator's reserve against the plan's live bytes plus its stated headroom
+                headroom = est["per_gpu_gb"].get("allocator_headroom", 0) * 2**30
+                row["reserved MiB"] = max(r["reserved_peak"] for r in m["ranks"]) / MB
+                row["planned + headroom MiB"] = (live + headroom) / MB
+            row |= {"GPU-only terms left out MiB": gpu_only / MB, "fp32 gradient shard MiB": 4 * n / args.nproc / MB,
+                    "plan s": plan_s, "run s": max(r["seconds"] for r in m["ranks"])}  # fmt: skip
+            rows.append(row)
+            with kept_file.open("a") as f:
+                f.write(json.dumps({"settings": settings, "row": row, "plan": est, "measured": m}) + "\n")
+            print(row, flush=True)
+    return rows
+
+
+def n_params(shape: dict) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(Qwen3Config(**shape)).parameters())
+
+
+def planner_summary(rows: list[dict]) -> None:
+    ratios = [r["planned / measured"] for r in rows]
+    inside = sum(abs(x - 1) <= 0.15 for x in ratios)
+    print(f"\nplanned / measured: {min(ratios):.3f} to {max(ratios):.3f}; {inside} of {len(rows)} within ±15%")
+    by = {r["case"]: r for r in rows}
+    for case in PLANNER_CASES:
+        one, two = by.get(f"{case}, grad_accum 1"), by.get(f"{case}, grad_accum 2")
+        if one and two:
+            extra, shard = two["measured MiB"] - one["measured MiB"], two["fp32 gradient shard MiB"]
+            planned = two["planned MiB"] - one["planned MiB"]
+            against = f"; one sharded fp32 gradient {shard:.1f} MiB (extra / shard {extra / shard:.2f})"
+            against = against if case == "fsdp" else ""
+            print(f"{case}: grad_accum 2 - 1 per rank: measured {extra:+.1f} MiB, planned {planned:+.1f} MiB{against}")
+
+
 PARTS = {
     "data": (data_part, data_summary),
     "load": (load_part, model_summary),
@@ -542,6 +715,7 @@ PARTS = {
     "step": (step_part, model_summary),
     "zero3-host": (zero3_host_part, zero3_host_summary),
     "phases": (phases_part, lambda rows: None),
+    "planner": (planner_part, planner_summary),
 }
 
 
@@ -564,6 +738,27 @@ def main() -> None:
         default=["before", "default", "env", "mallopt"],
         choices=["before", "default", "env", "mallopt"],
         help="zero3-host: before issue 24, glibc's default, MALLOC_MMAP_THRESHOLD_ in the env, the trainer's mallopt",
+    )
+    p.add_argument("--case", nargs="+", default=list(PLANNER_CASES), choices=list(PLANNER_CASES), help="planner")
+    p.add_argument("--grad-accum", nargs="+", type=int, default=[1, 2], help="planner: each case at each")
+    p.add_argument("--layers", type=int, default=4, help="planner: decoder layers of the Qwen3-0.6B-wide model")
+    p.add_argument("--seq", type=int, default=512, help="planner: tokens of a micro-batch (micro_batch_size 1)")
+    p.add_argument("--vocab", type=int, default=32768, help="planner: vocabulary (Qwen3-0.6B's: 151936)")
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16"],
+        help="planner: training.precision (fp32 on this CPU: its bf16 matmul runs at 0.12 GFLOP/s, fp32 at 17)",
+    )
+    p.add_argument("--checkpointing", action="store_true", help="planner: training.gradient_checkpointing")
+    p.add_argument("--fresh", action="store_true", help="planner: measure again rows kept in --workdir")
+    p.add_argument("--nproc", type=int, default=2, help="planner: ranks (torchrun --nproc_per_node)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="planner: cuda measures "
+        "torch.cuda.max_memory_allocated on GPUs (one per rank), cpu the profiler's allocator peak",
     )
     a = p.parse_args()
     a.workdir = a.workdir or Path(tempfile.mkdtemp(prefix=f"bench_scale_{a.part}_"))
