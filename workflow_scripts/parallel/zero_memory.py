@@ -10,7 +10,9 @@ no decay) are cut into sub-groups of at least ``sub_group_size`` partition eleme
 - GPU, no offload: the bf16 partitions (c per element), the bf16 gradient partition
   (``grad_partitions_flat_buffer``, in the gradient accumulation dtype, which is the model's), the fp32
   master and Adam's two moments (4 + 8) and one fp32 gradient buffer of the largest sub-group
-  (``initialize_optimizer_states``' ``gradient_buffer``, shared by the sub-groups);
+  (``initialize_optimizer_states``' ``gradient_buffer``, shared by the sub-groups); in fp32 the master is
+  the parameter partition itself (``_create_fp32_partitions`` copies only when the dtype or the device
+  differs), so 8 bytes an element;
 - with ``offload_optimizer`` (cpu): the gradient partition lives on the host, pinned, one block; each
   sub-group's fp32 master, fp32 gradient (pinned, one block per sub-group) and Adam's moments live on the
   host, except with ``offload_optimizer.ratio`` r < 1 (training.offload_ratio): the first
@@ -213,7 +215,9 @@ def zero3(t: dict, lay: Layout, world: int, device: str = "cpu") -> dict:
     gpu = {
         "params": c * whole + (0 if offload == "all" else c * (trainable + sum(frozen))),
         "grads": c * trainable if offload == "none" else 0,
-        "optimizer": (12 * trainable + 4 * max(subs, default=0)) if offload == "none" else 16 * sum(gpu_subs),
+        "optimizer": ((ADAM + (0 if c == 4 else MASTER)) * trainable + 4 * max(subs, default=0))
+        if offload == "none"
+        else 16 * sum(gpu_subs),
         "buffers": c * (live + lay.largest) + c * (h * h + lay.largest),
     }
     host, rounding = {}, 0
