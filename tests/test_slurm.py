@@ -131,7 +131,9 @@ def test_sigint_cancels_the_slurm_jobs(slurm_cluster, tmp_path):
 
         def all_submitted_and_one_running():
             text = log.read_text()
-            if "SLURM run ID" not in text:
+            # after the local plan_training job: Snakemake 9's local executor crashes on a SIGINT that comes
+            # while a local job runs, before it cancels the SLURM jobs (README, known limits)
+            if "SLURM run ID" not in text or not (tmp_path / "results/t/plan/memory.json").exists():
                 return None
             jobs = slurm_cluster.jobs(name=run_id(text))
             if jobs and len(jobs) == len(submissions(text)) and any(j["state"] == "RUNNING" for j in jobs):
