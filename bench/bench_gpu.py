@@ -71,8 +71,10 @@ def build_model(work: Path, shape: str, seq: int) -> None:
     Qwen3ForCausalLM(config).save_pretrained(work / "model")
 
 
-def run_ours(work: Path, a, bins_per_step: int) -> dict:
+def run_ours(work: Path, a, bins_per_step: int, chunked_loss: bool = True) -> dict:
+    logs = work / ("ours" if chunked_loss else "ours-own-loss")
     cfg = {
+        "chunked_loss": chunked_loss,
         "precision": "bf16" if a.device == "cuda" else "fp32", "lr": 1e-4, "micro_batch_size": 1,
         "grad_accum": bins_per_step, "max_steps": a.steps, "log_every": 1, "checkpoint_every": 10**9,
         "warmup_steps": 0, "gradient_checkpointing": a.gradient_checkpointing, "peak_tflops": a.peak_tflops,
@@ -82,13 +84,11 @@ def run_ours(work: Path, a, bins_per_step: int) -> dict:
         str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "1",
         str(REPO / "workflow_scripts/train.py"), "--config", json.dumps(cfg), "--data", str(work / "tokens.parquet"),
         "--packing", str(work / "packing.parquet"), "--base-model", str(work / "model"),
-        "--log-dir", str(work / "ours"), "--checkpoint-root", str(work / "ckpt"), "--state", str(work / "state.json"),
+        "--log-dir", str(logs), "--checkpoint-root", str(logs / "ckpt"), "--state", str(logs / "state.json"),
     ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(out.stderr[-4000:])
-    rows = [json.loads(x) for x in (work / "ours" / "metrics.jsonl").read_text().splitlines()][a.warmup :]
-    plan = json.loads((work / "ours" / "plan.json").read_text())
+    run_logged(cmd, logs.with_suffix(".log"))
+    rows = [json.loads(x) for x in (logs / "metrics.jsonl").read_text().splitlines()][a.warmup :]
+    plan = json.loads((logs / "plan.json").read_text())
     return {
         "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in rows),
         "tflops": statistics.mean(r["tflops_per_rank"] for r in rows),
@@ -135,15 +135,22 @@ print(json.dumps({"times": clock.times, "lengths": seen, "peak_gb": peak}))
 """
 
 
+def run_logged(cmd: list[str], log: Path) -> str:
+    """Run ``cmd`` with its output streamed to ``log`` (what a run stopped by a time limit leaves); its output."""
+    with log.open("w") as f:
+        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True).returncode
+    text = log.read_text()
+    if code:
+        raise SystemExit(f"{cmd[0]} ... failed ({code}), {log}:\n{text[-4000:]}")
+    return text
+
+
 def run_trainer(work: Path, a, batch: int, flops_of) -> dict:
     script = work / "trainer.py"
     script.write_text(TRAINER)
     bf16 = "1" if a.device == "cuda" else "0"
-    out = subprocess.run([sys.executable, str(script), str(work), str(a.steps), str(batch), bf16],
-                         capture_output=True, text=True)  # fmt: skip
-    if out.returncode:
-        raise SystemExit(out.stderr[-4000:])
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    out = run_logged([sys.executable, str(script), str(work), str(a.steps), str(batch), bf16], work / "trainer.log")
+    result = json.loads([x for x in out.splitlines() if x.startswith('{"times"')][-1])
     times, lengths = result["times"][a.warmup :], result["lengths"][a.warmup : len(result["times"])]
     secs = sum(times)
     return {
@@ -163,6 +170,7 @@ def main() -> None:
     p.add_argument("--bins-per-step", type=int, default=4, help="packed bins of --seq tokens per optimizer step")
     p.add_argument("--lora", action="store_true", help="LoRA r=16 on q/k/v/o; ours only")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--own-loss-too", action="store_true", help="ours again with training.chunked_loss: false")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args()
@@ -178,7 +186,10 @@ def main() -> None:
     build_model(work, a.shape, a.seq)
     start = time.perf_counter()
     ours = run_ours(work, a, a.bins_per_step)
-    results = [("ours: packed, padding-free, " + ours["attention"], ours)]
+    results = [("ours: packed, padding-free, " + ours["attention"] + ", chunked loss", ours)]
+    if a.own_loss_too:  # what training.chunked_loss costs in time and saves in memory
+        own = run_ours(work, a, a.bins_per_step, chunked_loss=False)
+        results.append(("ours, the model's own loss (training.chunked_loss: false)", own))
     ratio = None
     if not a.lora:
         from metrics_logger import flops_per_sequence_fn
@@ -204,6 +215,9 @@ def main() -> None:
         print(f"| {name} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | {peak} |")
     if ratio is not None:
         print(f"\nratio ours / Trainer tokens/s: {ratio:.2f}x (target >= 1.3x; MFU target >= 40%)")
+    if a.own_loss_too:
+        print(f"chunked / own loss: tokens/s {ours['tokens_per_s'] / own['tokens_per_s']:.3f}x, "
+              f"peak {ours['peak_gb'] or 0:.2f} / {own['peak_gb'] or 0:.2f} GB")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -597,7 +597,23 @@ def build_planner_checkpoint(folder: Path, shape: dict) -> Path:
 
 
 def plan(base: Path, t: dict, workdir: Path) -> dict:
-    """plan_training's public entry point (preflight.py) on the checkpoint's folder: plan/memory.json."""
+    """plan_training's public entry point (preflight.py) on the checkpoint's folder: plan/memory.json.
+    Kept in --workdir's plans.jsonl under the checkpoint's name (its shape) and the keys: the plan reads nothing
+    else, so plans made on a CPU machine (--plan-only) serve the measured runs on a GPU machine."""
+    cache = workdir / "plans.jsonl"
+    key = {"model": base.name, "keys": t}
+    kept = [json.loads(line) for line in cache.read_text().splitlines()] if cache.exists() else []
+    for k in kept:
+        if k["key"] == key:
+            return k["plan"] | {"_plan_s": k["seconds"]}
+    start = time.perf_counter()
+    est = run_preflight(base, t, workdir)
+    with cache.open("a") as f:
+        f.write(json.dumps({"key": key, "plan": est, "seconds": time.perf_counter() - start}) + "\n")
+    return est | {"_plan_s": time.perf_counter() - start}
+
+
+def run_preflight(base: Path, t: dict, workdir: Path) -> dict:
     out = workdir / "memory.json"
     cmd = [sys.executable, str(REPO / "workflow_scripts" / "preflight.py"), "--model", str(base), "--config",
            json.dumps(t), "--output", str(out), "--table", str(workdir / "memory.csv")]  # fmt: skip
@@ -651,9 +667,11 @@ def planner_part(args) -> list[dict]:
                 print(f"kept: {old[-1]}", flush=True)
                 continue
             t = planner_keys(args, case, accum)
-            start = time.perf_counter()
             est = plan(base, t, args.workdir)
-            plan_s = time.perf_counter() - start
+            plan_s = est.pop("_plan_s")
+            if args.plan_only:
+                print(f"planned {case}, grad_accum {accum} in {plan_s:.1f} s", flush=True)
+                continue
             live, gpu_only = planned_live(est)
             try:
                 m = run_case(base, t, args)
@@ -752,6 +770,7 @@ def main() -> None:
     )
     p.add_argument("--checkpointing", action="store_true", help="planner: training.gradient_checkpointing")
     p.add_argument("--fresh", action="store_true", help="planner: measure again rows kept in --workdir")
+    p.add_argument("--plan-only", action="store_true", help="planner: make the plans (kept in --workdir), measure none")
     p.add_argument("--nproc", type=int, default=2, help="planner: ranks (torchrun --nproc_per_node)")
     p.add_argument(
         "--device",
@@ -761,12 +780,13 @@ def main() -> None:
         "torch.cuda.max_memory_allocated on GPUs (one per rank), cpu the profiler's allocator peak",
     )
     a = p.parse_args()
-    a.workdir = a.workdir or Path(tempfile.mkdtemp(prefix=f"bench_scale_{a.part}_"))
+    a.workdir = (a.workdir or Path(tempfile.mkdtemp(prefix=f"bench_scale_{a.part}_"))).resolve()
     a.workdir.mkdir(parents=True, exist_ok=True)
     run, summary = PARTS[a.part]
     rows = run(a)
-    print_table(rows)
-    summary(rows)
+    if rows:
+        print_table(rows)
+        summary(rows)
     print(f"work dir: {a.workdir}")
 
 

@@ -29,7 +29,8 @@ activations):
   measure at Llama-3-8B/70B shapes, issue 24: SDPA with a mask saves K/V expanded to every head,
   fp32 norm casts, SwiGLU's widths; no sequence² term), only the layer inputs (2 × hidden) with
   gradient checkpointing plus one layer's worth; the logits: vocab × 12 bytes per token (the bf16
-  logits, their fp32 cast at the loss and its gradient);
+  logits, their fp32 cast at the loss and its gradient), for one slice of chunked_loss.slice_tokens
+  tokens with ``chunked_loss`` (the default, for the architectures it supports), else the micro-batch's;
 - FSDP2 with ``fsdp_no_sync`` and grad_accum > 1: the unsharded fp32 gradient, 4 per trainable parameter;
 - a fixed 1.5 GB for the CUDA context, NCCL buffers and allocator slack.
 
@@ -145,6 +146,15 @@ def trainable_parameters(config, n_params: int, t: dict) -> int:
     return n_params
 
 
+def logit_tokens(config, t: dict, tokens: int) -> int:
+    """The tokens whose logits exist at once: one slice with training.chunked_loss, else the micro-batch's."""
+    from chunked_loss import slice_tokens, supported
+
+    if t.get("chunked_loss", True) and supported(config) is None:
+        return min(tokens, slice_tokens(config.vocab_size))
+    return tokens
+
+
 def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
     """Per-GPU memory in GB, by component, for the training config ``t``."""
     half = compute_bytes(t) == 2
@@ -166,7 +176,7 @@ def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
         activations = layers * 2 * h * tokens * (w / 2) + per_layer
     else:
         activations = layers * per_layer
-    logits = LOGIT_BYTES * vocab * tokens
+    logits = LOGIT_BYTES * vocab * logit_tokens(config, t, tokens)
     gb = {
         "weights": weights,
         "optimizer_states": optim,

@@ -116,6 +116,7 @@ class TrainConfig:
     grad_accum: int
     global_batch_size: int | None
     fsdp_no_sync: bool
+    chunked_loss: bool
     epochs: float
     max_steps: int | None
     max_grad_norm: float
@@ -346,7 +347,7 @@ PlanConfig = stage_config(
     "training.offload_ratio", "training.offload_pin_memory", "training.lora", "training.procs_per_node",
     "training.precision", "training.micro_batch_size",
     "training.gradient_checkpointing", "training.grad_accum", "training.global_batch_size", "training.fsdp_no_sync",
-    "training.packing",
+    "training.chunked_loss", "training.packing",
     "training.gpu_memory_gb", "nodes", "data.max_seq_len",
     "model.demo_vocab_size",
 )  # fmt: skip

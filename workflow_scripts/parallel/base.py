@@ -22,6 +22,7 @@ import logging
 import math
 from pathlib import Path
 
+import chunked_loss
 import torch
 from model_loading import add_lora, attention_implementation, materialize
 from torch.optim.lr_scheduler import LambdaLR
@@ -147,6 +148,8 @@ class Strategy:
         # No KV cache in training: with one, transformers ignores the position ids when building the
         # attention mask, and packed sequences would attend to each other.
         model.config.use_cache = False
+        if cfg.chunked_loss:
+            chunked_loss.install(model)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.peft == "lora":
