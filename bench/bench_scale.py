@@ -22,6 +22,7 @@ RSS is VmRSS from /proc/self/status, split into anonymous memory (the rank's own
                                                                                    # the first optimizer step
     .venv/bin/python bench/bench_scale.py --part zero3-host --workdir /tmp/bench_scale  # issue 24 item 7
     .venv/bin/python bench/bench_scale.py --part phases --workdir /tmp/bench_scale      # FSDP2 + LoRA per phase
+    .venv/bin/python bench/bench_scale.py --part phases --workdir /tmp/bench_scale --own-loss  # without chunked_loss
     .venv/bin/python bench/bench_scale.py --part planner --workdir /tmp/bench_scale     # issue 24 item 8 (CPU)
     .venv/bin/python bench/bench_scale.py --part planner --workdir /tmp/bench_scale --case zero3 --fresh  # one case
     .venv/bin/python bench/bench_scale.py --part planner --device cuda --nproc 1 --precision bf16 \
@@ -490,6 +491,7 @@ def phases_part(args) -> list[dict]:
     script = args.workdir / "phases_worker.py"
     script.write_text(PHASES_WORKER)
     config = {"precision": "bf16", "gradient_checkpointing": True, "strategy": "fsdp"} | LORA
+    config["chunked_loss"] = not args.own_loss
     env = os.environ | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(script), str(REPO / "workflow_scripts"),
            str(base), json.dumps(config), str(out), str(args.phase_tokens)]  # fmt: skip
@@ -558,7 +560,7 @@ PLANNER_CASES = {
 }  # fmt: skip
 # What the plan adds for a GPU beyond the live tensor bytes (memory_probe's stated constants, the formula's
 # fixed overhead): left out of the comparison with a CPU run, whose tensors live in host memory.
-GPU_ONLY_TERMS = ("allocator_headroom", "cuda_context", "nccl_buffers", "overhead")
+GPU_ONLY_TERMS = ("allocator_headroom", "cuda_context", "nccl_buffers")  # preflight.GPU_ONLY_TERMS
 
 
 def planner_shape(layers: int, vocab: int) -> dict:
@@ -749,6 +751,7 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=None, help="kept: shards are reused by a later run")
     p.add_argument("--only", nargs="+", help="load/world/step: only these runs (as the table names them)")
     p.add_argument("--phase-tokens", type=int, default=512, help="phases: tokens of the one micro-batch")
+    p.add_argument("--own-loss", action="store_true", help="phases: training.chunked_loss false (the model's own)")
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4], help="zero3-host: world sizes")
     p.add_argument(
         "--malloc",

@@ -46,15 +46,19 @@ def main() -> None:
     p.add_argument("examples", nargs="*")
     a = p.parse_args()
     names = a.examples or sorted(p.name for p in (REPO / "config" / "examples").glob("*.yaml"))
-    print("| example | params (B) | GPU GiB planned / usable | by hand | plan / hand | host GiB per node: at load, "
+    from preflight import live_gb
+
+    print("| example | params (B) | GPU GiB planned / usable | tensors planned | by hand | plan / hand | "
+          "host GiB per node: at load, "
           "in training / job | offloaded: planned / by hand | fits | plan s |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for name in names:
         plan, hand, seconds = plan_example(name, a.probe_timeout)
         host = plan["host"]
         print(
             f"| {name} | {plan['parameters'] / 1e9:.2f} | {plan['total_gb']:.1f} / {plan['gpu_memory_gb']} | "
-            f"{hand['gpu_gb']:.1f} | {plan['total_gb'] / hand['gpu_gb']:.2f} | {host['at_load_gb']:.0f}, "
+            f"{live_gb(plan):.1f} | {hand['tensors_gb']:.1f} | {live_gb(plan) / hand['tensors_gb']:.2f} | "
+            f"{host['at_load_gb']:.0f}, "
             f"{host['in_training_gb']:.0f} / {host['memory_gb']:.0f} | "
             f"{host['in_training_gb'] - 1.5 * host['ranks_per_node']:.0f} / {hand['host_gb']:.0f} | "
             f"{'yes' if plan['fits'] else 'NO'} | {seconds:.0f} |",

@@ -50,14 +50,18 @@ def config_folder(name: str, config: dict, folder: Path) -> str:
 def by_hand(config: dict, n: int) -> dict:
     """GPU GB per GPU and host GB per node of an example, counted by hand: bytes per parameter × parameters /
     shards, plus the activations (the layer inputs with checkpointing and one layer's 52 h bytes a token, else
-    every layer's; 12 bytes a logit), plus 1 GB of CUDA context and NCCL. Not the planner's code."""
+    every layer's; 12 bytes a logit, for one slice of the chunked loss): the live tensors, which the plan's
+    total adds GPU-only terms to (allocator headroom, CUDA context, NCCL). Not the planner's code."""
     t, seq = config["training"], config["data"]["max_seq_len"]
     shape = model_shape(config["model"]["name_or_path"], config)
     h, layers, vocab = shape.hidden_size, shape.num_hidden_layers, shape.vocab_size
     world = t["procs_per_node"] * (config["nodes"] if t["mode"] == "joint" else 1)
     nodes = world // t["procs_per_node"]
     tokens = t["micro_batch_size"] * seq
-    act = (layers * 2 * h + 52 * h if t["gradient_checkpointing"] else layers * 52 * h) * tokens + 12 * vocab * tokens
+    # training.chunked_loss (the default; these models' architectures have it): the logits of 2^25 // vocab tokens
+    logit_tokens = tokens if t.get("chunked_loss") is False else min(tokens, 2**25 // vocab)
+    act = (layers * 2 * h + 52 * h if t["gradient_checkpointing"] else layers * 52 * h) * tokens
+    act += 12 * vocab * logit_tokens
     host = 0.0
     if t["peft"] == "lora":  # the frozen base in fp16/bf16, the adapters' 16 bytes are small
         r, mods = t["lora"]["r"], len(t["lora"]["target_modules"])
@@ -83,4 +87,4 @@ def by_hand(config: dict, n: int) -> dict:
             per_param = 18 + 2 * (t["grad_accum"] > 1)
             largest = 1 << (2 * vocab * h - 1).bit_length()  # each rank's pinned bf16 buffer of the embedding
             host = per_param * n / nodes + t["procs_per_node"] * largest
-    return {"gpu_gb": (gpu + act) / GB + 1.0, "host_gb": host / GB}
+    return {"tensors_gb": (gpu + act) / GB, "host_gb": host / GB}

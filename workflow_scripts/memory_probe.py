@@ -45,7 +45,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # What a GPU rank holds beyond its live tensors (GiB), added to the probe's peak by the planner.
 CUDA_CONTEXT_GB = 0.5  # CUDA context and cuBLAS/cuDNN workspaces (about 0.3-0.6 GiB on A100/H100)
 NCCL_GB = 0.5  # NCCL's communicator buffers per process group (NCCL_BUFFSIZE 4 MiB × channels × peers)
-ALLOCATOR_HEADROOM = 0.10  # the caching allocator's fragmentation and block rounding, × the tensor peak
+# the caching allocator's reserve above the tensor peak, for ZeRO (DDP and FSDP2: Strategy.allocator_headroom)
+ALLOCATOR_HEADROOM = 0.10
 GPU_CONSTANTS_GB = {"cuda_context": CUDA_CONTEXT_GB, "nccl_buffers": NCCL_GB}
 GB = 2**30
 STEPS = 2  # optimizer steps probed: the second runs with the optimizer's states already allocated
@@ -388,11 +389,6 @@ def probe(config, t: dict, world: int, steps: int = STEPS) -> dict:
         "steps": steps,
         "seconds": round(time.perf_counter() - start, 2),
     }
-
-
-def gpu_total_gb(live_gb: float) -> float:
-    """A GPU rank's memory from the probe's live tensor peak: headroom and the stated constants."""
-    return live_gb * (1 + ALLOCATOR_HEADROOM) + sum(GPU_CONSTANTS_GB.values())
 
 
 def main(argv=None) -> None:

@@ -32,7 +32,9 @@ activations):
   logits, their fp32 cast at the loss and its gradient), for one slice of chunked_loss.slice_tokens
   tokens with ``chunked_loss`` (the default, for the architectures it supports), else the micro-batch's;
 - FSDP2 with ``fsdp_no_sync`` and grad_accum > 1: the unsharded fp32 gradient, 4 per trainable parameter;
-- a fixed 1.5 GB for the CUDA context, NCCL buffers and allocator slack.
+- the caching allocator's headroom, a fraction of the above (the strategy's ``allocator_headroom``: 10%,
+  FSDP2 30%, as measured on an H200), and memory_probe's stated CUDA context and NCCL buffers (0.5 + 0.5);
+  the same GPU-only terms (GPU_ONLY_TERMS) as a plan by the fake-tensor probe.
 
 Host RAM, per node (its ``procs_per_node`` ranks; the world is nodes × procs_per_node in joint mode,
 procs_per_node per node otherwise; c is the compute dtype's bytes, 2 in bf16/fp16, 4 in fp32; the
@@ -92,7 +94,7 @@ from settings import PlanConfig, accumulation, job_ranks
 from transformers import AutoConfig
 
 GB = 2**30  # the plan's GB are GiB, as SLURM's and nvidia-smi's
-OVERHEAD_GB = 1.5
+GPU_ONLY_TERMS = ("allocator_headroom", "cuda_context", "nccl_buffers")  # beside the live tensors of a plan
 HOST_OVERHEAD_GB = 1.5  # per rank: Python with torch and transformers (0.4 GB), the CUDA context's host side
 HUB_SHARD_BYTES = 5 * 10**9  # hub checkpoints: files of at most 5 GB (transformers 4's max_shard_size)
 SAVE_SHARD_BYTES = 50 * 10**9  # save_pretrained's max_shard_size (transformers 5): build_demo_model's files
@@ -146,6 +148,11 @@ def trainable_parameters(config, n_params: int, t: dict) -> int:
     return n_params
 
 
+def live_gb(plan: dict) -> float:
+    """A plan's live tensor GiB per GPU: its total without the GPU-only terms (headroom, CUDA context, NCCL)."""
+    return plan["total_gb"] - sum(v for k, v in plan["per_gpu_gb"].items() if k in GPU_ONLY_TERMS)
+
+
 def logit_tokens(config, t: dict, tokens: int) -> int:
     """The tokens whose logits exist at once: one slice with training.chunked_loss, else the micro-batch's."""
     from chunked_loss import slice_tokens, supported
@@ -185,8 +192,11 @@ def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
         "activations": activations,
         "logits": logits,
     }
+    from memory_probe import GPU_CONSTANTS_GB
+
     gb = {k: v / GB for k, v in gb.items()}
-    gb["overhead"] = OVERHEAD_GB
+    gb["allocator_headroom"] = sum(gb.values()) * strategy_for(t["strategy"]).allocator_headroom
+    gb |= GPU_CONSTANTS_GB
     return {
         "parameters": n_params,
         "trainable_parameters": trainable,
@@ -226,7 +236,7 @@ def probe_memory(model: str, t: dict, world: int, timeout: float) -> tuple[dict 
 def planned(est: dict, probed: dict | None, note: str, t: dict) -> dict:
     """The plan's GPU memory: the probe's components where it ran (the formula's as the cross-check),
     else the formula's, with how it was estimated."""
-    from memory_probe import ALLOCATOR_HEADROOM, GPU_CONSTANTS_GB
+    from memory_probe import GPU_CONSTANTS_GB
 
     formula = {k: est.pop(k) for k in ("per_gpu_gb", "total_gb", "without_checkpointing_gb")}
     est |= {"method": note, "formula": formula, "probe": probed}
@@ -240,7 +250,7 @@ def planned(est: dict, probed: dict | None, note: str, t: dict) -> dict:
         parts["optimizer"] = 0
         est["method"] += "; FSDP2 offload: sharded parameters, gradients and optimizer states on the host"
     gb = {k: v / GB for k, v in parts.items()}
-    gb["allocator_headroom"] = sum(gb.values()) * ALLOCATOR_HEADROOM
+    gb["allocator_headroom"] = sum(gb.values()) * strategy_for(t["strategy"]).allocator_headroom
     gb |= GPU_CONSTANTS_GB
     return est | {"per_gpu_gb": gb, "total_gb": sum(gb.values())}
 

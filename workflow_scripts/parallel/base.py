@@ -103,6 +103,10 @@ class Strategy:
     skipped = 0  # optimizer steps fp16 skipped for overflowing gradients
     hard_exit = False  # end the process with os._exit once everything is on disk
     offloads = True  # training.offload applies
+    # The planner's allocator headroom: what the CUDA caching allocator reserves above the live tensor peak
+    # (fragmentation, block rounding), a fraction of that peak. DDP measured 6% on an H200 (docs/benchmarks.md,
+    # "GPU checklist"); ZeRO has not been measured on a GPU.
+    allocator_headroom = 0.10
 
     def __init__(self, cfg, device, total_steps: int):
         self.cfg, self.device, self.total_steps = cfg, device, total_steps

@@ -378,8 +378,17 @@ def zero3_model(config, cfg, attn: str):
     from transformers import AutoConfig
     from transformers.initialization import no_init_weights
     from transformers.integrations import HfDeepSpeedConfig
-    from transformers.integrations.deepspeed import prevent_arange_dtype_change
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:  # keeps torch.arange in its own dtype under the bf16 default (rotary positions); seen missing in 5.17
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+    except ImportError:
+        import transformers
+
+        raise UserError(
+            f"training.strategy deepspeed with zero_stage 3 needs transformers' prevent_arange_dtype_change, which "
+            f"transformers {transformers.__version__} lacks: install the locked transformers==5.23.0"
+        ) from None
 
     quiet_deepspeed_collectives()
     deepspeed.init_distributed()  # zero.Init partitions over DeepSpeed's view of the process group
