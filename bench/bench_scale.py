@@ -560,7 +560,6 @@ PLANNER_CASES = {
 }  # fmt: skip
 # What the plan adds for a GPU beyond the live tensor bytes (memory_probe's stated constants, the formula's
 # fixed overhead): left out of the comparison with a CPU run, whose tensors live in host memory.
-GPU_ONLY_TERMS = ("allocator_headroom", "cuda_context", "nccl_buffers")  # preflight.GPU_ONLY_TERMS
 
 
 def planner_shape(layers: int, vocab: int) -> dict:
@@ -642,10 +641,10 @@ def run_case(base: Path, t: dict, args) -> dict:
 
 
 def planned_live(est: dict) -> tuple[float, float]:
-    """The plan's per-GPU bytes without its GPU-only terms (GPU_ONLY_TERMS), and those terms' bytes."""
-    gb = est["per_gpu_gb"]
-    gpu_only = sum(v for k, v in gb.items() if k in GPU_ONLY_TERMS)
-    return (est["total_gb"] - gpu_only) * 2**30, gpu_only * 2**30
+    """The plan's per-GPU bytes without its GPU-only terms (preflight.live_gb), and those terms' bytes."""
+    from preflight import live_gb
+
+    return live_gb(est) * 2**30, (est["total_gb"] - live_gb(est)) * 2**30
 
 
 def planner_part(args) -> list[dict]:

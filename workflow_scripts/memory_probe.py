@@ -24,8 +24,8 @@ Choices and traps:
   (torch 2.13's trackers compare the fake mode at entry).
 
 What a GPU adds to the live tensors is stated here, in one place (``GPU_CONSTANTS_GB``), and added
-by the planner: the CUDA context, NCCL's buffers and the caching allocator's headroom (a fraction
-of the peak: fragmentation and rounding).
+by the planner: the CUDA context and NCCL's buffers; and the caching allocator's headroom (a fraction
+of the peak: fragmentation and rounding), the strategy's ``allocator_headroom`` (parallel/).
 
     python memory_probe.py --model demo_model/ --config '{...PlanConfig...}' --world 8 --output probe.json
 """
@@ -45,8 +45,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # What a GPU rank holds beyond its live tensors (GiB), added to the probe's peak by the planner.
 CUDA_CONTEXT_GB = 0.5  # CUDA context and cuBLAS/cuDNN workspaces (about 0.3-0.6 GiB on A100/H100)
 NCCL_GB = 0.5  # NCCL's communicator buffers per process group (NCCL_BUFFSIZE 4 MiB × channels × peers)
-# the caching allocator's reserve above the tensor peak, for ZeRO (DDP and FSDP2: Strategy.allocator_headroom)
-ALLOCATOR_HEADROOM = 0.10
 GPU_CONSTANTS_GB = {"cuda_context": CUDA_CONTEXT_GB, "nccl_buffers": NCCL_GB}
 GB = 2**30
 STEPS = 2  # optimizer steps probed: the second runs with the optimizer's states already allocated

@@ -255,10 +255,10 @@ def planned(est: dict, probed: dict | None, note: str, t: dict) -> dict:
     return est | {"per_gpu_gb": gb, "total_gb": sum(gb.values())}
 
 
-def with_states(est: dict, states: dict, probed: dict | None, note: str) -> dict:
+def with_states(est: dict, states: dict, probed: dict | None, note: str, headroom: float) -> dict:
     """The plan's GPU memory for a strategy that states its own model states (ZeRO): those, plus the probe's
     activations peak where it ran (else the formula's activations and logits), plus the stated constants."""
-    from memory_probe import ALLOCATOR_HEADROOM, GPU_CONSTANTS_GB
+    from memory_probe import GPU_CONSTANTS_GB
 
     formula = {k: est.pop(k) for k in ("per_gpu_gb", "total_gb", "without_checkpointing_gb")}
     parts = {k: v / GB for k, v in states["gpu"].items()}
@@ -267,7 +267,7 @@ def with_states(est: dict, states: dict, probed: dict | None, note: str) -> dict
     else:
         parts["activations"] = formula["per_gpu_gb"]["activations"] + formula["per_gpu_gb"]["logits"]
     how = f"model states by ZeRO's terms (parallel/zero_memory.py); activations {note}"
-    parts["allocator_headroom"] = sum(parts.values()) * ALLOCATOR_HEADROOM
+    parts["allocator_headroom"] = sum(parts.values()) * headroom
     parts |= GPU_CONSTANTS_GB
     est |= {"method": how, "formula": formula, "probe": probed, "model_states": states}
     return est | {"per_gpu_gb": parts, "total_gb": sum(parts.values())}
@@ -377,7 +377,8 @@ class Planner:
         est["without_checkpointing_gb"] = estimate(self.config, self.n, no_ckpt, world, seq_len)["total_gb"]
         states = strategy.model_states(t, lambda: self.layout(t), world)
         probed, note = self.probe(strategy.probe_config(t), world)
-        est = with_states(est, states, probed, note) if states else planned(est, probed, note, t)
+        headroom = strategy_for(t["strategy"]).allocator_headroom
+        est = with_states(est, states, probed, note, headroom) if states else planned(est, probed, note, t)
         host = host_estimate(
             self.n, est["trainable_parameters"], self.largest_layer, t, world, self.largest_file, states
         )
