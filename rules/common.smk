@@ -1,6 +1,8 @@
 """Config validation, results paths, the base model, scripts' arguments and input functions for every rule file."""
 
 import json
+import math
+import os
 import re
 import shlex
 import sys
@@ -228,9 +230,27 @@ ATTEMPT_LOG = (
 )
 
 
+class Untracked:
+    """A params value that is no rerun trigger: Snakemake records a job's params only where it can repr them
+    (builtins: snakemake.persistence._params leaves out anything else), and this formats as its value in the
+    shell command. For what cannot change a stage's result: where the checkout lives (a script's absolute path:
+    a checkout copied to /scratch reruns nothing) and the profile's resources (TRAIN_MEM_MB, checked at parse
+    time against the plan instead: check_host_memory)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __str__(self):
+        return str(self.value)
+
+    def __repr__(self):
+        return f"Untracked({self.value!r})"
+
+
 def script_path(name):
-    """Path of a workflow script, passed to shell commands through params."""
-    return str(SCRIPTS / name)
+    """Path of a workflow script, passed to shell commands through params, untracked: a moved checkout is the
+    same code (Snakemake's code trigger compares the rules' shell commands, which do not hold the path)."""
+    return Untracked(SCRIPTS / name)
 
 
 def get_model(wildcards, input=None):
@@ -328,6 +348,58 @@ def train_mem_mb():
     return None
 
 
+def check_host_memory():
+    """A finished plan against the training job's host memory as Snakemake will submit it now (the profile's
+    TRAIN_MEM_MB, untracked in plan_training's params): more is no reason to re-plan or retrain; less than
+    the plan needs stops here, with one line, before anything is queued."""
+    limit_mb = train_mem_mb()
+    if limit_mb is None:
+        return
+    for path in expand(PLAN, variant=list(VARIANTS)):
+        try:
+            host = json.loads(Path(path).read_text())["host"]
+            need_gb = host["peak_gb"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # no finished plan: plan_training checks the limit when it runs
+        if need_gb > limit_mb / 1024:
+            raise UserError(
+                f"{path}: training needs about {need_gb:.0f} GB of host memory per node but the training job now "
+                f"has {limit_mb / 1024:.0f} GB (mem_mb {limit_mb}: TRAIN_MEM_MB in profiles/slurm); "
+                f"set TRAIN_MEM_MB={math.ceil(need_gb * 1024)} or more"
+            )
+
+
+# One GPU count: training.procs_per_node (one rank a GPU) is what train_node, train_joint (per node) and
+# check_environment ask SLURM for; the profile sets none. A GPU count given elsewhere that disagrees stops here.
+GPUS_PER_NODE = config["training"]["procs_per_node"]
+GPU_RULES = ("train_node", "train_joint", "check_environment")
+
+
+def check_gpu_count():
+    """TRAIN_GPUS (the profile's variable before the rules asked for the GPUs) or a profile's set-resources
+    GPU count for a GPU rule must equal training.procs_per_node: one line naming both, else. A profile's
+    `gpu: 0` is a cluster without GPUs (CPU training), not a count."""
+    said = os.environ.get("TRAIN_GPUS")
+    if said not in (None, "") and said != str(GPUS_PER_NODE):
+        raise UserError(
+            f"TRAIN_GPUS={said} but training.procs_per_node is {GPUS_PER_NODE}: the training jobs ask SLURM for"
+            " training.procs_per_node GPUs (one a rank); unset TRAIN_GPUS or set procs_per_node"
+        )
+    for rule in GPU_RULES:
+        resources = workflow.resource_settings.overwrite_resources.get(rule) or {}
+        for name in ("gpu", "gres"):
+            value = resources.get(name)
+            value = getattr(value, "value", value)  # a parsed Resource
+            if value in (None, 0, "0", ""):
+                continue
+            count = str(value).rsplit(":", 1)[-1] if name == "gres" else str(value)
+            if count != str(GPUS_PER_NODE):
+                raise UserError(
+                    f"the profile's set-resources {rule}: {name}: {value} but training.procs_per_node is"
+                    f" {GPUS_PER_NODE}: the rules ask SLURM for training.procs_per_node GPUs; remove {name} there"
+                )
+
+
 def final_outputs():
     """The report's inputs and each trained model (so a deleted model is rebuilt), of every grid variant,
     and the grid's comparison."""
@@ -345,3 +417,10 @@ def final_outputs():
         *expand([PLAN_PAGE, SUMMARY_PAGE, LEADERBOARD_PAGE, TASKS_PAGE, SAMPLES_PAGE], variant=variants),
         *expand([CONSOLIDATION_PAGE, PROVENANCE_PAGE], variant=variants),
     ]
+
+
+try:
+    check_gpu_count()
+    check_host_memory()
+except UserError as e:
+    fail(e)

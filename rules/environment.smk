@@ -5,6 +5,9 @@ rule check_environment:
         f"{LOGS}/check_environment.log",
     conda:
         "../envs/train.yaml"
+    resources:
+        # the training job's GPUs (training.procs_per_node): it measures them before the plan
+        gpu=GPUS_PER_NODE,
     params:
         script=script_path("environment.py"),
         config=ENV_CONFIG,

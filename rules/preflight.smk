@@ -3,6 +3,10 @@ localrules:
 
 
 rule plan_training:
+    input:
+        # the GPUs check_environment measured on the training partition: their memory, unless
+        # training.gpu_memory_gb is set
+        env=ENV_CHECK,
     output:
         plan=PLAN,
         table=PLAN_TABLE,  # the report shows PLAN_PAGE
@@ -14,9 +18,10 @@ rule plan_training:
         script=script_path("preflight.py"),
         model=MODEL_SHAPE,
         config=plan_json,
-        # the training job's host memory (a new TRAIN_MEM_MB re-plans, and training after it: ancient(PLAN)
-        # would spare the retraining, but Snakemake 9.27 then drops a not-yet-trained train_node from the DAG)
-        host_memory=cli_args(host_memory_mb=train_mem_mb()),
+        # the training job's host memory, untracked: a profile's TRAIN_MEM_MB (raised after an out-of-memory
+        # failure, or a cluster after a workstation) re-plans nothing; a finished plan is checked against it at
+        # parse time (check_host_memory)
+        host_memory=Untracked(cli_args(host_memory_mb=train_mem_mb())),
     shell:
         "python {params.script:q} --model {params.model:q} --config {params.config:q} {params.host_memory}"
-        " --output {output.plan} --table {output.table} > {log} 2>&1"
+        " --environment {input.env} --output {output.plan} --table {output.table} > {log} 2>&1"

@@ -17,6 +17,9 @@ rule train_node:
     conda:
         "../envs/train.yaml"
     threads: config["training"]["procs_per_node"]
+    resources:
+        # sbatch --gpus: one GPU a rank, from training.procs_per_node alone (the profile sets no GPU count)
+        gpu=GPUS_PER_NODE,
     params:
         script=script_path("train.py"),
         config=training_json(),
@@ -41,7 +44,7 @@ rule train_node:
         " export OMP_NUM_THREADS=$n MKL_NUM_THREADS=$n OPENBLAS_NUM_THREADS=$n;"
         " torchrun --standalone --nproc_per_node {params.procs} --max-restarts 0"
         " {params.script:q} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
-        " --base-model {params.base:q} {params.held_out} --log-dir {params.log_dir:q}"
+        " --base-model {params.base:q} {params.held_out} --environment {input.env} --log-dir {params.log_dir:q}"
         " --checkpoint-root {params.checkpoints:q} --state {output.state}"
         " --trackers {params.trackers:q} >> {log} 2>&1"
         # torchrun reports a signal as a plain failure; the trainer's marker tells preemption apart
@@ -73,6 +76,8 @@ rule train_joint:
         nodes=config["nodes"],
         tasks=config["nodes"],
         mpi="srun",
+        # per node (sbatch --gpus would count the whole job): training.procs_per_node, one GPU a rank
+        gres=f"gpu:{GPUS_PER_NODE}",
     params:
         launch=script_path("launch.py"),
         script=script_path("train.py"),
@@ -89,7 +94,7 @@ rule train_joint:
         ATTEMPT_LOG
         + "python {params.launch:q} --nodes {params.nodes} --procs-per-node {params.procs} --threads {threads}"
         " -- {params.script:q} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
-        " --base-model {params.base:q} {params.held_out} --log-dir {params.log_dir:q}"
+        " --base-model {params.base:q} {params.held_out} --environment {input.env} --log-dir {params.log_dir:q}"
         " --checkpoint-root {params.checkpoints:q} --state {output.state}"
         " --trackers {params.trackers:q} >> {log} 2>&1"
         # srun and torchrun report a signal as a plain failure; the trainer's marker tells preemption apart

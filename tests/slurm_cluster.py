@@ -27,6 +27,10 @@ CLIENTS = ("sbatch", "srun", "squeue", "sinfo", "scancel", "scontrol")
 SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/local/sbin"])
 PARTITION = "throwaway"
 MIN_JOB_AGE = 300  # seconds a finished job stays in squeue: the plugin's squeue status needs >= 3 polls
+# GPUs each node declares, "devices" that are links to /dev/null (Slurm 22.05 reports no GPU without a File=),
+# so sbatch --gpus and --gres=gpu:<n> are accepted and scheduled as on a GPU cluster while the jobs run on the
+# CPU; the workflow asks for training.procs_per_node of them
+GPUS = 4
 
 
 def which(name: str) -> str | None:
@@ -100,7 +104,8 @@ MinJobAge={MIN_JOB_AGE}
 KillWait=5
 InactiveLimit=0
 MailProg=/bin/true
-NodeName={host} NodeHostname={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
+GresTypes=gpu
+NodeName={host} NodeHostname={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} Gres=gpu:{GPUS} State=UNKNOWN
 PartitionName={partition} Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -244,6 +249,11 @@ class SlurmCluster:
             self.short_dir = Path(tempfile.mkdtemp(prefix="munge-"))
             socket_path = self.short_dir / "munge.socket"
         self.conf.write_text(slurm_conf(self.root, socket_path, host, self.cpus, self.memory_mb, self.partition))
+        for i in range(GPUS):
+            with contextlib.suppress(FileExistsError):
+                (self.root / f"gpu{i}").symlink_to("/dev/null")
+        # read from slurm.conf's folder, by every slurmd of the cluster
+        (self.conf.parent / "gres.conf").write_text(f"Name=gpu File={self.root}/gpu[0-{GPUS - 1}]\n")
         self.env = {"SLURM_CONF": str(self.conf)}
         # The jobstep executor runs each job as `srun ... snakemake ...` with every SLURM_* variable
         # but the job's ids removed from srun's environment, SLURM_CONF included; without it srun

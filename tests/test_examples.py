@@ -81,8 +81,8 @@ def test_example_is_valid_and_independent_of_the_demo_config(name):
     env, argv = header_command(name)
     assert argv[:3] == ["snakemake", "--profile", "profiles/slurm"]
     assert argv[argv.index("--configfile") + 1] == f"config/examples/{name}"
-    # the profile's GPUs per job equal the processes torchrun starts per node
-    assert int(env["TRAIN_GPUS"]) == alone["training"]["procs_per_node"]
+    # one GPU count: the rules ask for training.procs_per_node GPUs; the header sets no other
+    assert "TRAIN_GPUS" not in env
     assert {"SLURM_PARTITION", "SLURM_CPU_PARTITION", "SLURM_ACCOUNT"} <= set(env)
     if alone["data"]["chat_template"]:
         assert (REPO / alone["data"]["chat_template"]).exists()
@@ -385,8 +385,8 @@ def submit_example(name: str, tmp_path: Path) -> tuple[dict, list[tuple[str, dic
 
 def check_submissions(name: str, exports: dict, submissions: list[tuple[str, dict]]) -> None:
     config = with_defaults(load(name))
-    gpus = int(exports["TRAIN_GPUS"])
-    cpus = int(exports.get("TRAIN_CPUS", 8 * gpus))
+    gpus = config["training"]["procs_per_node"]  # the one GPU count (rules/common.smk GPUS_PER_NODE)
+    cpus = int(exports.get("TRAIN_CPUS", 32))
     mem = int(exports.get("TRAIN_MEM_MB", 200000))
     hours = int(exports.get("TRAIN_HOURS", 24))
     model_mem = exports.get("MODEL_MEM_MB")

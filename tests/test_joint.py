@@ -215,7 +215,7 @@ def test_slurm_profile_asks_for_every_node_with_its_gpus_in_one_job(tmp_path):
     from snakemake_executor_plugin_slurm.utils import set_gres_string
 
     config = tiny_config("t", mode="joint") | {"nodes": 3}
-    env = tool_env() | {"TRAIN_GPUS": "4", "TRAIN_CPUS": "32", "SLURM_PARTITION": "gpu"}
+    env = tool_env() | {"TRAIN_CPUS": "32", "SLURM_PARTITION": "gpu"}
     proc = snakemake(tmp_path, config, "-n", "--profile", str(REPO / "profiles" / "slurm"), env=env)
     block = (proc.stdout + proc.stderr).split("rule train_joint:")[1].split("\n[")[0]
     text = re.search(r"resources: (.*)", block).group(1)
@@ -227,7 +227,8 @@ def test_slurm_profile_asks_for_every_node_with_its_gpus_in_one_job(tmp_path):
     job = SimpleNamespace(resources=Resources(resources), threads=32)
     params = {"run_uuid": "u", "slurm_logfile": "l", "comment_str": "c", "account": "", "partition": "", "workdir": ""}
     sbatch = (get_submit_command(job, params) + set_gres_string(job)).split()
-    assert {"--nodes=3", "--ntasks=3", "--cpus-per-task=32", "--gres=gpu:4"} <= set(sbatch), sbatch
+    # training.procs_per_node GPUs on each node, the one GPU count
+    assert {"--nodes=3", "--ntasks=3", "--cpus-per-task=32", "--gres=gpu:2"} <= set(sbatch), sbatch
     assert not [a for a in sbatch if a.startswith(("--ntasks-per-gpu", "--gpus"))], sbatch
 
 

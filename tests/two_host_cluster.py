@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from slurm_cluster import PARTITION, SlurmCluster, available_memory_mb, unavailable_reason, which
+from slurm_cluster import GPUS, PARTITION, SlurmCluster, available_memory_mb, unavailable_reason, which
 
 NETWORK_TOOLS = ("ip", "nsenter")
 IFACE = "eth1"  # the hosts' interface: GLOO_SOCKET_IFNAME for the ranks
@@ -69,7 +69,7 @@ def two_host_conf(
     if missing:
         raise ValueError(f"slurm.conf template lacks {sorted(missing)}")
     lines += [
-        f"NodeName={name} NodeAddr={addr} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN"
+        f"NodeName={name} NodeAddr={addr} CPUs={cpus} RealMemory={memory_mb} Gres=gpu:{GPUS} State=UNKNOWN"
         for name, addr in nodes.items()
     ]
     lines.append(f"PartitionName={partition} Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP")

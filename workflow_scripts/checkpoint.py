@@ -86,19 +86,27 @@ WORLD_KEYS = ("procs_per_node", "grad_accum", "global_batch_size")
 # Keys added after checkpoints were written, at the value every earlier run had: keyed only when set
 # otherwise, so a run from before them still resumes its own checkpoints.
 KEYED_WHEN_SET = {"offload_ratio": 1.0, "offload_pin_memory": True}
+# What describes the GPU, not the training: a plan re-made for another GPU resumes the same checkpoints. Keyed
+# before (at the schema's defaults then, 80 and 989, when unset): checkpoint_folder takes such a run's folder over.
+NOT_KEYED = {"gpu_memory_gb": 80, "peak_tflops": 989}
 
 
-def run_key(cfg, world: int, data_sha: str, base_fingerprint: str, deepspeed_json_sha: str | None) -> str:
+def run_key(
+    cfg, world: int, data_sha: str, base_fingerprint: str, deepspeed_json_sha: str | None, legacy: bool = False
+) -> str:
     """Checkpoints are only resumed by a job that trains the same thing: the same training config,
     data (shards and packing plans), base model content (weights, config, tokenizer, template) and
     DeepSpeed JSON content. ``cfg`` is the job's (settings.for_world at ``world`` ranks); the key has
     its global batch, not its world size or accumulation, so a job on another world size with the same
-    global batch resumes (resharding the checkpoint: Strategy.load)."""
+    global batch resumes (resharding the checkpoint: Strategy.load). Nor the GPU's description (NOT_KEYED);
+    ``legacy``: the key as it was when it had them."""
     keyed = {
         k: v
         for k, v in dataclasses.asdict(cfg).items()
-        if k not in WORLD_KEYS and not (k in KEYED_WHEN_SET and v == KEYED_WHEN_SET[k])
+        if k not in WORLD_KEYS and not (k in KEYED_WHEN_SET and v == KEYED_WHEN_SET[k]) and k not in NOT_KEYED
     }
+    if legacy:
+        keyed |= {k: default if getattr(cfg, k) is None else getattr(cfg, k) for k, default in NOT_KEYED.items()}
     keyed["global_batch"] = cfg.micro_batch_size * cfg.grad_accum * world
     text = json.dumps([keyed, data_sha, base_fingerprint, deepspeed_json_sha], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

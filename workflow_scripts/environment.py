@@ -33,6 +33,25 @@ def version(name: str) -> str | None:
         return None
 
 
+# Peak dense 16-bit (bf16, or fp16 where the GPU has no bf16) tensor TFLOP/s of one GPU, from the vendors'
+# data sheets, for training.peak_tflops: null (MFU). Matched in order on torch's device name, so a longer name
+# comes before a name it contains ("H100 PCIe" before "H100", "L40S" before "L40" before "L4").
+PEAK_TFLOPS_16BIT = (
+    ("B200", 2250), ("B100", 1750), ("H100 PCIE", 756), ("H100 NVL", 835), ("H100", 989), ("H200", 989),
+    ("H800", 989), ("A100", 312), ("A800", 312), ("L40S", 362), ("L40", 181), ("L4", 121),
+    ("V100", 125), ("T4", 65), ("MI300X", 1307), ("MI250X", 383),
+)  # fmt: skip
+
+
+def peak_tflops(name: str, precision: str) -> float | None:
+    """The data sheet's peak of a GPU named ``name`` in ``precision``; None for fp32 (TF32 or not depends on
+    settings) or a GPU not in PEAK_TFLOPS_16BIT."""
+    if precision not in ("bf16", "fp16"):
+        return None
+    upper = name.upper()
+    return next((float(peak) for key, peak in PEAK_TFLOPS_16BIT if key in upper), None)
+
+
 def gpu_report() -> dict:
     import torch
 
@@ -264,6 +283,9 @@ def main(argv=None) -> None:
         raise UserError("--config and --output are required")
     c = EnvironmentConfig.from_json(a.config)
     report = collect()
+    gpus = report["gpu"]["gpus"]
+    # for training.peak_tflops: null (the MFU of metrics.jsonl) and the plan's record of the GPU it planned for
+    report["gpu"]["peak_tflops"] = peak_tflops(gpus[0]["name"], c.precision) if gpus else None
     if report["packages"]["torch"]:
         report |= attention_backend(report["gpu"], c.precision)
     found = problems(report, c.strategy, c.peft, c.procs_per_node, c.precision, c.trackers)

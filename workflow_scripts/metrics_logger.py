@@ -98,7 +98,9 @@ class MetricsLogger:
                 "tokens_per_s": stats[1].item() / elapsed,
                 "step_time_s": elapsed / (step - self.last_logged),
                 "tflops_per_rank": model_tflops,
-                "mfu": model_tflops / self.cfg.peak_tflops if self.device.type == "cuda" else None,
+                "mfu": model_tflops / self.cfg.peak_tflops
+                if self.device.type == "cuda" and self.cfg.peak_tflops
+                else None,
                 "peak_memory_gb": peak_memory_gb(self.device),
                 "epoch": (step - 1) / self.plan.steps_per_epoch,
                 # which SLURM job trained this step: a resumed run shows where the next job took over

@@ -101,6 +101,19 @@ SAVE_SHARD_BYTES = 50 * 10**9  # save_pretrained's max_shard_size (transformers 
 ACTIVATION_BYTES = 52  # per token, hidden unit and layer in 16-bit (the formula; the probe measures them)
 LOGIT_BYTES = 12  # per token and vocabulary entry at the loss
 PROBE_TIMEOUT_S = 600  # the fake-tensor probe's bound; past it the formula's estimate stands, and says so
+ASSUMED_GPU_GB = 80  # training.gpu_memory_gb unset and no GPU measured (a CPU run): an 80 GB GPU's, as before
+
+
+def gpu_memory(configured: float | None, environment: Path | None) -> tuple[float, str]:
+    """The GPU memory (GiB) the plan compares with, and where it comes from: training.gpu_memory_gb when set,
+    else the smallest GPU check_environment measured on the training partition (its --output), else assumed."""
+    if configured is not None:
+        return configured, "training.gpu_memory_gb"
+    gpus = json.loads(environment.read_text()).get("gpu", {}).get("gpus") if environment else None
+    if gpus:
+        smallest = min(gpus, key=lambda g: g["memory_gb"])
+        return smallest["memory_gb"], f"measured by check_environment: {smallest['name']}"
+    return ASSUMED_GPU_GB, "assumed: check_environment saw no GPU (a CPU run); set training.gpu_memory_gb"
 
 
 def load_config(model: str, t: dict):
@@ -370,6 +383,8 @@ class Planner:
         if error := strategy.unsupported(t):
             raise UserError(error)
         t = dict(t)
+        if t["gpu_memory_gb"] is None:  # a caller without check_environment's report (main resolves it first)
+            t["gpu_memory_gb"] = gpu_memory(None, None)[0]
         world, seq_len = job_ranks(t, t["nodes"]), t["max_seq_len"]  # joint: every node's ranks
         t["grad_accum"] = accumulation(t["micro_batch_size"], t["grad_accum"], t["global_batch_size"], world)
         est = estimate(self.config, self.n, t, world, seq_len)
@@ -404,7 +419,7 @@ def table_rows(est: dict, mem_mb: int | None) -> list[tuple[str, str]]:
     rows = [("component", "GB")] + [(k, f"{v:.2f}") for k, v in est["per_gpu_gb"].items()]
     rows += [
         ("total per GPU", f"{est['total_gb']:.2f}"),
-        ("GPU memory (training.gpu_memory_gb)", f"{est['gpu_memory_gb']:.1f}"),
+        (f"GPU memory ({est['gpu_memory_source']})", f"{est['gpu_memory_gb']:.1f}"),
     ]
     rows += [("estimated by", est["method"].replace(",", ";"))]
     rows += [(f"formula (cross-check): {k}", f"{v:.2f}") for k, v in est["formula"]["per_gpu_gb"].items()]
@@ -436,6 +451,7 @@ def main(argv=None) -> None:
     p.add_argument(
         "--host-memory-mb", type=int, help="host memory of one training job per node (its mem_mb, SLURM's MiB)"
     )
+    p.add_argument("--environment", type=Path, help="check_environment's report: the GPUs it measured")
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--table", required=True, type=Path)
     p.add_argument(
@@ -446,8 +462,9 @@ def main(argv=None) -> None:
     )
     a = p.parse_args(argv)
     t = dataclasses.asdict(PlanConfig.from_json(a.config))
+    t["gpu_memory_gb"], source = gpu_memory(t["gpu_memory_gb"], a.environment)
     planner = Planner(a.model, t, a.probe_timeout, a.host_memory_mb)
-    est = planner.plan(t)
+    est = planner.plan(t) | {"gpu_memory_source": source}
     if not est["fits"]:
         planner.set_budget()
         est["proposals"] = propose(t, planner.plan)
@@ -456,8 +473,13 @@ def main(argv=None) -> None:
     host, n, capacity = est["host"], est["parameters"], t["gpu_memory_gb"]
     what = f"{n / 1e9:.2f}B parameters, {t['strategy']}, world size {est['world_size']}"
     if not est["gpu_fits"]:
+        has = (
+            f"training.gpu_memory_gb is {capacity:.1f}"
+            if source == "training.gpu_memory_gb"
+            else (f"the GPU has {capacity:.1f} ({source})")
+        )
         raise UserError(
-            f"training needs about {est['total_gb']:.1f} GB per GPU but training.gpu_memory_gb is {capacity:.1f} "
+            f"training needs about {est['total_gb']:.1f} GB per GPU but {has} "
             f"({what}; {est['method']}); {said(best(est['proposals']), est['proposals'])}"
         )
     moment = "in training" if host["in_training_gb"] >= host["at_load_gb"] else "at load"
@@ -471,8 +493,8 @@ def main(argv=None) -> None:
         )
     print(f"preflight: GPU memory {est['method']}")
     print(
-        f"preflight: {est['total_gb']:.2f} GB per GPU of {capacity:.1f} GB; host {host['peak_gb']:.1f} GB per node "
-        f"({moment}) of {host_limit(a.host_memory_mb)}"
+        f"preflight: {est['total_gb']:.2f} GB per GPU of {capacity:.1f} GB ({source}); "
+        f"host {host['peak_gb']:.1f} GB per node ({moment}) of {host_limit(a.host_memory_mb)}"
     )
 
 

@@ -127,8 +127,8 @@ class TrainConfig:
     eval_every: int | None
     eval_samples: int | None
     keep_checkpoints: int
-    gpu_memory_gb: float
-    peak_tflops: float
+    gpu_memory_gb: float | None  # None: check_environment's measure (preflight.gpu_memory)
+    peak_tflops: float | None  # None: check_environment's figure (train.py --environment)
     collective_timeout_s: int
 
     @classmethod

@@ -13,6 +13,7 @@ preempted job keeps them and its retry resumes.
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -50,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--packing", nargs="+", type=Path, help="each shard's packing plan (needed with training.packing)")
     p.add_argument("--eval-data", type=Path, help="the tokenized eval set (needed with training.eval_every)")
     p.add_argument("--base-model", required=True)
+    p.add_argument("--environment", type=Path, help="check_environment's report: the GPU's peak for the MFU")
     p.add_argument("--log-dir", required=True, type=Path, help="metrics.jsonl and TensorBoard events")
     p.add_argument("--checkpoint-root", required=True, type=Path)
     p.add_argument("--state", required=True, type=Path, help="train_state.json written at the end")
@@ -80,10 +82,13 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
 def checkpoint_folder(strategy, data: TrainingData, base_model: str, checkpoint_root: Path) -> Path:
     """This training's checkpoints: keyed by config (its global batch, not the world size: checkpoint.run_key),
     data, base model content and what the strategy adds (Strategy.key_extra: the DeepSpeed JSON's content;
-    with DeepSpeed, the ZeRO section it runs with)."""
+    with DeepSpeed, the ZeRO section it runs with). A run keyed before the GPU's keys left the key
+    (checkpoint.NOT_KEYED) goes on in its folder."""
     base = model_fingerprint(base_model, cache_file_for(checkpoint_root))
-    world = dist.get_world_size()
-    return checkpoint_root / run_key(strategy.cfg, world, data.sha256, base, strategy.key_extra(base_model))
+    world, extra = dist.get_world_size(), strategy.key_extra(base_model)
+    folder = checkpoint_root / run_key(strategy.cfg, world, data.sha256, base, extra)
+    before = checkpoint_root / run_key(strategy.cfg, world, data.sha256, base, extra, legacy=True)
+    return before if before.is_dir() and not folder.exists() else folder
 
 
 def parameter_counts(model) -> dict:
@@ -154,6 +159,14 @@ def train(strategy, data, metrics, ckpt, stop, start_step: int, evaluator: Evalu
 # ---------------------------------------------------------------- main
 
 
+def with_measured_peak(cfg: TrainConfig, environment: Path | None) -> TrainConfig:
+    """training.peak_tflops, or where it is null the GPU's figure check_environment found (None: no MFU)."""
+    if cfg.peak_tflops is not None or environment is None:
+        return cfg
+    peak = json.loads(environment.read_text()).get("gpu", {}).get("peak_tflops")
+    return dataclasses.replace(cfg, peak_tflops=peak)
+
+
 @cli
 def main(argv=None) -> None:
     a = parse_args(argv)
@@ -191,7 +204,9 @@ def main(argv=None) -> None:
         log.info("plan: %s", run_record)
 
     trackers = TrackerSettings.from_json(a.trackers)
-    metrics = MetricsLogger(a.log_dir, cfg, device, data.plan, flops_of, start_step, trackers, run_record)
+    metrics = MetricsLogger(
+        a.log_dir, with_measured_peak(cfg, a.environment), device, data.plan, flops_of, start_step, trackers, run_record
+    )
     train(strategy, data, metrics, ckpt, stop, start_step, evaluator)
     final = ckpt.save(data.plan.total_steps)
     metrics.close()
