@@ -12,7 +12,7 @@ rule provenance:
     params:
         script=script_path("provenance.py"),
         config=provenance_json,  # a function: data.format_template has {question}, not a wildcard
-        repo=workflow.basedir,
+        repo=Untracked(workflow.basedir),  # the checkout (its git commit is recorded), wherever it lives
     shell:
         "python {params.script:q} --config {params.config:q} --repo {params.repo:q} --manifest {input.manifest}"
         " --env {input.env} --states {input.states} --output {output} > {log} 2>&1"

@@ -73,6 +73,12 @@ def test_slurm_run_matches_local_run(slurm_cluster, slurm_run, ddp_run):
     jobs = slurm_cluster.jobs(all_states=True, name=run_id(output))
     assert sorted(j["id"] for j in jobs) == sorted(job_id for job_id, _ in submitted)
     assert {j["state"] for j in jobs} == {"COMPLETED"}
+    # one GPU count: each training job and the environment check asked SLURM for training.procs_per_node GPUs
+    # (the cluster declares GPUs without devices), every other job for none
+    for job_id, rule in submitted:
+        tres = re.search(r"TresPerJob=(\S*)", slurm_cluster.cmd("scontrol", "show", "job", job_id).stdout)
+        gpus = "gres:gpu:2" if rule in ("train_node", "check_environment") else None
+        assert (tres.group(1) if tres else None) == gpus, (rule, tres)
 
     assert files_under(root) == files_under(local)
     for sub in SAME_BYTES:
