@@ -129,3 +129,23 @@ def test_a_full_disk_names_the_folder_and_the_free_space(tmp_path):
     message = space_message(tmp_path / "ckpt" / "step-8", writes.error)
     assert message.startswith(f"checkpoint {tmp_path / 'ckpt' / 'step-8'}: disk full: save failed (OSError: ")
     assert message.endswith(" GiB free there") and "iostream" not in message
+
+
+def test_the_gpus_description_is_no_part_of_the_checkpoints_key():
+    """A plan re-made for another GPU (training.gpu_memory_gb, peak_tflops) resumes the same checkpoints; a run
+    keyed when they were part of it is found by its legacy key (the schema's defaults then: 80 and 989)."""
+    import dataclasses
+
+    from checkpoint import run_key
+    from settings import TrainConfig
+
+    cfg = TrainConfig.from_json(json.dumps({"procs_per_node": 2}))
+    assert cfg.gpu_memory_gb is None and cfg.peak_tflops is None
+    key = run_key(cfg, 2, "d", "b", None)
+    assert run_key(dataclasses.replace(cfg, gpu_memory_gb=40.0, peak_tflops=312.0), 2, "d", "b", None) == key
+    assert run_key(dataclasses.replace(cfg, lr=cfg.lr * 2), 2, "d", "b", None) != key
+    legacy = run_key(cfg, 2, "d", "b", None, legacy=True)
+    assert legacy != key
+    assert (
+        run_key(dataclasses.replace(cfg, gpu_memory_gb=80, peak_tflops=989), 2, "d", "b", None, legacy=True) == legacy
+    )

@@ -78,3 +78,23 @@ def test_each_problem_is_one_line_naming_its_key():
         "training.procs_per_node is 2 but this node has 1 GPU(s)",
         "training.precision is bf16 but Tesla V100-SXM2-16GB has no bf16: use training.precision: fp16",
     ]
+
+
+@pytest.mark.parametrize(
+    "name, precision, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
+        ("NVIDIA H100 PCIe", "bf16", 756.0),
+        ("NVIDIA H200", "bf16", 989.0),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA L40S", "bf16", 362.0),
+        ("NVIDIA L4", "bf16", 121.0),
+        ("Tesla T4", "fp16", 65.0),
+        ("NVIDIA H100 80GB HBM3", "fp32", None),  # TF32 or not depends on settings: no MFU
+        ("Some Future GPU", "bf16", None),
+    ],
+)
+def test_the_peak_for_the_mfu_is_the_data_sheets_for_the_gpu_found(name, precision, peak):
+    from environment import peak_tflops
+
+    assert peak_tflops(name, precision) == peak

@@ -211,3 +211,15 @@ def test_proposals_share_one_probe_timeout():
     assert probed is None and note.endswith("the proposals' --probe-timeout is spent")
     plan = Planner("preset:1b", t, 0, None)
     assert plan.probe(t, 4)[1].endswith("the fake-tensor probe is off (--probe-timeout 0)")
+
+
+def test_the_plans_gpu_memory_is_the_configs_else_the_smallest_gpu_measured(tmp_path):
+    from preflight import gpu_memory
+
+    report = tmp_path / "check.json"
+    gpus = [{"name": "NVIDIA H100 80GB HBM3", "memory_gb": 79.1}, {"name": "NVIDIA H100 NVL", "memory_gb": 93.1}]
+    report.write_text(json.dumps({"gpu": {"gpus": gpus}}))
+    assert gpu_memory(40.0, report) == (40.0, "training.gpu_memory_gb")
+    assert gpu_memory(None, report) == (79.1, "measured by check_environment: NVIDIA H100 80GB HBM3")
+    report.write_text(json.dumps({"gpu": {"gpus": []}}))  # a CPU run
+    assert gpu_memory(None, report)[0] == 80 and gpu_memory(None, report)[1].startswith("assumed")
