@@ -3,6 +3,8 @@ localrules:
 
 
 rule plan_training:
+    input:
+        model=MODEL_SHAPE_INPUT,  # a hub model's fetch record: a refetch re-plans
     output:
         plan=PLAN,
         table=PLAN_TABLE,  # the report shows PLAN_PAGE
