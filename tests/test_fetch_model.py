@@ -92,9 +92,6 @@ def test_fetched_once_then_nothing_and_a_new_commit_reruns(hub, tmp_path):
     proc = snakemake(work, hub_config(), RECORD, TOKENIZED_EVAL, "-n", env=env)
     assert planned_jobs(proc) == {}, proc.stdout[-2000:]
     assert hub.log[before:] == [f"GET /api/models/{REPO_ID}/revision/main"]
-    # the whole workflow trains on the fetched model, without fetching it again
-    full = planned_jobs(snakemake(work, hub_config(), "-n", env=env))
-    assert "fetch_model" not in full and full["train_node"] == 2 and "tokenize_eval" not in full
 
     # a new commit on main: the dry run fetches again and reruns what reads the base model, not the split
     files = hub.repos[REPO_ID].commits[sha] | {"generation_config.json": b'{"max_new_tokens": 7}\n'}
@@ -106,6 +103,12 @@ def test_fetched_once_then_nothing_and_a_new_commit_reruns(hub, tmp_path):
     assert full["fetch_model"] == 1 and full["tokenize_shard"] == 2 and full["plan_training"] == 1
     assert full["train_node"] == 2 and full["evaluate_model"] == 3 and "split_dataset" not in full
     assert fetched_files(hub) == expected  # dry runs download nothing
+
+    # a job's own Snakemake (a SLURM job's, on a compute node: --mode remote) never asks the hub, online or
+    # not: it takes the sha its fetch_model recorded (so its fetch_model is not stale to it)
+    before, no_hub = len(hub.log), env | {"HF_ENDPOINT": "http://127.0.0.1:9"}
+    proc = snakemake(work, hub_config(), TOKENIZED_EVAL, "-n", "--mode", "remote", env=no_hub)
+    assert planned_jobs(proc) == {} and hub.log[before:] == []
 
     # offline the cache's refs/main is what was fetched (the old commit): nothing to do, no request
     before = len(hub.log)
