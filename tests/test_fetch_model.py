@@ -12,7 +12,6 @@ import sys
 import pytest
 from conftest import DEMO_CSV, REPO, planned_jobs, snakemake, tiny_config, tool_env
 from hub_server import HubServer, folder_files
-
 from pipeline_io import UserError
 
 REPO_ID = "acme/tiny-chat"
