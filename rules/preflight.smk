@@ -14,7 +14,7 @@ rule plan_training:
         "../envs/train.yaml"
     params:
         script=script_path("preflight.py"),
-        model=MODEL_SHAPE,
+        model=model_shape,
         config=plan_json,
         # the training job's host memory (a new TRAIN_MEM_MB re-plans, and training after it: ancient(PLAN)
         # would spare the retraining, but Snakemake 9.27 then drops a not-yet-trained train_node from the DAG)
