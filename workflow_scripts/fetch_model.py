@@ -179,8 +179,14 @@ def fetch(repo: str, revision: str, sha: str) -> dict:
 
     try:
         folder = Path(snapshot_download(repo, revision=sha, allow_patterns=ALLOW_PATTERNS))
-    except LocalEntryNotFoundError as e:  # offline and not cached
-        raise UserError(absent_message(repo, revision)) from e
+    except LocalEntryNotFoundError as e:  # offline and not cached (or the hub unreachable)
+        raise UserError(
+            f"model.name_or_path {repo}: commit {sha} is not in the local Hugging Face cache and could not be"
+            f" downloaded here (offline, or the hub unreachable); fetch it first: {fetch_command(repo, revision)}"
+        ) from e
+    except Exception as e:  # the hub's answer: gone, gated, down; one line for the log's reason
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise UserError(f"model.name_or_path {repo}: fetching commit {sha} failed: {type(e).__name__}: {first}") from e
     if not (folder / "config.json").is_file():
         raise UserError(f"model.name_or_path {repo}: commit {sha} has no config.json (not a transformers model)")
     keep_ref(repo, revision, sha)
