@@ -13,7 +13,7 @@ from presets import preset_name  # noqa: E402
 from pipeline_io import UserError, interpreter_first_on_path, log_stop_reason  # noqa: E402
 from data_formats import delimiter_arg, resolve_mapping, resolve_paths  # noqa: E402
 from fingerprint import check_model, is_hub_id, local_model_folder  # noqa: E402
-from fetch_model import absent_message, cached_snapshot, read_record, resolve_commit  # noqa: E402
+from hub_model import absent_message, cached_snapshot, read_record, resolve_commit  # noqa: E402
 from chat_format import format_list, has_chat_template, no_template_message  # noqa: E402
 from settings import accumulation, check_grid, job_ranks, validated  # noqa: E402
 from settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig  # noqa: E402

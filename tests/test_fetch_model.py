@@ -184,7 +184,7 @@ def snapshot(cache, sha: str, ref: str | None = "main"):
 
 
 def test_resolve_commit_without_the_hub(cache, tmp_path):
-    from fetch_model import resolve_commit
+    from hub_model import resolve_commit
 
     record = tmp_path / "base_model.json"
     a, b = "a" * 40, "b" * 40
@@ -202,8 +202,9 @@ def test_resolve_commit_without_the_hub(cache, tmp_path):
 
 
 def test_a_job_loads_the_recorded_snapshot_else_the_commit_in_its_cache(cache, tmp_path):
-    from fetch_model import keep_ref, record_folder
+    from fetch_model import keep_ref
     from fingerprint import local_model_folder, model_location
+    from hub_model import record_folder
 
     sha = "c" * 40
     record = tmp_path / "base_model.json"

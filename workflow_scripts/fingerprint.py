@@ -38,7 +38,7 @@ def model_location(name_or_path: str) -> str:
     """What from_pretrained loads: a fetch record becomes its snapshot folder (never downloading), anything
     else stays as given. Each script's model argument goes through this first."""
     if is_fetch_record(name_or_path):
-        from fetch_model import record_folder
+        from hub_model import record_folder
 
         return str(record_folder(name_or_path))
     return name_or_path
