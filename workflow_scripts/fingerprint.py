@@ -74,7 +74,7 @@ def local_model_folder(name_or_path: str) -> Path:
 
 def check_model(name_or_path: str) -> None:
     """At DAG time, before any job: a local folder must be a model; a hub id must be in the local
-    cache when downloads are off (HF_HUB_OFFLINE), else the jobs download it."""
+    cache when downloads are off (HF_HUB_OFFLINE), else fetch_model downloads it."""
     from huggingface_hub import constants
 
     try:
