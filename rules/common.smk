@@ -93,7 +93,7 @@ def hub_repo(name_or_path):
 
 
 def resolve_hub_model(repo, revision, record, main_process):
-    """The commit sha model.revision means for this parse (fetch_model.resolve_commit): the hub's, asked
+    """The commit sha model.revision means for this parse (hub_model.resolve_commit): the hub's, asked
     only by the main Snakemake process and only online; the cache's ref or fetch_model's record offline and
     in a job's own Snakemake (a SLURM job re-parses this file on a compute node, without internet).
     Offline, the main process also needs that commit's files here (the cache, or the record's snapshot
@@ -126,8 +126,9 @@ BASE_MODEL = DEMO_MODEL if DEMO else FETCH_RECORD if HUB_REPO else config["model
 BASE_MODEL_INPUT = BASE_MODEL if DEMO or HUB_REPO or Path(BASE_MODEL).exists() else []
 # and what plan_training needs of it, its shape: a preset by name, or the model's config.
 MODEL_SHAPE = ("demo" if PRESET == "demo" else f"preset:{PRESET}") if DEMO else BASE_MODEL
-MODEL_SHAPE_INPUT = FETCH_RECORD if HUB_REPO else []  # a local folder's shape is read as it is (as before)
-BASE_RECORD_INPUT = FETCH_RECORD if HUB_REPO else []  # provenance's record of the hub model's commit
+# A hub model's record as an input of the jobs that name its shape or its commit without loading it
+# (plan_training, provenance): a refetch reruns them too. A local folder's shape is read as it is, as before.
+BASE_RECORD_INPUT = FETCH_RECORD if HUB_REPO else []
 # A folder without config.json, a path that does not exist: one line naming model.name_or_path, before any
 # job runs (a hub id's absence offline stopped in resolve_hub_model).
 try:

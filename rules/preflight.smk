@@ -4,7 +4,7 @@ localrules:
 
 rule plan_training:
     input:
-        model=MODEL_SHAPE_INPUT,  # a hub model's fetch record: a refetch re-plans
+        model=BASE_RECORD_INPUT,  # a hub model's fetch record: a refetch re-plans
     output:
         plan=PLAN,
         table=PLAN_TABLE,  # the report shows PLAN_PAGE
