@@ -95,11 +95,11 @@ def test_fetched_once_then_nothing_and_a_new_commit_reruns(hub, tmp_path):
     # a new commit on main: the dry run fetches again and reruns what reads the base model, not the split
     files = hub.repos[REPO_ID].commits[sha] | {"generation_config.json": b'{"max_new_tokens": 7}\n'}
     new_sha = hub.repos[REPO_ID].commit(files)
-    proc = snakemake(work, hub_config(), RECORD, TOKENIZED_EVAL, "-n", env=env)
-    assert planned_jobs(proc) == {"fetch_model": 1, "tokenize_eval": 1}, proc.stdout[-3000:]
-    assert new_sha in proc.stdout + proc.stderr  # fetch_model's --sha
-    full = planned_jobs(snakemake(work, hub_config(), "-n", env=env))
-    assert full["fetch_model"] == 1 and full["tokenize_shard"] == 2 and full["plan_training"] == 1
+    proc = snakemake(work, hub_config(), "-n", "-p", env=env)
+    assert f"--sha {new_sha}" in proc.stdout + proc.stderr  # fetch_model's
+    full = planned_jobs(proc)
+    assert full["fetch_model"] == 1 and full["tokenize_eval"] == 1 and full["tokenize_shard"] == 2
+    assert full["plan_training"] == 1
     assert full["train_node"] == 2 and full["evaluate_model"] == 3 and "split_dataset" not in full
     assert fetched_files(hub) == expected  # dry runs download nothing
 
