@@ -27,6 +27,11 @@ include: "rules/provenance.smk"
 include: "rules/report_pages.smk"
 
 
+if HUB_REPO:
+
+    include: "rules/fetch_model.smk"
+
+
 if GRID:
 
     include: "rules/grid.smk"

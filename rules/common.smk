@@ -14,7 +14,8 @@ sys.path.insert(0, str(SCRIPTS))
 from presets import preset_name  # noqa: E402
 from pipeline_io import UserError, interpreter_first_on_path, log_stop_reason  # noqa: E402
 from data_formats import delimiter_arg, resolve_mapping, resolve_paths  # noqa: E402
-from fingerprint import check_model, local_model_folder  # noqa: E402
+from fingerprint import check_model, is_hub_id, local_model_folder  # noqa: E402
+from hub_model import absent_message, cached_snapshot, read_record, resolve_commit  # noqa: E402
 from chat_format import format_list, has_chat_template, no_template_message  # noqa: E402
 from settings import accumulation, check_grid, job_ranks, validated  # noqa: E402
 from settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig  # noqa: E402
@@ -88,17 +89,52 @@ except UserError as e:
 DEMO = PRESET is not None  # the base model is built by build_demo_model
 
 
+def hub_repo(name_or_path):
+    """The hub id model.name_or_path names, None for a local folder (fingerprint.is_hub_id)."""
+    return name_or_path if is_hub_id(name_or_path) else None
+
+
+def resolve_hub_model(repo, revision, record, main_process):
+    """The commit sha model.revision means for this parse (hub_model.resolve_commit): the hub's, asked
+    only by the main Snakemake process and only online; the cache's ref or fetch_model's record offline and
+    in a job's own Snakemake (a SLURM job re-parses this file on a compute node, without internet).
+    Offline, the main process also needs that commit's files here (the cache, or the record's snapshot
+    folder): one line naming the `hf download` command that fetches them."""
+    from huggingface_hub import constants
+
+    online = not constants.HF_HUB_OFFLINE
+    sha = resolve_commit(repo, revision, record, online, main_process)
+    if main_process and not online and cached_snapshot(repo, sha) is None:
+        fetched = read_record(record) or {}
+        if fetched.get("sha") != sha or not (Path(fetched.get("snapshot") or "") / "config.json").is_file():
+            raise UserError(absent_message(repo, revision))
+    return sha
+
+
+# A hub id is fetched by fetch_model (rules/fetch_model.smk) at the commit model.revision resolves to:
+# HUB_REPO, HUB_REVISION, HUB_SHA (resolve_hub_model); None for a local folder, the demo or a preset.
+HUB_REPO = None if DEMO else hub_repo(config["model"]["name_or_path"])
+HUB_REVISION = config["model"]["revision"]
+try:
+    HUB_SHA = HUB_REPO and resolve_hub_model(HUB_REPO, HUB_REVISION, FETCH_RECORD, workflow.is_main_process)
+except UserError as e:
+    fail(e)
+
 # The base model, one name per use:
-# what from_pretrained loads (the demo build, a local path or a hub id),
-BASE_MODEL = DEMO_MODEL if DEMO else config["model"]["name_or_path"]
-# the same as a tracked input, where it is a file-system path (a hub id is none),
-BASE_MODEL_INPUT = BASE_MODEL if DEMO or Path(BASE_MODEL).exists() else []
+# what the jobs load (the demo build, a local path, or fetch_model's record of a hub model, which each
+# script turns into the snapshot folder: fingerprint.model_location),
+BASE_MODEL = DEMO_MODEL if DEMO else FETCH_RECORD if HUB_REPO else config["model"]["name_or_path"]
+# the same as a tracked input, where it is a file-system path (a refetched record reruns its readers),
+BASE_MODEL_INPUT = BASE_MODEL if DEMO or HUB_REPO or Path(BASE_MODEL).exists() else []
 # and what plan_training needs of it, its shape: a preset by name, or the model's config.
 MODEL_SHAPE = ("demo" if PRESET == "demo" else f"preset:{PRESET}") if DEMO else BASE_MODEL
-# A folder without config.json, a path that does not exist, a hub id not in the cache while offline:
-# one line naming model.name_or_path, before any job runs.
+# A hub model's record as an input of the jobs that name its shape or its commit without loading it
+# (plan_training, provenance): a refetch reruns them too. A local folder's shape is read as it is, as before.
+BASE_RECORD_INPUT = FETCH_RECORD if HUB_REPO else []
+# A folder without config.json, a path that does not exist: one line naming model.name_or_path, before any
+# job runs (a hub id's absence offline stopped in resolve_hub_model).
 try:
-    DEMO or check_model(BASE_MODEL)
+    DEMO or HUB_REPO or check_model(BASE_MODEL)
 except UserError as e:
     fail(e)
 
@@ -151,10 +187,15 @@ def check_template():
         format_list(DATA["format_template"])
     if DEMO or DATA["chat_template"] or DATA["format_template"]:
         return
-    try:
-        folder = local_model_folder(BASE_MODEL)
-    except UserError:
-        return
+    if HUB_REPO:  # the fetched commit's files, where they are here already (else fetch_model gets them)
+        folder = cached_snapshot(HUB_REPO, HUB_SHA)
+        if folder is None:
+            return
+    else:
+        try:
+            folder = local_model_folder(BASE_MODEL)
+        except UserError:
+            return
     if has_chat_template(folder) is False:
         raise UserError(no_template_message(f"model.name_or_path {BASE_MODEL}"))
 
@@ -292,6 +333,17 @@ def held_out_input(wildcards):
 def held_out_args(wildcards, input):
     """The trainer's --eval-data where the job has the `eval` input (a params function)."""
     return f"--eval-data {shlex.quote(input.eval)}" if input.get("eval") else ""
+
+
+def model_shape(wildcards, input):
+    """plan_training's --model, MODEL_SHAPE (a params function: a hub model's record, also the job's input,
+    given as a plain path looks to `snakemake --lint` like a hard-coded prefix)."""
+    return input.get("model") or MODEL_SHAPE
+
+
+def fetch_record_args(wildcards, input):
+    """provenance.py's --fetch-record where the job has the `fetched` input (a hub model; a params function)."""
+    return f"--fetch-record {shlex.quote(input.fetched)}" if input.get("fetched") else ""
 
 
 def plan_json(wildcards):

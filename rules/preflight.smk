@@ -7,6 +7,7 @@ rule plan_training:
         # the GPUs check_environment measured on the training partition: their memory, unless
         # training.gpu_memory_gb is set
         env=ENV_CHECK,
+        model=BASE_RECORD_INPUT,  # a hub model's fetch record: a refetch re-plans
     output:
         plan=PLAN,
         table=PLAN_TABLE,  # the report shows PLAN_PAGE
@@ -16,7 +17,7 @@ rule plan_training:
         "../envs/train.yaml"
     params:
         script=script_path("preflight.py"),
-        model=MODEL_SHAPE,
+        model=model_shape,
         config=plan_json,
         # the training job's host memory, untracked: a profile's TRAIN_MEM_MB (raised after an out-of-memory
         # failure, or a cluster after a workstation) re-plans nothing; a finished plan is checked against it at

@@ -32,7 +32,7 @@ TRAIN_RULES = {"train_node", "train_joint"}
 GPU_RULES = {*TRAIN_RULES, "check_environment", "evaluate_model"}
 # jobs that hold a whole model in host memory: their memory comes from MODEL_MEM_MB
 MODEL_RULES = {"consolidate_node", "evaluate_model", "build_demo_model", "make_soup"}
-LOCAL_RULES = {"plan_training", "all"}  # and the report's pages, render_*_page (rules/report_pages.smk)
+LOCAL_RULES = {"plan_training", "fetch_model", "all"}  # and the report's pages, render_*_page (rules/report_pages.smk)
 
 
 def load(name: str) -> dict:
@@ -326,9 +326,14 @@ def sbatch_options(argv: list[str]) -> dict[str, str]:
     return opts
 
 
-def submit_example(name: str, tmp_path: Path) -> tuple[dict, list[tuple[str, dict]], subprocess.CompletedProcess]:
+def submit_example(
+    name: str, tmp_path: Path, request
+) -> tuple[dict, list[tuple[str, dict]], subprocess.CompletedProcess]:
     """Run the example's header command with fake SLURM commands; returns the exports and (rule, sbatch
     options) for every submission."""
+    from hub_server import HubServer, folder_files
+    from model_shapes import PARAMETERS_B, config_folder
+
     exports, argv = header_command(name)
     config = with_defaults(load(name))
     workdir = tmp_path / "work"
@@ -338,9 +343,17 @@ def submit_example(name: str, tmp_path: Path) -> tuple[dict, list[tuple[str, dic
     fake_slurm(tmp_path / "fakebin")
     log = tmp_path / "sbatch.jsonl"
     log.touch()
-    # HF_HUB_OFFLINE=0: the examples name hub models that the cluster's jobs would download; offline, the
-    # workflow would stop at parse time because they are not in this machine's cache (nothing downloads here)
+    # HF_HUB_OFFLINE=0, as on a login node: the examples name hub models, which the parse resolves to a commit
+    # (main's sha) and fetch_model would download; the hub is a local one (tests/hub_server.py) serving the
+    # model's config.json, and the cache a fresh one (nothing is downloaded: the dry run's outputs are made)
+    hub = HubServer()
+    request.addfinalizer(hub.stop)
+    name_or_path = config["model"]["name_or_path"]
+    if name_or_path in PARAMETERS_B:
+        folder = Path(config_folder(name_or_path, config, tmp_path / "hub-model"))
+        hub.repo(name_or_path).commit(folder_files(folder))
     env = tool_env() | exports | {"FAKE_SLURM_LOG": str(log), "HF_HUB_OFFLINE": "0"}
+    env |= {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
     env["PATH"] = f"{tmp_path / 'fakebin'}{os.pathsep}{env['PATH']}"
     for var in [v for v in env if v.startswith("SLURM_") and v not in exports]:
         env.pop(var)  # a test run from inside a SLURM job must not leak its job's settings
@@ -432,8 +445,8 @@ SUBMITTED_EXAMPLES = [name for name in EXAMPLES if not name.startswith(SKIPPED)]
 
 @pytest.mark.e2e  # Snakemake walks the whole DAG, submitting through a fake sbatch
 @pytest.mark.parametrize("name", SUBMITTED_EXAMPLES)
-def test_example_submits_the_seeds_sbatch_resources(name, tmp_path):
-    exports, submissions, _ = submit_example(name, tmp_path)
+def test_example_submits_the_seeds_sbatch_resources(name, tmp_path, request):
+    exports, submissions, _ = submit_example(name, tmp_path, request)
     check_submissions(name, exports, submissions)
     if name.startswith("000-"):
         check_seed_000_lines(submissions)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 from contracts import IGNORE
+from fingerprint import model_location
 from heldout import evaluate_model, exact_match, exact_matches, flat_metrics, label_spans, leaf_tasks, model_class
 from intervals import LEVEL, RESAMPLES, SEED, example_losses, heldout_intervals
 from metrics import HELDOUT, HELDOUT_LOSS, SCORES
@@ -124,6 +125,7 @@ def main(argv=None) -> None:
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--lm-eval-output", required=True, type=Path, help="lm-eval's own results JSON")
     a = p.parse_args(argv)
+    a.model = model_location(a.model)  # a fetch record: its snapshot folder
     c = EvalConfig.from_json(a.config)
     frame = pd.read_parquet(a.eval).iloc[: c.max_samples or None]
     extra, manager = extra_tasks(c.tasks, c.task_data)  # before the model loads: missing data stops at once

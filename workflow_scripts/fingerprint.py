@@ -28,10 +28,28 @@ def is_hub_id(name_or_path: str) -> bool:
     return not local and name_or_path.count("/") == 1
 
 
+def is_fetch_record(name_or_path: str) -> bool:
+    """Whether the name is fetch_model's record of a hub model (results/<run>/base_model.json), which the
+    rules give the jobs as their base model in place of the hub id."""
+    return name_or_path.endswith(".json") and Path(name_or_path).is_file()
+
+
+def model_location(name_or_path: str) -> str:
+    """What from_pretrained loads: a fetch record becomes its snapshot folder (never downloading), anything
+    else stays as given. Each script's model argument goes through this first."""
+    if is_fetch_record(name_or_path):
+        from hub_model import record_folder
+
+        return str(record_folder(name_or_path))
+    return name_or_path
+
+
 def local_model_folder(name_or_path: str) -> Path:
-    """The folder from_pretrained reads: a local path, or the hub cache's snapshot of a hub id.
+    """The folder from_pretrained reads: a local path, a fetch record's snapshot, or the hub cache's
+    snapshot of a hub id.
 
     Never downloads; a one-line UserError names model.name_or_path and what to do."""
+    name_or_path = model_location(name_or_path)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -50,13 +68,13 @@ def local_model_folder(name_or_path: str) -> Path:
     except (LocalEntryNotFoundError, OSError, ValueError) as e:
         raise UserError(
             f"model.name_or_path {name_or_path}: not in the local Hugging Face cache and downloads are off here;"
-            f" download it first (huggingface-cli download {name_or_path}) or point to a local folder"
+            f" download it first (hf download {name_or_path}) or point to a local folder"
         ) from e
 
 
 def check_model(name_or_path: str) -> None:
     """At DAG time, before any job: a local folder must be a model; a hub id must be in the local
-    cache when downloads are off (HF_HUB_OFFLINE), else the jobs download it."""
+    cache when downloads are off (HF_HUB_OFFLINE), else fetch_model downloads it."""
     from huggingface_hub import constants
 
     try:

@@ -18,6 +18,7 @@ VARIANT = "{variant}"  # a grid variant's folder under results/<run>/ and logs/<
 # under results/<run>/, shared by a grid's variants
 RUN_FILES = {
     "DEMO_MODEL": "base_model",  # written by build_demo_model
+    "FETCH_RECORD": "base_model.json",  # fetch_model's record of a hub model: repo, revision, sha, snapshot folder
     "ENV_CHECK": "env/check.json",
     "MANIFEST": "data/manifest.json",
     "SPLIT": "data/splits/{shard}.parquet",

@@ -87,6 +87,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from fingerprint import model_location
 from parallel import strategy_for
 from parallel.base import Footprint, compute_bytes
 from pipeline_io import UserError, cli, write_json
@@ -461,6 +462,7 @@ def main(argv=None) -> None:
         help="seconds the fake-tensor probe may take (0: off, the formula only)",
     )
     a = p.parse_args(argv)
+    a.model = model_location(a.model)  # a fetch record: its snapshot folder
     t = dataclasses.asdict(PlanConfig.from_json(a.config))
     t["gpu_memory_gb"], source = gpu_memory(t["gpu_memory_gb"], a.environment)
     planner = Planner(a.model, t, a.probe_timeout, a.host_memory_mb)

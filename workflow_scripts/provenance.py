@@ -23,6 +23,16 @@ def tokenizer_hashes(model: str) -> dict:
     return {p.name: file_sha256(p) for p in sorted(folder.glob("tokenizer*")) + sorted(folder.glob("chat_template*"))}
 
 
+def base_model_provenance(base: str, fetch_record: Path | None) -> dict:
+    """What the base model was: the folder (or name) training loaded and, for a hub model, the repo, the
+    revision asked for and the commit sha it resolved to, with the files fetched (fetch_model's record)."""
+    out = {"loaded_from": base}
+    if fetch_record:
+        record = json.loads(fetch_record.read_text())
+        out |= {key: record.get(key) for key in ("repo", "revision", "sha", "files")}
+    return out
+
+
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
@@ -31,6 +41,7 @@ def main(argv=None) -> None:
     p.add_argument("--manifest", required=True, type=Path)
     p.add_argument("--env", required=True, type=Path)
     p.add_argument("--states", nargs="+", required=True, type=Path)
+    p.add_argument("--fetch-record", type=Path, help="fetch_model's record of a hub base model (its sha)")
     p.add_argument("--output", required=True, type=Path)
     a = p.parse_args(argv)
     manifest = json.loads(a.manifest.read_text())
@@ -47,6 +58,7 @@ def main(argv=None) -> None:
                 "shards": {f"node{n['node']}": n["sha256"] for n in manifest["nodes"]}
                 | {"eval": manifest["eval"]["sha256"]},
             },
+            "base_model": base_model_provenance(base, a.fetch_record),
             "tokenizer": tokenizer_hashes(base),
             "packages": env["packages"] | {"python": env["python"]},
             "hardware": env["gpu"],

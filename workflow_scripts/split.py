@@ -42,6 +42,7 @@ from data_formats import (
     resolve_paths,
     to_examples,
 )
+from fingerprint import model_location
 from identity import JSON_TEXT, conversation_hashes, is_eval, node_by_hash, prompt_hash
 from pipeline_io import Progress, UserError, atomic_path, cli, fewer_gc_pauses, file_sha256, write_json
 from settings import SplitConfig
@@ -304,6 +305,7 @@ def main(argv=None) -> None:
     p.add_argument("--rejects", required=True, type=Path)
     p.add_argument("--manifest", required=True, type=Path)
     a = p.parse_args(argv)
+    a.tokenizer = a.tokenizer and model_location(a.tokenizer)  # a fetch record: its snapshot folder
     cfg = SplitConfig.from_json(a.config)
     if len(a.splits) != cfg.nodes:
         raise UserError(f"nodes is {cfg.nodes} but {len(a.splits)} split paths were given")

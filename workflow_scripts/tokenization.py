@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from chat_format import SpecialText, special_texts
 from chat_render import ChatRenderer, encode_messages, load_tokenizer, use_template
 from contracts import IGNORE, REJECT_SCHEMA, TOKENIZED_SCHEMA, batches
+from fingerprint import model_location
 from packing import write_packing
 from pipeline_io import Progress, UserError, atomic_path, cli, fewer_gc_pauses, write_json
 from settings import TokenizeConfig
@@ -298,6 +299,7 @@ def main(argv=None) -> None:
     p.add_argument("--min-examples", type=int, default=1, help="stop with fewer examples (a micro-batch per rank)")
     p.add_argument("--min-bins", type=int, default=0, help="stop with fewer packed bins (a micro-batch per rank)")
     a = p.parse_args(argv)
+    a.tokenizer = model_location(a.tokenizer)  # a fetch record: its snapshot folder
     cfg = TokenizeConfig.from_json(a.config)
     a.rejects = a.rejects or a.output.with_suffix(".rejects.parquet")
     tokenizer = use_template(load_tokenizer(a.tokenizer), a.tokenizer, cfg.chat_template, cfg.format_template)

@@ -27,7 +27,7 @@ from batching import TrainingData
 from checkpoint import Checkpointer, run_key, superseded
 from divergence import NonFiniteStop
 from evaluator import Evaluator
-from fingerprint import cache_file_for, model_fingerprint
+from fingerprint import cache_file_for, model_fingerprint, model_location
 from host_memory import map_large_allocations
 from metrics_logger import MetricsLogger, flops_per_sequence_fn
 from parallel import build_strategy, load_model
@@ -56,7 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint-root", required=True, type=Path)
     p.add_argument("--state", required=True, type=Path, help="train_state.json written at the end")
     p.add_argument("--trackers", help="logging.trackers and the tracker run's identity as JSON (trackers.py)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    a.base_model = model_location(a.base_model)  # a fetch record: its snapshot folder (train_state's base_model)
+    return a
 
 
 def process_group_backend(cfg: TrainConfig, device_type: str) -> str:
