@@ -31,6 +31,7 @@ def moved(ddp_run, tmp_path_factory):
     as rsync -a or a move keeps them)."""
     workdir, config = ddp_run
     root = tmp_path_factory.mktemp("moved")
+    (root / "checkout").mkdir()
     for name in CHECKOUT:
         src = REPO / name
         (shutil.copytree(src, root / "checkout" / name, symlinks=True) if src.is_dir()
