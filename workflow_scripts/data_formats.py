@@ -24,6 +24,7 @@ import codecs
 import glob
 import json
 import re
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ class Record:
     source_row: int
     fields: dict | None  # the record; for an unreadable one, what could be recovered of it
     error: tuple[str, str] | None = None  # (reason, detail)
+    line: int | None = None  # the file's 1-based line the record starts on (source_line: JSONL exact, CSV/TSV by rows)
 
 
 # ---------------------------------------------------------------- files
@@ -101,6 +103,28 @@ def detect_format(path: Path, fmt: str = "auto") -> str:
 
 
 # ---------------------------------------------------------------- readers
+
+TEXT_PROBE = 1 << 16  # the bytes check_text reads from a file's start
+
+
+def check_text(path: Path, kind: str) -> None:
+    """A CSV/TSV/JSONL/JSON data file is text: a NUL byte in its first 64 KiB (a binary file, a spreadsheet
+    saved under a .csv name, UTF-16) stops with one line naming it, before any of its bytes reach the terminal."""
+    with open(path, "rb") as f:
+        head = f.read(TEXT_PROBE)
+    at = head.find(b"\0")
+    if at >= 0:
+        raise UserError(
+            f"{path}: not a text file (a NUL byte at byte {at}): data.format {kind} needs UTF-8"
+            " text (a binary file, a spreadsheet or a UTF-16 export under a text extension?)"
+        )
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """``text`` safe for a terminal on one line: control characters and undecodable bytes escaped, cut at
+    ``limit`` characters (a reader's message quoting a line of a binary file)."""
+    out = "".join(c if c.isprintable() and c != "\ufffd" else ascii(c)[1:-1] for c in text[:limit])
+    return out + ("..." if len(text) > limit else "")
 
 
 def _decode(value, column: str, crlf: bool):
@@ -156,7 +180,7 @@ def _csv_batches(path: Path, delimiter: str, batch_bytes: int) -> Iterator[list[
                     rows.append(("invalid_utf8", str(e), raw))
             yield rows
     except pa.ArrowInvalid as e:
-        raise UserError(f"{path}: cannot read as CSV: {str(e).splitlines()[0]}") from None
+        raise UserError(f"{path}: cannot read as CSV: {printable(str(e).splitlines()[0])}") from None
 
 
 def skip_bom(f) -> None:
@@ -170,23 +194,26 @@ def skip_bom(f) -> None:
 JSON_DECODER = json.JSONDecoder(strict=False)
 
 
-def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[list[dict | tuple]]:
+def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[list[tuple[int, dict | tuple]]]:
+    """Batches of (the 1-based line number, the line's object or a reject tuple)."""
     rows = []
     with open(path, "rb") as f:
         skip_bom(f)
-        for line in f:  # a CRLF line end is whitespace to JSON
+        for number, line in enumerate(f, 1):  # a CRLF line end is whitespace to JSON
             if not line.strip():
                 continue  # blank lines are not rows
             try:
                 obj = JSON_DECODER.decode(line.decode("utf-8"))
-                rows.append(
-                    obj if isinstance(obj, dict) else ("invalid_json", "line is not a JSON object", {"line": obj})
-                )
+                item = obj if isinstance(obj, dict) else ("invalid_json", "line is not a JSON object", {"line": obj})
             except UnicodeDecodeError as e:
                 raw = {"line": line.decode("utf-8", "backslashreplace").rstrip("\r\n")}
-                rows.append(("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the line", raw))
+                item = ("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the line", raw)
             except json.JSONDecodeError as e:
-                rows.append(("invalid_json", f"{e.msg} at column {e.colno}", {"line": line.decode().rstrip("\r\n")}))
+                item = ("invalid_json", f"{e.msg} at column {e.colno}", {"line": line.decode().rstrip("\r\n")})
+            except RecursionError:  # [[[[... thousands deep: Python's JSON reader cannot follow it
+                raw = {"line": line.decode("utf-8", "backslashreplace").rstrip("\r\n")}
+                item = ("invalid_json", f"nested deeper than the JSON reader follows ({sys.getrecursionlimit()})", raw)
+            rows.append((number, item))
             if len(rows) >= batch_rows:
                 yield rows
                 rows = []
@@ -273,9 +300,13 @@ def estimate_rows(spec: str, fmt: str = "auto") -> tuple[int | None, bool]:
 
 
 def iter_records(spec: str, fmt: str = "auto", delimiter: str | None = None, batch_rows: int = 8192):
-    """Yield lists of Records, a batch at a time, from every file ``spec`` names."""
+    """Yield lists of Records, a batch at a time, from every file ``spec`` names. A record's ``line`` is the
+    file's 1-based line number: exact for JSONL (blank lines counted); for CSV/TSV the row's number with the
+    header as line 1 (its line where no cell above it holds a line break); None for JSON and Parquet."""
     for path in resolve_paths(spec):
         kind = detect_format(path, fmt)
+        if kind in ("csv", "tsv", "jsonl", "json"):
+            check_text(path, kind)
         if kind in ("csv", "tsv"):
             sep = delimiter or ("\t" if kind == "tsv" else ",")
             batches = _csv_batches(path, sep, batch_bytes=4 << 20)
@@ -289,10 +320,13 @@ def iter_records(spec: str, fmt: str = "auto", delimiter: str | None = None, bat
         for rows in batches:
             out = []
             for item in rows:
+                line = row + 2 if kind in ("csv", "tsv") else None
+                if kind == "jsonl":
+                    line, item = item
                 if isinstance(item, tuple):
-                    out.append(Record(str(path), row, item[2], item[:2]))
+                    out.append(Record(str(path), row, item[2], item[:2], line))
                 else:
-                    out.append(Record(str(path), row, item))
+                    out.append(Record(str(path), row, item, line=line))
                 row += 1
             yield out
 
@@ -301,12 +335,14 @@ def peek_columns(spec: str, fmt: str = "auto", delimiter: str | None = None) -> 
     """The first file's column names, read from its start only."""
     path = resolve_paths(spec)[0]
     kind = detect_format(path, fmt)
+    if kind != "parquet":
+        check_text(path, kind)
     if kind in ("csv", "tsv"):
         sep = delimiter or ("\t" if kind == "tsv" else ",")
         try:
             reader = pacsv.open_csv(path, parse_options=pacsv.ParseOptions(delimiter=sep, newlines_in_values=True))
         except pa.ArrowInvalid as e:
-            raise UserError(f"{path}: cannot read as CSV: {str(e).splitlines()[0]}") from None
+            raise UserError(f"{path}: cannot read as CSV: {printable(str(e).splitlines()[0])}") from None
         return path, reader.schema.names
     if kind == "parquet":
         try:
