@@ -67,3 +67,20 @@ def test_partial_configs_are_completed_not_replaced():
 def test_invalid_values_name_their_key(training, message):
     with pytest.raises(UserError, match=message):
         training_config(training)
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("training: {lr: .nan}", "training.lr"),
+        ("training: {max_grad_norm: .inf}", "training.max_grad_norm"),
+        ("data: {eval_fraction: -.inf}", "data.eval_fraction"),
+        ("training: {adam_betas: [0.9, .nan]}", r"training.adam_betas\[1\]"),
+        ("grid: {training.lr: [1.0e-4, .nan]}", r"grid.training.lr\[1\]"),
+    ],
+)
+def test_nan_and_infinite_numbers_are_refused_naming_their_key(text, key):
+    with pytest.raises(UserError, match=f"^config key {key}: -?(nan|inf) is not a finite number$"):
+        validated(yaml.safe_load(text))
+    with pytest.raises(UserError, match="training.lr: nan"):
+        training_config({"lr": float("nan")})

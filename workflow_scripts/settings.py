@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import functools
 import json
+import math
 import operator
 from pathlib import Path
 
@@ -40,9 +41,25 @@ def _validator_with_defaults():
     return validators.extend(Draft202012Validator, {"properties": properties})
 
 
+def non_finite(value, key: str = "") -> tuple[str, float] | None:
+    """(the dotted key, a list's item as key[i]; the number) of the first nan, inf or -inf in ``value``, or None:
+    YAML reads `.nan` and `.inf` as numbers, and a nan passes every minimum and maximum of the schema."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return key or "(top level)", value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = non_finite(v, f"{key}[{k}]" if isinstance(value, list) else f"{key}.{k}" if key else str(k))
+        if found:
+            return found
+    return None
+
+
 def validated(config: dict, section: str | None = None) -> dict:
     """A copy of ``config`` (the whole config, or one top-level section of it) with every default
-    filled in; an invalid value is a UserError naming its key."""
+    filled in; an invalid value is a UserError naming its key, a nan or infinite number too."""
+    bad = non_finite(config, section or "")
+    if bad:
+        raise UserError(f"config key {bad[0]}: {bad[1]} is not a finite number")
     sub = schema() if section is None else schema()["properties"][section]
     out = copy.deepcopy(config)
     error = next(iter(sorted(_validator_with_defaults()(sub).iter_errors(out), key=lambda e: e.path)), None)
