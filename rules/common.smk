@@ -11,7 +11,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 from presets import preset_name  # noqa: E402
 from pipeline_io import UserError, interpreter_first_on_path, log_stop_reason  # noqa: E402
-from data_formats import delimiter_arg, resolve_mapping, resolve_paths  # noqa: E402
+from data_formats import check_rows_fill_nodes, delimiter_arg, resolve_mapping, resolve_paths  # noqa: E402
 from fingerprint import check_model, local_model_folder  # noqa: E402
 from chat_format import format_list, has_chat_template, no_template_message  # noqa: E402
 from settings import accumulation, check_grid, job_ranks, validated  # noqa: E402
@@ -112,8 +112,12 @@ wildcard_constraints:
 DATA = config["data"]
 DATA_SPECS = [spec for spec in (DATA["path"], DATA["eval_path"]) if spec]  # as written: a file, folder or glob
 try:
-    for spec in DATA_SPECS:
-        resolve_mapping(spec, DATA["format"], DATA["mapping"], DATA["columns"], delimiter_arg(DATA["delimiter"]))
+    DELIMITER = delimiter_arg(DATA["delimiter"])
+    MAPPING = [
+        resolve_mapping(spec, DATA["format"], DATA["mapping"], DATA["columns"], DELIMITER)[0] for spec in DATA_SPECS
+    ]
+    # rows that cannot fill `nodes` shards: one line now, not a DAG of thousands of jobs (a line count: cheap)
+    check_rows_fill_nodes(DATA["path"], DATA["format"], MAPPING[0], config["nodes"], bool(DATA["eval_path"]))
     DATA_FILES = [str(p) for spec in DATA_SPECS for p in resolve_paths(spec)]  # every input data file
 except UserError as e:
     fail(e)

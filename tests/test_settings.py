@@ -84,3 +84,25 @@ def test_nan_and_infinite_numbers_are_refused_naming_their_key(text, key):
         validated(yaml.safe_load(text))
     with pytest.raises(UserError, match="training.lr: nan"):
         training_config({"lr": float("nan")})
+
+
+def test_config_files_as_written_are_checked_naming_file_key_and_lines(tmp_path):
+    from settings import check_config_file
+
+    path = tmp_path / "c.yaml"
+    path.write_text("run: x\ntraining:\n  lr: 1.0e-4\n  seed: 3\n  lr: 2.0e-4\n")
+    with pytest.raises(UserError, match=rf"^{path}: key training.lr is given twice, on lines 3 and 5 \(keep one\)$"):
+        check_config_file(path)
+    path.write_text("grid:\n  training.lr: [1, 2]\n  training.lr: [3]\n")
+    with pytest.raises(UserError, match="key grid.training.lr is given twice, on lines 2 and 3"):
+        check_config_file(path)
+    for text in ("", "# only a comment\n", "~\n"):
+        path.write_text(text)
+        with pytest.raises(UserError, match=f"^{path}: the config file is empty"):
+            check_config_file(path)
+    path.write_text("- run\n")
+    with pytest.raises(UserError, match="must give keys at its top level"):
+        check_config_file(path)
+    path.write_text('{"run": "x", "training": {"lr": 0.001}}')  # JSON, well formed
+    check_config_file(path)
+    check_config_file(REPO / "config" / "config.yaml")

@@ -442,3 +442,21 @@ def test_a_split_stopped_for_its_rejects_keeps_them_outside_its_outputs(tmp_path
     assert [(r["reason"], r["line"]) for r in rows] == [("empty_response", 3), ("empty_response", 4)]
     split_files(tmp_path / "o", data, kept_rejects=kept)  # a split that does not stop removes the old ones
     assert not kept.exists()
+
+
+def test_rows_that_cannot_fill_the_nodes_are_refused_by_a_line_count(tmp_path):
+    from data_formats import check_rows_fill_nodes, rows_at_most
+
+    csv = tmp_path / "d.csv"
+    csv.write_text("question,response\n" + "".join(f"q{i},a{i}\n" for i in range(100)))
+    with pytest.raises(UserError, match=r"^data.path \S+d.csv: at most 100 rows \(its line count\) for nodes: 10000;"):
+        check_rows_fill_nodes(str(csv), "auto", "columns", 10_000, separate_eval=False)
+    check_rows_fill_nodes(str(csv), "auto", "columns", 99, separate_eval=False)  # 99 shards and the eval set
+    with pytest.raises(UserError, match="for nodes: 100; .* each node's shard and one for the eval set"):
+        check_rows_fill_nodes(str(csv), "auto", "columns", 100, separate_eval=False)
+    check_rows_fill_nodes(str(csv), "auto", "columns", 100, separate_eval=True)
+    check_rows_fill_nodes(str(csv), "auto", "nested", 10_000, separate_eval=False)  # a row is several examples
+    assert rows_at_most(str(csv), "auto", 3, chunk=16) <= 10  # stops counting soon after the limit
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text('{"question": "q", "response": "a"}')  # no line end
+    assert rows_at_most(str(jsonl), "auto", 5) == 1

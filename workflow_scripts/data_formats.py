@@ -279,6 +279,49 @@ def count_lines(path: Path, chunk: int = 16 << 20) -> int:
     return lines + (last != b"\n")
 
 
+def rows_at_most(spec: str, fmt: str, limit: int, chunk: int = 1 << 20) -> int | None:
+    """An upper bound of the rows in ``spec``'s files, cheap enough for parse time: Parquet's from its metadata,
+    JSONL's and CSV's by counting lines (less a CSV's header; blank lines and quoted line breaks only add), read
+    in blocks until the count passes ``limit`` (then a number above it); None where unknown (a JSON array)."""
+    total = 0
+    for path in resolve_paths(spec):
+        kind = detect_format(path, fmt)
+        if kind == "json":
+            return None
+        if kind == "parquet":
+            try:
+                total += pq.ParquetFile(path).metadata.num_rows
+            except (pa.ArrowInvalid, OSError):
+                return None  # the reader says why
+        else:
+            lines, last = -(kind != "jsonl"), b"\n"
+            with open(path, "rb") as f:
+                while total + lines <= limit and (block := f.read(chunk)):
+                    lines += block.count(b"\n")
+                    last = block[-1:]
+            total += max(lines + (last != b"\n"), 0)
+        if total > limit:
+            break
+    return total
+
+
+def check_rows_fill_nodes(spec: str, fmt: str, mapping: str, nodes: int, separate_eval: bool) -> None:
+    """At parse time, before the DAG of ``nodes`` shards is built: a UserError (one line) when ``spec`` cannot
+    have the rows the split needs (split.check_shards at the rule's --min-examples-per-shard 1): one for each
+    node's shard and, without data.eval_path, one for the eval set. A line count, not a parse: it refuses only
+    what is certain (data.mapping nested makes several examples of a row: not checked)."""
+    need = nodes + (not separate_eval)
+    if mapping == "nested" or nodes < 1:
+        return
+    found = rows_at_most(spec, fmt, need)
+    if found is not None and found < need:
+        eval_part = "" if separate_eval else " and one for the eval set"
+        raise UserError(
+            f"data.path {spec}: at most {found} row{'s' * (found != 1)} (its line count) for nodes: {nodes}; the split"
+            f" needs a row for each node's shard{eval_part}: lower nodes or add rows"
+        )
+
+
 def estimate_rows(spec: str, fmt: str = "auto") -> tuple[int | None, bool]:
     """The rows iter_records will yield from ``spec``, for a progress line: (total, exact). Parquet's come from its
     metadata (exact); JSONL's and CSV's are a line count (an estimate: blank lines, a header, quoted newlines);

@@ -72,6 +72,38 @@ def validated(config: dict, section: str | None = None) -> dict:
     return out
 
 
+def check_config_file(path) -> None:
+    """A config file as Snakemake loads it (last key wins, an empty file "must be given as JSON or YAML with
+    keys at top level", neither naming the file): a UserError, one line naming the file, when it is empty
+    (or only comments), holds no mapping at top level, or gives one key twice (both lines named)."""
+    try:
+        root = yaml.compose(Path(path).read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return  # Snakemake's loader says what it thinks of it
+    if root is None or (isinstance(root, yaml.ScalarNode) and root.tag.endswith(":null")):
+        raise UserError(f"{path}: the config file is empty (or only comments); it must give keys, e.g. `run: my_run`")
+    if not isinstance(root, yaml.MappingNode):
+        raise UserError(f"{path}: the config file must give keys at its top level (`run: my_run`), not a list or value")
+
+    def walk(node, key: str) -> None:
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, f"{key}[{i}]")
+        if not isinstance(node, yaml.MappingNode):
+            return
+        seen = {}
+        for name_node, value in node.value:
+            name = name_node.value if isinstance(name_node, yaml.ScalarNode) else str(name_node.value)
+            full = f"{key}.{name}" if key else name
+            line = name_node.start_mark.line + 1
+            if name in seen and name != "<<":
+                raise UserError(f"{path}: key {full} is given twice, on lines {seen[name]} and {line} (keep one)")
+            seen[name] = line
+            walk(value, full)
+
+    walk(root, "")
+
+
 # Training keys a grid may not vary: mode changes which models exist (node<i> or joint); procs_per_node
 # sizes the shared tokenization's guard, the environment check and the training job's cluster request.
 NOT_GRIDDED = {"training.mode", "training.procs_per_node"}
