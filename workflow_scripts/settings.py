@@ -169,6 +169,7 @@ class TrainConfig:
     epochs: float
     max_steps: int | None
     max_grad_norm: float
+    dead_model_steps: int
     gradient_checkpointing: bool
     seed: int
     log_every: int
