@@ -21,6 +21,7 @@ from grid import expand_grid, variant_training  # noqa: E402
 from layout import patterns  # noqa: E402
 from task_data import check_names as check_task_names  # noqa: E402
 from task_index import check_tasks  # noqa: E402
+from trainer_lock import running_holder  # noqa: E402
 
 # The rules call `python` and `torchrun` by name: .venv/bin/snakemake works without activating .venv.
 interpreter_first_on_path()
@@ -51,6 +52,30 @@ def report_failed_jobs():
 
 onerror:
     report_failed_jobs()
+
+
+def refuse_running_trainers():
+    """Before any job starts (onstart): a training job to run whose checkpoints a trainer still holds (an
+    orphan of a Snakemake killed alone, trainer_lock.py) stops the workflow with one line naming it.
+    Snakemake deletes a job's outputs and log before running it: the refused rerun would delete the live
+    trainer's metrics.jsonl, as the trainer itself only refuses after that."""
+    for job in workflow.dag.needrun_jobs():
+        if job.rule.name not in ("train_node", "train_joint"):
+            continue
+        folder = job.params.checkpoints
+        holder = running_holder(folder)
+        if holder:
+            print(
+                f"error: {folder}: a trainer is still running on these checkpoints ({holder}), started by an"
+                f" earlier run; rerunning {job.rule.name} would delete its {job.output.metrics}: wait for it to"
+                ' end, or stop it (README, "After a crash"); nothing was changed',
+                file=sys.stderr,
+            )
+            sys.exit(1)
+
+
+onstart:
+    refuse_running_trainers()
 
 
 # config/schema.yaml: every key's default filled in, a wrong key, type or value one line naming it
