@@ -138,11 +138,12 @@ DATA = config["data"]
 DATA_SPECS = [spec for spec in (DATA["path"], DATA["eval_path"]) if spec]  # as written: a file, folder or glob
 try:
     DELIMITER = delimiter_arg(DATA["delimiter"])
-    MAPPING = [
+    DATA_MAPPINGS = [
         resolve_mapping(spec, DATA["format"], DATA["mapping"], DATA["columns"], DELIMITER)[0] for spec in DATA_SPECS
     ]
     # rows that cannot fill `nodes` shards: one line now, not a DAG of thousands of jobs (a line count: cheap)
-    check_rows_fill_nodes(DATA["path"], DATA["format"], MAPPING[0], config["nodes"], bool(DATA["eval_path"]))
+    if DATA["path"]:
+        check_rows_fill_nodes(DATA["path"], DATA["format"], DATA_MAPPINGS[0], config["nodes"], bool(DATA["eval_path"]))
     DATA_FILES = [str(p) for spec in DATA_SPECS for p in resolve_paths(spec)]  # every input data file
 except UserError as e:
     fail(e)
