@@ -427,8 +427,11 @@ def test_a_binary_file_named_csv_is_one_line_naming_it(tmp_path):
     data.write_bytes(bytes(range(256)) * 40)
     with pytest.raises(UserError) as e:
         check_columns(str(data), "auto", "columns", {})
-    assert str(e.value).startswith(f"{data}: not a text file (a NUL byte at byte 0)")
+    assert str(e.value).startswith(f"{data}: not a text file (")
     assert str(e.value).isprintable()
+    data.write_text("question,response\n" + "".join(f"q{i},a{i}\n" for i in range(40)), encoding="utf-16")
+    with pytest.raises(UserError, match="not a text file .* a UTF-16 export"):
+        check_columns(str(data), "auto", "columns", {})
 
 
 def test_a_split_stopped_for_its_rejects_keeps_them_outside_its_outputs(tmp_path):

@@ -105,18 +105,26 @@ def detect_format(path: Path, fmt: str = "auto") -> str:
 # ---------------------------------------------------------------- readers
 
 TEXT_PROBE = 1 << 16  # the bytes check_text reads from a file's start
+NOT_TEXT = re.compile("[\x00-\x08\x0b\x0e-\x1f\ufffd]")  # C0 controls but tab, LF, FF, CR; undecodable bytes
+NOT_TEXT_SHARE = 0.1  # above this share of such characters a file is binary (a stray NUL is a row's problem)
 
 
 def check_text(path: Path, kind: str) -> None:
-    """A CSV/TSV/JSONL/JSON data file is text: a NUL byte in its first 64 KiB (a binary file, a spreadsheet
-    saved under a .csv name, UTF-16) stops with one line naming it, before any of its bytes reach the terminal."""
+    """A CSV/TSV/JSONL/JSON data file is text: when more than a tenth of its first 64 KiB is control characters
+    or bytes that are no UTF-8 (a binary file, a spreadsheet saved under a .csv name, UTF-16), one line naming it,
+    before any of its bytes reach the terminal. A few such bytes are left to the rows they are in (invalid_utf8,
+    data.control_chars)."""
     with open(path, "rb") as f:
         head = f.read(TEXT_PROBE)
-    at = head.find(b"\0")
-    if at >= 0:
+    text = head.decode("utf-8", errors="replace")
+    if len(head) == TEXT_PROBE:
+        text = text[:-4]  # a character the probe cut in two is no fault
+    bad = len(NOT_TEXT.findall(text))
+    if text and bad / len(text) > NOT_TEXT_SHARE:
         raise UserError(
-            f"{path}: not a text file (a NUL byte at byte {at}): data.format {kind} needs UTF-8"
-            " text (a binary file, a spreadsheet or a UTF-16 export under a text extension?)"
+            f"{path}: not a text file ({bad:,} of its first {len(text):,} characters are control characters or"
+            f" not UTF-8): data.format {kind} needs UTF-8 text (a binary file, a spreadsheet or a UTF-16 export"
+            " under a text extension?)"
         )
 
 
