@@ -410,6 +410,12 @@ def test_a_row_nested_too_deep_is_an_invalid_json_reject_with_its_line(tmp_path)
     (row,) = pq.read_table(out["rejects"]).to_pylist()
     assert (row["reason"], row["source_row"], row["line"]) == ("invalid_json", 3, 5)
     assert "nested deeper" in row["detail"]
+    array = tmp_path / "d.json"  # a JSON array's item: read (ijson), then too deep for the mapping
+    array.write_text("[" + ",".join([*good, deep]) + "]")
+    out = split_files(tmp_path / "a", array)
+    assert_accounted(out, 21)
+    (row,) = pq.read_table(out["rejects"]).to_pylist()
+    assert (row["reason"], row["source_row"]) == ("invalid_json", 20) and "nested deeper" in row["detail"]
 
 
 def test_reject_lines_are_the_files_1_based_lines(tmp_path):

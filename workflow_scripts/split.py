@@ -24,8 +24,9 @@ usable and what to change, so a run never reaches training with nothing to train
 import argparse
 import json
 import logging
+import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -86,7 +87,13 @@ class Splitter:
             if rec.error:
                 rejects.append(reject(rec, *rec.error))
                 continue
-            for messages, problem in to_examples(rec.fields, mapping, names):
+            try:
+                examples = to_examples(rec.fields, mapping, names)
+            except RecursionError:  # a JSON array's item nested thousands deep (JSONL's: data_formats)
+                deep = f"nested deeper than the JSON reader follows ({sys.getrecursionlimit()})"
+                rejects.append(reject(replace(rec, fields=None), "invalid_json", deep))
+                continue
+            for messages, problem in examples:
                 if not problem and self.control is not None:
                     messages, problem = self.control(messages)
                 if problem:
