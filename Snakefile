@@ -1,8 +1,13 @@
 """From raw instruction data to evaluated fine-tuned models; see README.md."""
 
+
+include: "rules/config_files.smk"
+
+
 # The demo's config, unless a --configfile is given: a user's file replaces it, so a key it leaves out takes
 # the schema's default (config/schema.yaml), never the demo's (its eval.tasks, its data).
 if not workflow.overwrite_configfiles:
+    check_config_files(["config/config.yaml"])  # empty, or a key twice: one line naming it
 
     configfile: "config/config.yaml"
 

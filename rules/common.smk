@@ -13,7 +13,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 from presets import preset_name  # noqa: E402
 from pipeline_io import UserError, interpreter_first_on_path, log_stop_reason  # noqa: E402
-from data_formats import delimiter_arg, resolve_mapping, resolve_paths  # noqa: E402
+from data_formats import check_rows_fill_nodes, delimiter_arg, resolve_mapping, resolve_paths  # noqa: E402
 from fingerprint import check_model, is_hub_id, local_model_folder  # noqa: E402
 from hub_model import absent_message, cached_snapshot, read_record, resolve_commit  # noqa: E402
 from chat_format import format_list, has_chat_template, no_template_message  # noqa: E402
@@ -24,6 +24,7 @@ from grid import expand_grid, variant_training  # noqa: E402
 from layout import patterns  # noqa: E402
 from task_data import check_names as check_task_names  # noqa: E402
 from task_index import check_tasks  # noqa: E402
+from trainer_lock import running_holder  # noqa: E402
 
 # The rules call `python` and `torchrun` by name: .venv/bin/snakemake works without activating .venv.
 interpreter_first_on_path()
@@ -54,6 +55,30 @@ def report_failed_jobs():
 
 onerror:
     report_failed_jobs()
+
+
+def refuse_running_trainers():
+    """Before any job starts (onstart): a training job to run whose checkpoints a trainer still holds (an
+    orphan of a Snakemake killed alone, trainer_lock.py) stops the workflow with one line naming it.
+    Snakemake deletes a job's outputs and log before running it: the refused rerun would delete the live
+    trainer's metrics.jsonl, as the trainer itself only refuses after that."""
+    for job in workflow.dag.needrun_jobs():
+        if job.rule.name not in ("train_node", "train_joint"):
+            continue
+        folder = job.params.checkpoints
+        holder = running_holder(folder)
+        if holder:
+            print(
+                f"error: {folder}: a trainer is still running on these checkpoints ({holder}), started by an"
+                f" earlier run; rerunning {job.rule.name} would delete its {job.output.metrics}: wait for it to"
+                ' end, or stop it (README, "After a crash"); nothing was changed',
+                file=sys.stderr,
+            )
+            sys.exit(1)
+
+
+onstart:
+    refuse_running_trainers()
 
 
 # config/schema.yaml: every key's default filled in, a wrong key, type or value one line naming it
@@ -150,8 +175,13 @@ wildcard_constraints:
 DATA = config["data"]
 DATA_SPECS = [spec for spec in (DATA["path"], DATA["eval_path"]) if spec]  # as written: a file, folder or glob
 try:
-    for spec in DATA_SPECS:
-        resolve_mapping(spec, DATA["format"], DATA["mapping"], DATA["columns"], delimiter_arg(DATA["delimiter"]))
+    DELIMITER = delimiter_arg(DATA["delimiter"])
+    DATA_MAPPINGS = [
+        resolve_mapping(spec, DATA["format"], DATA["mapping"], DATA["columns"], DELIMITER)[0] for spec in DATA_SPECS
+    ]
+    # rows that cannot fill `nodes` shards: one line now, not a DAG of thousands of jobs (a line count: cheap)
+    if DATA["path"]:
+        check_rows_fill_nodes(DATA["path"], DATA["format"], DATA_MAPPINGS[0], config["nodes"], bool(DATA["eval_path"]))
     DATA_FILES = [str(p) for spec in DATA_SPECS for p in resolve_paths(spec)]  # every input data file
 except UserError as e:
     fail(e)

@@ -15,7 +15,9 @@ rule split_dataset:
         script=script_path("split.py"),
         config=SPLIT_CONFIG,
         tokenizer=SPLIT_TOKENIZER,
+        # not an output (Snakemake deletes a failed job's): the rejects of a split that stops for them
+        kept_rejects=f"{LOGS}/split_dataset.rejects.jsonl",
     shell:
         "python {params.script:q} --config {params.config:q} {params.tokenizer}"
         " --splits {output.splits} --eval {output.eval} --rejects {output.rejects}"
-        " --manifest {output.manifest} > {log} 2>&1"
+        " --manifest {output.manifest} --kept-rejects {params.kept_rejects:q} > {log} 2>&1"

@@ -181,6 +181,7 @@ def split_files(tmp: Path, data, nodes: int = 2, **options) -> dict:
     options = {"eval_fraction": 0.1, "max_reject_fraction": 1.0} | options
     tokenizer = options.pop("tokenizer", None)
     least = options.pop("min_examples_per_shard", 0)  # many tests split a handful of rows; the guard's tests set it
+    kept_rejects = options.pop("kept_rejects", None)
     options["eval_path"] = options.pop("eval_data", None)
     if isinstance(options.get("columns"), str):
         options["columns"] = json.loads(options["columns"])
@@ -188,7 +189,7 @@ def split_files(tmp: Path, data, nodes: int = 2, **options) -> dict:
     paths = {"splits": [tmp / f"node{i}.parquet" for i in range(nodes)], "eval": tmp / "eval.parquet",
              "rejects": tmp / "rejects.parquet"}  # fmt: skip
     tmp.mkdir(parents=True, exist_ok=True)
-    result = run_split(cfg, paths["splits"], paths["eval"], paths["rejects"], tokenizer, least)
+    result = run_split(cfg, paths["splits"], paths["eval"], paths["rejects"], tokenizer, least, kept_rejects)
     return result | paths
 
 

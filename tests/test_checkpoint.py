@@ -149,3 +149,20 @@ def test_the_gpus_description_is_no_part_of_the_checkpoints_key():
     assert (
         run_key(dataclasses.replace(cfg, gpu_memory_gb=80, peak_tflops=989), 2, "d", "b", None, legacy=True) == legacy
     )
+
+
+def test_a_dead_model_is_steps_in_a_row_of_a_zero_norm_or_a_uniform_loss():
+    import math
+
+    from divergence import DeadModel
+
+    uniform = math.log(1024)
+    dead = DeadModel(3, 1024, trainable=True)
+    assert [dead.update(uniform, 0.0) for _ in range(3)] == [False, False, True]  # the third in a row stops
+    dead = DeadModel(3, 1024, trainable=True)
+    steps = [(uniform + 1e-6, 0.3), (2.5, 0.0), (2.4, 1.2), (uniform, 0.0), (uniform, 0.0), (uniform, 0.0)]
+    assert [dead.update(loss, norm) for loss, norm in steps] == [False, False, False, False, False, True]
+    assert not DeadModel(3, 1024, trainable=True).dead(uniform + 0.01, 0.5)  # a random model's first steps
+    assert not DeadModel(3, 1024, trainable=False).dead(2.0, 0.0)  # nothing to train: a zero norm is no sign
+    off = DeadModel(0, 1024, trainable=True)
+    assert not any(off.update(uniform, 0.0) for _ in range(100))

@@ -188,3 +188,23 @@ def test_stop_reason_is_the_logs_last_error_line(tmp_path, log, reason):
     (tmp_path / "job.log").write_text(log)
     assert log_stop_reason(tmp_path / "job.log") == reason
     assert log_stop_reason(tmp_path / "missing.log") is None
+
+
+def test_the_demo_models_weights_keep_the_users_umask(tmp_path):
+    """save_pretrained writes model.safetensors 0600 (safetensors' own temporary file): build_demo_model gives
+    every file of the folder the umask's mode, as the README promises."""
+    import json
+    import os
+
+    from demo_model import main
+
+    data = tmp_path / "d.csv"
+    data.write_text("question,response\n" + "".join(f"what is {i}?,it is {i}\n" for i in range(30)))
+    config = {"path": str(data), "demo_vocab_size": 300, "max_seq_len": 64}
+    old = os.umask(0o027)
+    try:
+        main(["--config", json.dumps(config), "--output", str(tmp_path / "base")])
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "base").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o640}, modes

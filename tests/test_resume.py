@@ -212,3 +212,19 @@ def test_a_base_model_changed_in_place_starts_fresh(tmp_path, demo_assets):
     assert "resumed from" not in rerun.stderr and plan_of(run)["start_step"] == 0
     assert plan_of(run)["checkpoints"] != str(old_key)
     assert [(s["path"], s["newest_step"]) for s in plan_of(run)["superseded_checkpoints"]] == [(str(old_key), 4)]
+
+
+def test_a_dead_model_stops_the_job_as_a_nan_does(tmp_path, demo_assets):
+    """training.lr 1e6 (for 1e-6) collapses the demo model to a uniform prediction (loss ln(vocabulary),
+    gradient norm 0): the job stops after training.dead_model_steps such steps, not at exit 0."""
+    cfg = CONFIG | {"lr": 1e6, "max_steps": 60, "checkpoint_every": 100, "dead_model_steps": 5}
+    proc = subprocess.run(train_command(tmp_path, demo_assets, cfg), capture_output=True, text=True,
+                          env=trainer_env(), timeout=600)  # fmt: skip
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert re.fullmatch(r"error: step (\d+): loss [0-9.]+ \(ln\(vocabulary \d+\) = [0-9.]+\), gradient norm [0-9.e+-]+:"
+                        r" the model has learnt nothing for 5 steps in a row \(training.dead_model_steps; training.lr"
+                        r" 1e\+06 too high\?\); stopped, nothing of it saved; no checkpoint yet: a rerun starts from"
+                        r" step 0", errors[0]), errors  # fmt: skip
+    step = int(re.search(r"step (\d+)", errors[0]).group(1))
+    assert [s for s, _ in losses(tmp_path)] == list(range(1, step)) and step < 60

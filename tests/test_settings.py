@@ -67,3 +67,42 @@ def test_partial_configs_are_completed_not_replaced():
 def test_invalid_values_name_their_key(training, message):
     with pytest.raises(UserError, match=message):
         training_config(training)
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("training: {lr: .nan}", "training.lr"),
+        ("training: {max_grad_norm: .inf}", "training.max_grad_norm"),
+        ("data: {eval_fraction: -.inf}", "data.eval_fraction"),
+        ("training: {adam_betas: [0.9, .nan]}", r"training.adam_betas\[1\]"),
+        ("grid: {training.lr: [1.0e-4, .nan]}", r"grid.training.lr\[1\]"),
+    ],
+)
+def test_nan_and_infinite_numbers_are_refused_naming_their_key(text, key):
+    with pytest.raises(UserError, match=f"^config key {key}: -?(nan|inf) is not a finite number$"):
+        validated(yaml.safe_load(text))
+    with pytest.raises(UserError, match="training.lr: nan"):
+        training_config({"lr": float("nan")})
+
+
+def test_config_files_as_written_are_checked_naming_file_key_and_lines(tmp_path):
+    from settings import check_config_file
+
+    path = tmp_path / "c.yaml"
+    path.write_text("run: x\ntraining:\n  lr: 1.0e-4\n  seed: 3\n  lr: 2.0e-4\n")
+    with pytest.raises(UserError, match=rf"^{path}: key training.lr is given twice, on lines 3 and 5 \(keep one\)$"):
+        check_config_file(path)
+    path.write_text("grid:\n  training.lr: [1, 2]\n  training.lr: [3]\n")
+    with pytest.raises(UserError, match="key grid.training.lr is given twice, on lines 2 and 3"):
+        check_config_file(path)
+    for text in ("", "# only a comment\n", "~\n"):
+        path.write_text(text)
+        with pytest.raises(UserError, match=f"^{path}: the config file is empty"):
+            check_config_file(path)
+    path.write_text("- run\n")
+    with pytest.raises(UserError, match="must give keys at its top level"):
+        check_config_file(path)
+    path.write_text('{"run": "x", "training": {"lr": 0.001}}')  # JSON, well formed
+    check_config_file(path)
+    check_config_file(REPO / "config" / "config.yaml")

@@ -395,3 +395,77 @@ def test_auto_mapping_without_a_fit_and_a_wrong_mapping_say_which_key(tmp_path):
     renamed.write_text(json.dumps({"q": "x", "a": "y"}) + "\n")
     mapping, names = resolve_mapping(str(renamed), "auto", "auto", {"prompt": None, "question": "q", "response": "a"})
     assert mapping == "columns" and names == {"prompt": None, "question": "q", "response": "a"}
+
+
+# ---------------------------------------------------------------- a new user's mistakes (issue 37)
+
+
+def test_a_row_nested_too_deep_is_an_invalid_json_reject_with_its_line(tmp_path):
+    data = tmp_path / "d.jsonl"
+    good = [json.dumps({"question": f"q{i}", "response": f"a{i}"}) for i in range(20)]
+    deep = '{"question": ' + "[" * 10_000 + "]" * 10_000 + ', "response": "x"}'
+    data.write_text("\n".join([*good[:3], "", deep, *good[3:]]) + "\n")  # a blank line before it
+    out = split_files(tmp_path / "o", data)
+    assert_accounted(out, 21)
+    (row,) = pq.read_table(out["rejects"]).to_pylist()
+    assert (row["reason"], row["source_row"], row["line"]) == ("invalid_json", 3, 5)
+    assert "nested deeper" in row["detail"]
+    array = tmp_path / "d.json"  # a JSON array's item: read (ijson), then too deep for the mapping
+    array.write_text("[" + ",".join([*good, deep]) + "]")
+    out = split_files(tmp_path / "a", array)
+    assert_accounted(out, 21)
+    (row,) = pq.read_table(out["rejects"]).to_pylist()
+    assert (row["reason"], row["source_row"]) == ("invalid_json", 20) and "nested deeper" in row["detail"]
+
+
+def test_reject_lines_are_the_files_1_based_lines(tmp_path):
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text('\n{"question": "a", "response": "1"}\n\n{"question": "b", "response": ""}\n')
+    csv = tmp_path / "d.csv"
+    csv.write_text("question,response\na,1\nb,\n")
+    for data in (jsonl, csv):
+        (row,) = pq.read_table(split_files(tmp_path / data.suffix[1:], data)["rejects"]).to_pylist()
+        assert (row["source_row"], row["line"]) == (1, 4 if data is jsonl else 3), data
+
+
+def test_a_binary_file_named_csv_is_one_line_naming_it(tmp_path):
+    data = tmp_path / "d.csv"
+    data.write_bytes(bytes(range(256)) * 40)
+    with pytest.raises(UserError) as e:
+        check_columns(str(data), "auto", "columns", {})
+    assert str(e.value).startswith(f"{data}: not a text file (")
+    assert str(e.value).isprintable()
+    data.write_text("question,response\n" + "".join(f"q{i},a{i}\n" for i in range(40)), encoding="utf-16")
+    with pytest.raises(UserError, match="not a text file .* a UTF-16 export"):
+        check_columns(str(data), "auto", "columns", {})
+
+
+def test_a_split_stopped_for_its_rejects_keeps_them_outside_its_outputs(tmp_path):
+    data = tmp_path / "d.csv"
+    pd.DataFrame({"question": ["a", "b", "c", "d"], "response": ["1", "", "", "4"]}).to_csv(data, index=False)
+    kept = tmp_path / "logs" / "split_dataset.rejects.jsonl"
+    with pytest.raises(UserError, match=f"above data.max_reject_fraction=0.25; the rejects are in {kept}$"):
+        split_files(tmp_path / "o", data, max_reject_fraction=0.25, kept_rejects=kept)
+    assert not list((tmp_path / "o").iterdir())
+    rows = [json.loads(line) for line in kept.read_text().splitlines()]
+    assert [(r["reason"], r["line"]) for r in rows] == [("empty_response", 3), ("empty_response", 4)]
+    split_files(tmp_path / "o", data, kept_rejects=kept)  # a split that does not stop removes the old ones
+    assert not kept.exists()
+
+
+def test_rows_that_cannot_fill_the_nodes_are_refused_by_a_line_count(tmp_path):
+    from data_formats import check_rows_fill_nodes, rows_at_most
+
+    csv = tmp_path / "d.csv"
+    csv.write_text("question,response\n" + "".join(f"q{i},a{i}\n" for i in range(100)))
+    with pytest.raises(UserError, match=r"^data.path \S+d.csv: at most 100 rows \(its line count\) for nodes: 10000;"):
+        check_rows_fill_nodes(str(csv), "auto", "columns", 10_000, separate_eval=False)
+    check_rows_fill_nodes(str(csv), "auto", "columns", 99, separate_eval=False)  # 99 shards and the eval set
+    with pytest.raises(UserError, match="for nodes: 100; .* each node's shard and one for the eval set"):
+        check_rows_fill_nodes(str(csv), "auto", "columns", 100, separate_eval=False)
+    check_rows_fill_nodes(str(csv), "auto", "columns", 100, separate_eval=True)
+    check_rows_fill_nodes(str(csv), "auto", "nested", 10_000, separate_eval=False)  # a row is several examples
+    assert rows_at_most(str(csv), "auto", 3, chunk=16) <= 10  # stops counting soon after the limit
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text('{"question": "q", "response": "a"}')  # no line end
+    assert rows_at_most(str(jsonl), "auto", 5) == 1

@@ -119,3 +119,36 @@ def test_a_stale_preemption_marker_is_cleared_at_the_start(tmp_path, demo_assets
                           env=trainer_env(), timeout=300)  # fmt: skip
     assert proc.returncode != 0
     assert not marker.exists(), proc.stderr[-3000:]
+
+
+def test_a_rerun_beside_an_orphaned_trainer_touches_nothing(tmp_path):
+    """Snakemake killed alone leaves its trainer running; a rerun (after --unlock) would delete the job's outputs
+    and log before the trainer's own lock refuses it. The workflow refuses first (onstart): one line naming the
+    holder, nothing deleted, no job run. The probe itself takes nothing (running_holder)."""
+    from conftest import snakemake, tiny_config
+    from trainer_lock import running_holder
+
+    work, run = tmp_path / "work", "orphan"
+    checkpoints = work / "results" / run / "checkpoints" / "node0"
+    assert running_holder(checkpoints) is None  # no lock file: none made
+    assert not checkpoints.exists()
+    metrics = work / "results" / run / "train" / "node0" / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text('{"step": 1, "loss": 2.0}\n')
+    log = work / "logs" / run / "train_node" / "node0.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("the live trainer's log\n")
+    holder = start_holder(checkpoints)
+    try:
+        assert f"pid {holder.pid}, SLURM job 4242" in running_holder(checkpoints)
+        proc = snakemake(work, tiny_config(run), check=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith(f"error: {checkpoints.relative_to(work)}: a trainer is still running on these")
+    assert f"pid {holder.pid}" in errors[0] and "nothing was changed" in errors[0]
+    assert metrics.read_text() == '{"step": 1, "loss": 2.0}\n' and log.read_text() == "the live trainer's log\n"
+    assert not (work / "results" / run / "data").exists()  # no job ran
+    assert running_holder(checkpoints) is None  # the holder gone, the lock is free

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import DEMO_CSV, check_outputs, planned_jobs, snakemake, status, tiny_config
+from conftest import DEMO_CSV, check_outputs, planned_jobs, snakemake, snakemake_cmd, status, tiny_config, tool_env
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 # the tests that take ddp_run are e2e (it runs the workflow); the dry runs of bad input are not
@@ -140,18 +140,37 @@ def test_report_shows_the_summary_in_the_page(ddp_run, tmp_path):
         ({"model": {"name_or_path": "/nonexistent/model"}}, "model.name_or_path /nonexistent/model: no such"),
         ({"model": {"name_or_path": str(DEMO_CSV.parent)}}, "folder has no config.json"),
         ({"model": {"name_or_path": "nobody/not-cached"}}, "not in the local Hugging Face cache"),
+        ({"training": {"lr": float("nan")}}, "config key training.lr: nan is not a finite number"),
+        ({"nodes": 10_000}, "rows (its line count) for nodes: 10000"),
     ],
-    ids=["bad-path", "missing-column", "wrong-type", "no-model", "not-a-model", "hub-id-offline"],
+    ids=["bad-path", "missing-column", "wrong-type", "no-model", "not-a-model", "hub-id-offline", "nan", "nodes"],
 )
 def test_bad_input_stops_with_one_line(tmp_path, override, needle):
     config = tiny_config("t")
     for key, value in override.items():
-        config[key] = config[key] | value
+        config[key] = config[key] | value if isinstance(value, dict) else value
     proc = snakemake(tmp_path, config, "-n", check=False)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and needle in errors[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_config_files_as_written_stop_with_one_line(tmp_path):
+    """A key given twice in a --configfile; an empty config/config.yaml (the default, loaded by the Snakefile's
+    `configfile:`). An empty --configfile is Snakemake's to load before the workflow runs (README)."""
+    cmd = snakemake_cmd(tmp_path, tiny_config("t"), "-n")
+    config = tmp_path / "config.yaml"
+    config.write_text(config.read_text() + "nodes: 3\n")
+    twice = subprocess.run(cmd, capture_output=True, text=True, env=tool_env())
+    (line,) = [x for x in twice.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith(f"error: {config}: key nodes is given twice, on lines ") and twice.returncode == 1
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.yaml").write_text("# nothing yet\n")
+    default = [*cmd[: cmd.index("--configfile")], "-n"]
+    empty = subprocess.run(default, capture_output=True, text=True, env=tool_env())
+    assert "error: config/config.yaml: the config file is empty (or only comments)" in empty.stderr
+    assert "Traceback" not in empty.stderr + twice.stderr
 
 
 @pytest.mark.e2e

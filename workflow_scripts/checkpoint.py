@@ -83,6 +83,8 @@ def set_rng_state(path: Path) -> None:
 # What a job's world size decides, not what it trains: the ranks, and how the global batch is split
 # into accumulated micro-batches over them (the data order is a function of the global batch: batching.py).
 WORLD_KEYS = ("procs_per_node", "grad_accum", "global_batch_size")
+# Keys that decide when a job stops, not what it trains: a rerun with another value resumes the same checkpoints
+STOP_KEYS = ("dead_model_steps",)
 # Keys added after checkpoints were written, at the value every earlier run had: keyed only when set
 # otherwise, so a run from before them still resumes its own checkpoints.
 KEYED_WHEN_SET = {"offload_ratio": 1.0, "offload_pin_memory": True}
@@ -103,7 +105,9 @@ def run_key(
     keyed = {
         k: v
         for k, v in dataclasses.asdict(cfg).items()
-        if k not in WORLD_KEYS and not (k in KEYED_WHEN_SET and v == KEYED_WHEN_SET[k]) and k not in NOT_KEYED
+        if k not in WORLD_KEYS + STOP_KEYS
+        and not (k in KEYED_WHEN_SET and v == KEYED_WHEN_SET[k])
+        and k not in NOT_KEYED
     }
     if legacy:
         keyed |= {k: default if getattr(cfg, k) is None else getattr(cfg, k) for k, default in NOT_KEYED.items()}

@@ -52,7 +52,7 @@ from host_memory import PeakRSS, map_large_allocations, page_out
 from manifest import MARKER
 from manifest import verify as verify_checkpoint
 from parallel import strategy_for
-from pipeline_io import UserError, cli, write_json
+from pipeline_io import UserError, cli, umask_modes, write_json
 from settings import ConsolidateConfig
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from weights import (
@@ -341,6 +341,7 @@ def consolidate(
             copy_in(model, stream(source, trainable))
             report["lora_b_tensors"] = check_lora(model)
             model.save_pretrained(output / "adapter")
+            umask_modes(output / "adapter")  # safetensors writes adapter_model.safetensors 0600
             model = merge_lora(model, target)
         else:
             # the checkpoint's tensors become the parameters of a weightless model of the base's architecture

@@ -51,7 +51,8 @@ PACKING_SCHEMA = pa.schema(
 REJECT_SCHEMA = pa.schema(
     [
         ("source_file", pa.string()),
-        ("source_row", pa.int64()),
+        ("source_row", pa.int64()),  # 0-based, counting rows (a JSONL file's blank lines are none)
+        ("line", pa.int64()),  # the input file's 1-based line (the split's rejects; data_formats.iter_records)
         ("reason", pa.string()),  # a reason code (config/README.md lists them)
         ("detail", pa.string()),
         ("content_hash", pa.string()),  # null where the row never became a conversation

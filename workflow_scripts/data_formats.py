@@ -24,6 +24,7 @@ import codecs
 import glob
 import json
 import re
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ class Record:
     source_row: int
     fields: dict | None  # the record; for an unreadable one, what could be recovered of it
     error: tuple[str, str] | None = None  # (reason, detail)
+    line: int | None = None  # the file's 1-based line the record starts on (source_line: JSONL exact, CSV/TSV by rows)
 
 
 # ---------------------------------------------------------------- files
@@ -101,6 +103,36 @@ def detect_format(path: Path, fmt: str = "auto") -> str:
 
 
 # ---------------------------------------------------------------- readers
+
+TEXT_PROBE = 1 << 16  # the bytes check_text reads from a file's start
+NOT_TEXT = re.compile("[\x00-\x08\x0b\x0e-\x1f\ufffd]")  # C0 controls but tab, LF, FF, CR; undecodable bytes
+NOT_TEXT_SHARE = 0.1  # above this share of such characters a file is binary (a stray NUL is a row's problem)
+
+
+def check_text(path: Path, kind: str) -> None:
+    """A CSV/TSV/JSONL/JSON data file is text: when more than a tenth of its first 64 KiB is control characters
+    or bytes that are no UTF-8 (a binary file, a spreadsheet saved under a .csv name, UTF-16), one line naming it,
+    before any of its bytes reach the terminal. A few such bytes are left to the rows they are in (invalid_utf8,
+    data.control_chars)."""
+    with open(path, "rb") as f:
+        head = f.read(TEXT_PROBE)
+    text = head.decode("utf-8", errors="replace")
+    if len(head) == TEXT_PROBE:
+        text = text[:-4]  # a character the probe cut in two is no fault
+    bad = len(NOT_TEXT.findall(text))
+    if text and bad / len(text) > NOT_TEXT_SHARE:
+        raise UserError(
+            f"{path}: not a text file ({bad:,} of its first {len(text):,} characters are control characters or"
+            f" not UTF-8): data.format {kind} needs UTF-8 text (a binary file, a spreadsheet or a UTF-16 export"
+            " under a text extension?)"
+        )
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """``text`` safe for a terminal on one line: control characters and undecodable bytes escaped, cut at
+    ``limit`` characters (a reader's message quoting a line of a binary file)."""
+    out = "".join(c if c.isprintable() and c != "\ufffd" else ascii(c)[1:-1] for c in text[:limit])
+    return out + ("..." if len(text) > limit else "")
 
 
 def _decode(value, column: str, crlf: bool):
@@ -156,7 +188,7 @@ def _csv_batches(path: Path, delimiter: str, batch_bytes: int) -> Iterator[list[
                     rows.append(("invalid_utf8", str(e), raw))
             yield rows
     except pa.ArrowInvalid as e:
-        raise UserError(f"{path}: cannot read as CSV: {str(e).splitlines()[0]}") from None
+        raise UserError(f"{path}: cannot read as CSV: {printable(str(e).splitlines()[0])}") from None
 
 
 def skip_bom(f) -> None:
@@ -170,23 +202,26 @@ def skip_bom(f) -> None:
 JSON_DECODER = json.JSONDecoder(strict=False)
 
 
-def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[list[dict | tuple]]:
+def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[list[tuple[int, dict | tuple]]]:
+    """Batches of (the 1-based line number, the line's object or a reject tuple)."""
     rows = []
     with open(path, "rb") as f:
         skip_bom(f)
-        for line in f:  # a CRLF line end is whitespace to JSON
+        for number, line in enumerate(f, 1):  # a CRLF line end is whitespace to JSON
             if not line.strip():
                 continue  # blank lines are not rows
             try:
                 obj = JSON_DECODER.decode(line.decode("utf-8"))
-                rows.append(
-                    obj if isinstance(obj, dict) else ("invalid_json", "line is not a JSON object", {"line": obj})
-                )
+                item = obj if isinstance(obj, dict) else ("invalid_json", "line is not a JSON object", {"line": obj})
             except UnicodeDecodeError as e:
                 raw = {"line": line.decode("utf-8", "backslashreplace").rstrip("\r\n")}
-                rows.append(("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the line", raw))
+                item = ("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the line", raw)
             except json.JSONDecodeError as e:
-                rows.append(("invalid_json", f"{e.msg} at column {e.colno}", {"line": line.decode().rstrip("\r\n")}))
+                item = ("invalid_json", f"{e.msg} at column {e.colno}", {"line": line.decode().rstrip("\r\n")})
+            except RecursionError:  # [[[[... thousands deep: Python's JSON reader cannot follow it
+                raw = {"line": line.decode("utf-8", "backslashreplace").rstrip("\r\n")}
+                item = ("invalid_json", f"nested deeper than the JSON reader follows ({sys.getrecursionlimit()})", raw)
+            rows.append((number, item))
             if len(rows) >= batch_rows:
                 yield rows
                 rows = []
@@ -252,6 +287,49 @@ def count_lines(path: Path, chunk: int = 16 << 20) -> int:
     return lines + (last != b"\n")
 
 
+def rows_at_most(spec: str, fmt: str, limit: int, chunk: int = 1 << 20) -> int | None:
+    """An upper bound of the rows in ``spec``'s files, cheap enough for parse time: Parquet's from its metadata,
+    JSONL's and CSV's by counting lines (less a CSV's header; blank lines and quoted line breaks only add), read
+    in blocks until the count passes ``limit`` (then a number above it); None where unknown (a JSON array)."""
+    total = 0
+    for path in resolve_paths(spec):
+        kind = detect_format(path, fmt)
+        if kind == "json":
+            return None
+        if kind == "parquet":
+            try:
+                total += pq.ParquetFile(path).metadata.num_rows
+            except (pa.ArrowInvalid, OSError):
+                return None  # the reader says why
+        else:
+            lines, last = -(kind != "jsonl"), b"\n"
+            with open(path, "rb") as f:
+                while total + lines <= limit and (block := f.read(chunk)):
+                    lines += block.count(b"\n")
+                    last = block[-1:]
+            total += max(lines + (last != b"\n"), 0)
+        if total > limit:
+            break
+    return total
+
+
+def check_rows_fill_nodes(spec: str, fmt: str, mapping: str, nodes: int, separate_eval: bool) -> None:
+    """At parse time, before the DAG of ``nodes`` shards is built: a UserError (one line) when ``spec`` cannot
+    have the rows the split needs (split.check_shards at the rule's --min-examples-per-shard 1): one for each
+    node's shard and, without data.eval_path, one for the eval set. A line count, not a parse: it refuses only
+    what is certain (data.mapping nested makes several examples of a row: not checked)."""
+    need = nodes + (not separate_eval)
+    if mapping == "nested" or nodes < 1:
+        return
+    found = rows_at_most(spec, fmt, need)
+    if found is not None and found < need:
+        eval_part = "" if separate_eval else " and one for the eval set"
+        raise UserError(
+            f"data.path {spec}: at most {found} row{'s' * (found != 1)} (its line count) for nodes: {nodes}; the split"
+            f" needs a row for each node's shard{eval_part}: lower nodes or add rows"
+        )
+
+
 def estimate_rows(spec: str, fmt: str = "auto") -> tuple[int | None, bool]:
     """The rows iter_records will yield from ``spec``, for a progress line: (total, exact). Parquet's come from its
     metadata (exact); JSONL's and CSV's are a line count (an estimate: blank lines, a header, quoted newlines);
@@ -273,9 +351,13 @@ def estimate_rows(spec: str, fmt: str = "auto") -> tuple[int | None, bool]:
 
 
 def iter_records(spec: str, fmt: str = "auto", delimiter: str | None = None, batch_rows: int = 8192):
-    """Yield lists of Records, a batch at a time, from every file ``spec`` names."""
+    """Yield lists of Records, a batch at a time, from every file ``spec`` names. A record's ``line`` is the
+    file's 1-based line number: exact for JSONL (blank lines counted); for CSV/TSV the row's number with the
+    header as line 1 (its line where no cell above it holds a line break); None for JSON and Parquet."""
     for path in resolve_paths(spec):
         kind = detect_format(path, fmt)
+        if kind in ("csv", "tsv", "jsonl", "json"):
+            check_text(path, kind)
         if kind in ("csv", "tsv"):
             sep = delimiter or ("\t" if kind == "tsv" else ",")
             batches = _csv_batches(path, sep, batch_bytes=4 << 20)
@@ -289,10 +371,13 @@ def iter_records(spec: str, fmt: str = "auto", delimiter: str | None = None, bat
         for rows in batches:
             out = []
             for item in rows:
+                line = row + 2 if kind in ("csv", "tsv") else None
+                if kind == "jsonl":
+                    line, item = item
                 if isinstance(item, tuple):
-                    out.append(Record(str(path), row, item[2], item[:2]))
+                    out.append(Record(str(path), row, item[2], item[:2], line))
                 else:
-                    out.append(Record(str(path), row, item))
+                    out.append(Record(str(path), row, item, line=line))
                 row += 1
             yield out
 
@@ -301,12 +386,14 @@ def peek_columns(spec: str, fmt: str = "auto", delimiter: str | None = None) -> 
     """The first file's column names, read from its start only."""
     path = resolve_paths(spec)[0]
     kind = detect_format(path, fmt)
+    if kind != "parquet":
+        check_text(path, kind)
     if kind in ("csv", "tsv"):
         sep = delimiter or ("\t" if kind == "tsv" else ",")
         try:
             reader = pacsv.open_csv(path, parse_options=pacsv.ParseOptions(delimiter=sep, newlines_in_values=True))
         except pa.ArrowInvalid as e:
-            raise UserError(f"{path}: cannot read as CSV: {str(e).splitlines()[0]}") from None
+            raise UserError(f"{path}: cannot read as CSV: {printable(str(e).splitlines()[0])}") from None
         return path, reader.schema.names
     if kind == "parquet":
         try:

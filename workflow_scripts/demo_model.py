@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from data_formats import iter_records, resolve_mapping, to_examples
-from pipeline_io import cli
+from pipeline_io import cli, umask_modes
 from presets import PRESETS, preset_config, preset_name
 from settings import DemoModelConfig
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -89,6 +89,7 @@ def main(argv=None) -> None:
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(a.output)
     tokenizer.save_pretrained(a.output)
+    umask_modes(a.output)  # model.safetensors: safetensors writes it 0600
     n = sum(t.numel() for t in model.parameters())
     (a.output / "demo_model.json").write_text(json.dumps({"parameters": n, "vocab_size": len(tokenizer)}) + "\n")
     print(f"demo model: {n / 1e6:.2f}M parameters, vocab {len(tokenizer)}, saved to {a.output}")

@@ -48,6 +48,22 @@ def new_temp_file(folder: Path, name: str) -> Path:
     raise FileExistsError(f"no free temporary name for {name} in {folder}")
 
 
+def new_file_mode() -> int:
+    """The mode the umask gives any new file: 0666 less the umask (0644 by default)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def umask_modes(folder) -> None:
+    """Every file under ``folder`` (a library's save_pretrained output) with the mode of any new file: safetensors
+    0.8 writes its files 0600 through a temporary file, which a group sharing results/ could not read."""
+    mode = new_file_mode()
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink() and (path.stat().st_mode & 0o777) != mode:
+            path.chmod(mode)
+
+
 def size_text(n: float) -> str:
     """1.5 GB, 320 MB, 0 B: a size as a person reads it (powers of 1000)."""
     for unit in ("B", "kB", "MB", "GB", "TB"):

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import functools
 import json
+import math
 import operator
 from pathlib import Path
 
@@ -40,9 +41,25 @@ def _validator_with_defaults():
     return validators.extend(Draft202012Validator, {"properties": properties})
 
 
+def non_finite(value, key: str = "") -> tuple[str, float] | None:
+    """(the dotted key, a list's item as key[i]; the number) of the first nan, inf or -inf in ``value``, or None:
+    YAML reads `.nan` and `.inf` as numbers, and a nan passes every minimum and maximum of the schema."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return key or "(top level)", value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = non_finite(v, f"{key}[{k}]" if isinstance(value, list) else f"{key}.{k}" if key else str(k))
+        if found:
+            return found
+    return None
+
+
 def validated(config: dict, section: str | None = None) -> dict:
     """A copy of ``config`` (the whole config, or one top-level section of it) with every default
-    filled in; an invalid value is a UserError naming its key."""
+    filled in; an invalid value is a UserError naming its key, a nan or infinite number too."""
+    bad = non_finite(config, section or "")
+    if bad:
+        raise UserError(f"config key {bad[0]}: {bad[1]} is not a finite number")
     sub = schema() if section is None else schema()["properties"][section]
     out = copy.deepcopy(config)
     error = next(iter(sorted(_validator_with_defaults()(sub).iter_errors(out), key=lambda e: e.path)), None)
@@ -53,6 +70,38 @@ def validated(config: dict, section: str | None = None) -> dict:
             raise UserError(f"config key {key}: unknown key(s) {unknown}")
         raise UserError(f"config key {key}: {error.message}")
     return out
+
+
+def check_config_file(path) -> None:
+    """A config file as Snakemake loads it (last key wins, an empty file "must be given as JSON or YAML with
+    keys at top level", neither naming the file): a UserError, one line naming the file, when it is empty
+    (or only comments), holds no mapping at top level, or gives one key twice (both lines named)."""
+    try:
+        root = yaml.compose(Path(path).read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return  # Snakemake's loader says what it thinks of it
+    if root is None or (isinstance(root, yaml.ScalarNode) and root.tag.endswith(":null")):
+        raise UserError(f"{path}: the config file is empty (or only comments); it must give keys, e.g. `run: my_run`")
+    if not isinstance(root, yaml.MappingNode):
+        raise UserError(f"{path}: the config file must give keys at its top level (`run: my_run`), not a list or value")
+
+    def walk(node, key: str) -> None:
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, f"{key}[{i}]")
+        if not isinstance(node, yaml.MappingNode):
+            return
+        seen = {}
+        for name_node, value in node.value:
+            name = name_node.value if isinstance(name_node, yaml.ScalarNode) else str(name_node.value)
+            full = f"{key}.{name}" if key else name
+            line = name_node.start_mark.line + 1
+            if name in seen and name != "<<":
+                raise UserError(f"{path}: key {full} is given twice, on lines {seen[name]} and {line} (keep one)")
+            seen[name] = line
+            walk(value, full)
+
+    walk(root, "")
 
 
 # Training keys a grid may not vary: mode changes which models exist (node<i> or joint); procs_per_node
@@ -120,6 +169,7 @@ class TrainConfig:
     epochs: float
     max_steps: int | None
     max_grad_norm: float
+    dead_model_steps: int
     gradient_checkpointing: bool
     seed: int
     log_every: int

@@ -24,8 +24,9 @@ usable and what to change, so a run never reaches training with nothing to train
 import argparse
 import json
 import logging
+import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -87,7 +88,13 @@ class Splitter:
             if rec.error:
                 rejects.append(reject(rec, *rec.error))
                 continue
-            for messages, problem in to_examples(rec.fields, mapping, names):
+            try:
+                examples = to_examples(rec.fields, mapping, names)
+            except RecursionError:  # a JSON array's item nested thousands deep (JSONL's: data_formats)
+                deep = f"nested deeper than the JSON reader follows ({sys.getrecursionlimit()})"
+                rejects.append(reject(replace(rec, fields=None), "invalid_json", deep))
+                continue
+            for messages, problem in examples:
                 if not problem and self.control is not None:
                     messages, problem = self.control(messages)
                 if problem:
@@ -148,6 +155,7 @@ def reject(rec, reason: str, detail: str, messages: list | None = None, chash: s
     return {
         "source_file": rec.source_file,
         "source_row": rec.source_row,
+        "line": rec.line,
         "reason": reason,
         "detail": detail,
         "content_hash": chash,
@@ -165,7 +173,17 @@ class Outputs:
         tmps = [c.__enter__() for c in self.contexts]
         schemas = [SPLIT_SCHEMA] * (len(splits) + 1) + [REJECT_SCHEMA]
         self.writers = [pq.ParquetWriter(t, s) for t, s in zip(tmps, schemas, strict=True)]
+        self.rejects_tmp = tmps[-1]
         self.rows = [0] * len(self.writers)
+
+    def keep_rejects(self, path: Path) -> None:
+        """The rejects found so far, one JSON object a line, to ``path`` (outside the rule's outputs, which
+        Snakemake deletes when the job fails), for a stop that leaves no rejects.parquet."""
+        self.writers[-1].close()
+        with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            for batch in pq.ParquetFile(self.rejects_tmp).iter_batches():
+                for row in batch.to_pylist():
+                    f.write(json.dumps({k: v for k, v in row.items() if v is not None}, ensure_ascii=False) + "\n")
 
     def write(self, kept: list[dict], rejects: list[dict]) -> None:
         nodes = len(self.writers) - 2
@@ -182,7 +200,8 @@ class Outputs:
 
     def close(self, ok: bool) -> None:
         for w in self.writers:
-            w.close()
+            if w.is_open:
+                w.close()
         for c in self.contexts:
             if ok:
                 c.__exit__(None, None, None)
@@ -203,10 +222,14 @@ def length_counter(path: str | None, cfg: SplitConfig):
 
 def run_split(
     cfg: SplitConfig, splits: list[Path], eval_path: Path, rejects: Path, tokenizer: str | None = None,
-    min_examples: int = 1,
+    min_examples: int = 1, kept_rejects: Path | None = None,
 ) -> dict:  # fmt: skip
     """Split ``cfg.path`` (and ``cfg.eval_path``) into ``splits``, ``eval_path`` and ``rejects``; stop with
-    one line when too much is rejected or a shard is short (``check_shards``)."""
+    one line when too much is rejected or a shard is short (``check_shards``). When it stops for its rejects
+    (none usable, above data.max_reject_fraction), they are written to ``kept_rejects`` as JSONL, which the
+    line names: the failed job's outputs are deleted. A run that does not stop so removes an old one."""
+    if kept_rejects is not None:
+        Path(kept_rejects).unlink(missing_ok=True)
     delimiter = delimiter_arg(cfg.delimiter)
     mapping, names = resolve_mapping(cfg.path, cfg.format, cfg.mapping, cfg.columns, delimiter)
     if cfg.mapping == "auto":
@@ -239,12 +262,18 @@ def run_split(
             progress.update(len(records))
         progress.done()
         n_rej = sum(reasons.values())
+        kept = ""
+        if n_rej and kept_rejects is not None and (n_rej == rows_in or n_rej / rows_in > cfg.max_reject_fraction):
+            outputs.keep_rejects(kept_rejects)
+            kept = f"; the rejects are in {kept_rejects}"
         if rows_in == 0 or n_rej == rows_in:
-            raise UserError(f"{cfg.path}: no usable rows left ({rows_in} read, {n_rej} rejected: {dict(reasons)})")
+            raise UserError(
+                f"{cfg.path}: no usable rows left ({rows_in} read, {n_rej} rejected: {dict(reasons)}){kept}"
+            )
         if n_rej / rows_in > cfg.max_reject_fraction:
             raise UserError(
                 f"{cfg.path}: {n_rej} of {rows_in} rows rejected ({dict(reasons)}), above "
-                f"data.max_reject_fraction={cfg.max_reject_fraction}"
+                f"data.max_reject_fraction={cfg.max_reject_fraction}{kept}"
             )
         assert rows_in == sum(outputs.rows), "row accounting broken"
         check_shards(cfg, outputs.rows, dict(reasons), min_examples)
@@ -304,12 +333,15 @@ def main(argv=None) -> None:
     p.add_argument("--eval", required=True, type=Path)
     p.add_argument("--rejects", required=True, type=Path)
     p.add_argument("--manifest", required=True, type=Path)
+    p.add_argument(
+        "--kept-rejects", type=Path, default=None, help="where the rejects go as JSONL when the split stops for them"
+    )
     a = p.parse_args(argv)
     a.tokenizer = a.tokenizer and model_location(a.tokenizer)  # a fetch record: its snapshot folder
     cfg = SplitConfig.from_json(a.config)
     if len(a.splits) != cfg.nodes:
         raise UserError(f"nodes is {cfg.nodes} but {len(a.splits)} split paths were given")
-    result = run_split(cfg, a.splits, a.eval, a.rejects, a.tokenizer, a.min_examples_per_shard)
+    result = run_split(cfg, a.splits, a.eval, a.rejects, a.tokenizer, a.min_examples_per_shard, a.kept_rejects)
     rows = result["rows"]
     write_json(
         a.manifest,

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from batching import TrainingData
 from checkpoint import Checkpointer, run_key, superseded
-from divergence import NonFiniteStop
+from divergence import DeadModel, NonFiniteStop
 from evaluator import Evaluator
 from fingerprint import cache_file_for, model_fingerprint, model_location
 from host_memory import map_large_allocations
@@ -145,9 +145,14 @@ def held_out_evaluator(strategy, a: argparse.Namespace, data: TrainingData, pad_
     return Evaluator(strategy, a.eval_data, store_root_for(a.checkpoint_root), cfg, data.plan.total_steps, pad_id)
 
 
-def train(strategy, data, metrics, ckpt, stop, start_step: int, evaluator: Evaluator | None = None) -> None:
+def train(
+    strategy, data, metrics, ckpt, stop, start_step: int, evaluator: Evaluator | None = None,
+    dead: DeadModel | None = None,
+) -> None:  # fmt: skip
     last = data.plan.total_steps
-    diverged = NonFiniteStop(strategy, ckpt)  # a NaN/inf loss or grad norm stops before anything saves the step
+    # a NaN/inf loss or grad norm, or a model learning nothing for training.dead_model_steps, stops before anything
+    # saves the step
+    diverged = NonFiniteStop(strategy, ckpt, dead)
     strategy.model.train()
     for step in range(start_step + 1, last + 1):
         loss_sum, grad_norm = train_step(strategy, data, step - 1, metrics)
@@ -190,6 +195,8 @@ def main(argv=None) -> None:
 
     model, attn = load_model(a.base_model, cfg, device)
     sizes = parameter_counts(model)  # before sharding hides them
+    vocab = getattr(model.config, "vocab_size", None) or model.get_output_embeddings().weight.shape[0]
+    dead = DeadModel(cfg.dead_model_steps, vocab, sizes["trainable_parameters"] > 0)  # the dead-model stop
     flops_of = flops_per_sequence_fn(model, sizes["parameters"])
     pad_id = model.config.pad_token_id or 0
     data.bind(pad_id=pad_id, one_row=attn == "flash_attention_2")
@@ -209,7 +216,7 @@ def main(argv=None) -> None:
     metrics = MetricsLogger(
         a.log_dir, with_measured_peak(cfg, a.environment), device, data.plan, flops_of, start_step, trackers, run_record
     )
-    train(strategy, data, metrics, ckpt, stop, start_step, evaluator)
+    train(strategy, data, metrics, ckpt, stop, start_step, evaluator, dead)
     final = ckpt.save(data.plan.total_steps)
     metrics.close()
     finish(strategy, a, final, run_record)

@@ -49,6 +49,27 @@ def describe(text: str) -> str:
     return f"host {r.get('host')}, pid {r.get('pid')}{job}, since {r.get('since')}"
 
 
+def running_holder(folder: Path) -> str | None:
+    """The trainer that holds ``folder``'s lock now (``describe``), or None: a probe that creates and changes
+    nothing (a shared lock, released at once), for the workflow to refuse a rerun before Snakemake deletes the
+    outputs (metrics.jsonl, the log) of a trainer still running, an orphan of a killed Snakemake."""
+    try:
+        fd = os.open(Path(folder) / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None  # no lock file: no trainer has run here
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return describe(os.pread(fd, 4096, 0).decode(errors="replace"))
+    except OSError:
+        return None  # a file system without locks: the trainer's own lock cannot stop a second one either
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def hold(folder: Path) -> None:
     """Take ``folder``'s trainer lock for the rest of this process's life, or stop with one line naming
     the trainer that holds it."""
