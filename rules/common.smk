@@ -70,6 +70,10 @@ RUN = config["run"]
 # fills them for lists, and .format() fills one wildcard or renames it (train_node reads {shard} as {node}).
 # The variant's paths (layout.VARIANT_FILES: PLAN to PROVENANCE) hold {variant}: expand those with allow_missing=True.
 globals().update(patterns(RUN, GRID))
+# The same paths with the run left as a wildcard, {run}, held to RUN (wildcard_constraints below): the report pages'
+# rules write theirs by these, so `snakemake --list-target-rules`, which lists the rules without a wildcard, leaves
+# them out (a page is never a target of its own). The paths written are the same.
+PAGES = patterns("{run}", GRID)
 NODES = [f"node{i}" for i in range(config["nodes"])]  # the data shards, one per node
 JOINT = config["training"]["mode"] == "joint"
 if JOINT and config["nodes"] < 2:
@@ -106,6 +110,7 @@ wildcard_constraints:
     model="|".join(MODELS),
     shard="|".join(NODES),
     variant="|".join(map(re.escape, VARIANTS)) or "(?!)",  # without a grid nothing is a variant
+    run=re.escape(RUN),  # PAGES' {run}: the config's run only
 
 
 # Fail at parse time, before any job runs, when the data cannot be used.
