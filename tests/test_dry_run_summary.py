@@ -19,11 +19,11 @@ rule split_dataset:
     log: logs/d/split_dataset.log
     jobid: 4
     reason: Missing output files: results/d/data/manifest.json
-    resources: tmpdir=/tmp, disk_mb=1000, disk=1 GB, mem_mb=16000, slurm_partition=cpu, slurm_account=, runtime=60, cpus_per_task=2
+    resources: tmpdir=/tmp, disk=1 GB, mem_mb=16000, slurm_partition=cpu, slurm_account=, runtime=60
 [Fri Nov 27 18:14:15 2026]
 rule check_environment:
     output: results/d/env/check.json
-    resources: tmpdir=/tmp, mem_mb=16000, slurm_partition=gpu, slurm_account=, runtime=20, cpus_per_task=2, nodes=1, gpu=4, tasks_per_gpu=0
+    resources: tmpdir=/tmp, mem_mb=16000, slurm_partition=gpu, runtime=20, nodes=1, gpu=4, tasks_per_gpu=0
 [Fri Nov 27 18:14:15 2026]
 rule plan_training:
     output: results/d/plan/memory.json
@@ -31,14 +31,14 @@ rule plan_training:
 [Fri Nov 27 18:14:15 2026]
 rule train_node:
     wildcards: node=node0
-    resources: tmpdir=/tmp, disk_mb=<TBD>, mem_mb=200000, slurm_partition=gpu, runtime=1440, cpus_per_task=32, nodes=1, gpu=4, tasks_per_gpu=0, slurm_extra=--signal=URG@600
+    resources: disk_mb=<TBD>, slurm_partition=gpu, runtime=1440, gpu=4, slurm_extra=--signal=URG@600
 [Fri Nov 27 18:14:15 2026]
 rule train_node:
     wildcards: node=node1
-    resources: tmpdir=/tmp, disk_mb=<TBD>, mem_mb=200000, slurm_partition=gpu, runtime=1440, cpus_per_task=32, nodes=1, gpu=4, tasks_per_gpu=0, slurm_extra=--signal=URG@600
+    resources: disk_mb=<TBD>, slurm_partition=gpu, runtime=1440, gpu=4, slurm_extra=--signal=URG@600
 [Fri Nov 27 18:14:15 2026]
 rule train_joint:
-    resources: tmpdir=/tmp, mem_mb=476000, slurm_partition=gpu, runtime=2160, cpus_per_task=64, gres=gpu:a100:8, nodes=2, tasks_per_gpu=0
+    resources: mem_mb=476000, slurm_partition=gpu, runtime=2160, gres=gpu:a100:8, nodes=2, tasks_per_gpu=0
 [Fri Nov 27 18:14:15 2026]
 rule render_summary_page:
     wildcards: run=d
@@ -71,8 +71,8 @@ def test_gpus_and_time_limits():
 
 def test_jobs_per_partition_and_gpu_hours():
     jobs = parse_dry_run(DRY_RUN)
-    assert [j.rule for j in jobs] == ["split_dataset", "check_environment", "plan_training", "train_node",
-                                      "train_node", "train_joint", "render_summary_page", "tokenize_shard", "all"]  # fmt: skip
+    assert [j.rule for j in jobs] == ["split_dataset", "check_environment", "plan_training", "train_node", "train_node",
+                                      "train_joint", "render_summary_page", "tokenize_shard", "all"]  # fmt: skip
     rows, local = summarize(jobs, {"plan_training", "render_summary_page"})
     by = {(r.partition, r.rule): r for r in rows}
     assert set(by) == {("gpu", "train_joint"), ("gpu", "train_node"), ("gpu", "check_environment"),

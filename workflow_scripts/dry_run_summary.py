@@ -125,7 +125,8 @@ def summarize(jobs: list[DryJob], local: set[str]) -> tuple[list[Row], list[str]
             row.gpu_hours += n * limit / 60
     ordered = sorted(rows.values(), key=lambda r: (-r.gpu_hours, r.partition, r.rule))
     pages = sorted(rule for rule in local_jobs if re.fullmatch(r"render_\w+_page", rule))  # the report's pages
-    named = [f"{rule} x{count}" if count > 1 else rule for rule, count in sorted(local_jobs.items()) if rule not in pages]
+    others = [(rule, n) for rule, n in sorted(local_jobs.items()) if rule not in pages]
+    named = [f"{rule} x{n}" if n > 1 else rule for rule, n in others]
     if pages:
         named.append(f"{sum(local_jobs[rule] for rule in pages)} report page(s) (render_*_page)")
     return ordered, named
@@ -156,8 +157,9 @@ def render(rows: list[Row], local: list[str]) -> str:
         widths = [max(len(x[i]) for x in [header, *table]) for i in range(len(header))]
         right = {2, 3, 5}
         for cells in [header, *table]:
-            lines.append("  " + "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                                          for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip())  # fmt: skip
+            pairs = enumerate(zip(cells, widths, strict=True))
+            aligned = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in pairs]
+            lines.append("  " + "  ".join(aligned).rstrip())
     else:
         lines.append("  no job to submit")
     per_partition: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
@@ -175,7 +177,7 @@ def render(rows: list[Row], local: list[str]) -> str:
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--read", metavar="FILE", help="summarize this dry run's saved output ('-': stdin) instead of running one")
+    p.add_argument("--read", metavar="FILE", help="summarize a dry run's saved output ('-': stdin), run none")
     p.add_argument("--quiet", action="store_true", help="print the summary only, not the dry run's own output")
     return p.parse_known_args(argv)
 
