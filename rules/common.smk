@@ -140,7 +140,7 @@ except UserError as e:
 EVAL_TASK_FILES = EVAL["task_data"]  # evaluate_model's inputs: a changed task reruns it
 VLLM = EVAL["backend"] == "vllm"  # vLLM pins an older transformers: its own environment
 EVAL_ENV = "../envs/eval-vllm.yaml" if VLLM else "../envs/eval.yaml"  # with --sdm conda
-# without conda: the interpreter of a venv with vLLM (README, "vLLM backend"), else the project's `python`
+# without conda: the interpreter of a venv with vLLM (docs/evaluation.md, "vLLM backend"), else the project's `python`
 EVAL_PYTHON = os.environ.get("EVAL_VLLM_PYTHON", "python") if VLLM else "python"
 
 
