@@ -482,10 +482,11 @@ def output_job(path: str, run: str) -> tuple[str, str] | None:
     return None
 
 
-def snakemake_records(root: Path, kind: str) -> dict[str, dict]:
+def snakemake_records(root: Path, kind: str, prefix: str = "") -> dict[str, dict]:
     """Snakemake's own records under .snakemake/<kind>/, by the output path each is named after (urlsafe base64,
     long names cut into folders starting with '@'): `incomplete` (the outputs of every job started or submitted
-    and not finished, with its SLURM job id), `metadata` (every output made: its rule, start and end time)."""
+    and not finished, with its SLURM job id), `metadata` (every output made: its rule, start and end time).
+    Only the paths starting with ``prefix`` are read."""
     base = root / ".snakemake" / kind
     records: dict[str, dict] = {}
     if not base.is_dir():
@@ -501,7 +502,8 @@ def snakemake_records(root: Path, kind: str) -> dict[str, dict]:
         if Path(key).is_absolute():  # Snakemake names outputs under its work dir relative to it
             with contextlib.suppress(ValueError):
                 key = str(Path(key).relative_to(root.resolve()))
-        records[key] = read_json(path) or {}
+        if key.startswith(prefix):
+            records[key] = read_json(path) or {}
     return records
 
 
@@ -509,7 +511,7 @@ def running_jobs(root: Path, run: str) -> list[tuple[str, str, str]]:
     """(stage, job, SLURM job id or "") of every job of the run Snakemake started and has not finished, from its
     incomplete markers; one entry per job (a job's outputs share it), by stage."""
     jobs: dict[str, tuple[str, str, str]] = {}
-    for path, record in sorted(snakemake_records(root, "incomplete").items()):
+    for path, record in sorted(snakemake_records(root, "incomplete", f"results/{run}/").items()):
         found = output_job(path, run)
         if found:
             jobs.setdefault(found[1], (*found, str(record.get("external_jobid") or "")))
@@ -525,7 +527,7 @@ def stage_durations(root: Path, run: str) -> dict[str, float]:
     """The longest duration (end - start, as Snakemake recorded them) of each later stage's finished jobs of the
     run (RULE_STAGE's rules)."""
     longest: dict[str, float] = {}
-    for path, record in snakemake_records(root, "metadata").items():
+    for path, record in snakemake_records(root, "metadata", f"results/{run}/").items():
         stage = RULE_STAGE.get(record.get("rule", ""))
         start, end = record.get("starttime"), record.get("endtime")
         if not stage or not output_job(path, run) or record.get("incomplete"):
