@@ -76,6 +76,16 @@ def test_deleting_one_nodes_model_reruns_only_that_node(ddp_run):
 
 
 @pytest.mark.e2e
+def test_the_readmes_retrain_command_retrains_one_node_and_refreshes_what_depends_on_it(ddp_run):
+    """README, "Rerunning and retraining": -R with one node's training output forces that job alone; the default
+    target then reruns its consolidation and evaluation, the summary, provenance and the report's pages."""
+    workdir, config = ddp_run
+    proc = snakemake(workdir, config, "-n", "-R", "results/t/train/node1/train_state.json")
+    assert planned_jobs(proc) == dict.fromkeys(DOWNSTREAM_OF_TRAINING, 1)
+    assert "node=node0" not in proc.stdout and "model=node0" not in proc.stdout and "model=base" not in proc.stdout
+
+
+@pytest.mark.e2e
 def test_report_builds(ddp_run):
     workdir, config = ddp_run
     snakemake(workdir, config, "--report", str(workdir / "report.html"))
