@@ -529,3 +529,26 @@ def test_no_job_running_says_what_comes_next_and_a_training_run_adds_its_eta(tmp
     assert progress.eta_parts == ["training 16s"] and progress.eta_s is None
     assert "consolidation (no job of it finished yet)" in progress.eta_unknown
     assert headline(nodes, prefix, progress) == "2 training job(s)"
+
+
+def test_a_retrained_node_counts_the_later_stages_again(tmp_path):
+    """A node retrained (-R its train_state.json) still has its older model, evaluation and summary until their
+    jobs rerun: while it trains, the whole run's ETA counts every later stage, as measured before."""
+    from status import run_progress
+
+    prefix = make_run(tmp_path, steps=8, total=40, mtime=NOW - 1)
+    for node in ("node0", "node1"):
+        (prefix / "models" / node).mkdir(parents=True)
+        (prefix / "models" / node / "config.json").write_text("{}")
+    (prefix / "eval").mkdir()
+    for name in ("base.json", "node0.json", "node1.json", "summary.csv"):
+        (prefix / "eval" / name).write_text("{}")
+    finish(prefix, ["node0"])
+    for path, rule, seconds in [("models/node1", "consolidate_node", 30), ("eval/node1.json", "evaluate_model", 60),
+                                ("eval/summary.csv", "summarize", 5)]:  # fmt: skip
+        snakemake_record(tmp_path, "metadata", f"results/r/{path}",
+                         {"rule": rule, "starttime": NOW - 900, "endtime": NOW - 900 + seconds})  # fmt: skip
+    nodes = run_status(tmp_path, "r", now=NOW, scheduler=False)
+    progress = run_progress(tmp_path, "r", nodes, NOW)
+    assert progress.eta_parts == ["training 16s", "consolidation 30s", "evaluation 1m00s", "summary 5s"]
+    assert progress.eta_s == 16 + 30 + 60 + 5

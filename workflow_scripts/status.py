@@ -538,8 +538,12 @@ def stage_durations(root: Path, run: str) -> dict[str, float]:
 
 
 def stages_left(nodes: list[NodeStatus], results: Path) -> list[str]:
-    """The stages after training that still have jobs, from the files: a trained model not consolidated, a model
-    (base included) not evaluated, a summary not written (each variant's; a grid's comparison)."""
+    """The stages after training that still have jobs: all of them while a training job is not done (a retrained
+    node's model, evaluation and summary are redone after it, even where the older ones are still there); else
+    from the files: a trained model not consolidated, a model (base included) not evaluated, a summary not
+    written (each variant's; a grid's comparison)."""
+    if not nodes or any(s.state != "done" for s in nodes):
+        return ["consolidating", "evaluating", "summarizing"]
     left = []
     prefixes = {s.variant: results / s.variant if s.variant else results for s in nodes}
     if any(not s.model for s in nodes):
@@ -551,7 +555,7 @@ def stages_left(nodes: list[NodeStatus], results: Path) -> list[str]:
     summaries = [file(p, "SUMMARY").exists() for p in prefixes.values()]
     if any(s.variant for s in nodes):  # a grid: its comparison too
         summaries.append(file(results, "GRID_TABLE").exists())
-    if not nodes or not all(summaries):
+    if not all(summaries):
         left.append("summarizing")
     return left
 
