@@ -552,3 +552,13 @@ def test_a_retrained_node_counts_the_later_stages_again(tmp_path):
     progress = run_progress(tmp_path, "r", nodes, NOW)
     assert progress.eta_parts == ["training 16s", "consolidation 30s", "evaluation 1m00s", "summary 5s"]
     assert progress.eta_s == 16 + 30 + 60 + 5
+    # its training done, its evaluation running: not finished, whatever the older summary.csv says
+    finish(prefix, ["node1"])
+    (prefix / "eval" / "node1.json").unlink()
+    snakemake_record(tmp_path, "incomplete", "results/r/eval/node1.json", {"external_jobid": None})
+    (tmp_path / ".snakemake" / "locks").mkdir()
+    (tmp_path / ".snakemake" / "locks" / "0.input.lock").write_text("")
+    nodes = run_status(tmp_path, "r", now=NOW, scheduler=False)
+    progress = run_progress(tmp_path, "r", nodes, NOW)
+    assert headline(nodes, prefix, progress) == "training finished; evaluating"
+    assert progress.eta_parts == ["evaluation 1m00s", "summary 5s"]

@@ -569,6 +569,10 @@ def run_progress(root: Path, run: str, nodes: list[NodeStatus], now: float | Non
     locks = root / ".snakemake" / "locks"
     alive = locks.is_dir() and any(locks.iterdir())
     left = stages_left(nodes, results)
+    after = [stage for stage, _, _ in running if STAGES.index(stage) > STAGES.index("training")]
+    if after and alive:  # a later stage runs: it and every stage after it are ahead, older outputs or not
+        first = STAGES.index(min(after, key=STAGES.index))
+        left = sorted({*left, *STAGES[first:]}, key=STAGES.index)
     measured = stage_durations(root, run)
     parts, unknown, total = [], [], 0.0
     training = [s for s in nodes if s.state != "done"]
@@ -585,7 +589,6 @@ def run_progress(root: Path, run: str, nodes: list[NodeStatus], now: float | Non
             parts.append(f"{STAGE_NAME[stage]} {duration(measured[stage])}")
         else:
             unknown.append(f"{STAGE_NAME[stage]} (no job of it finished yet)")
-    after = [stage for stage, _, _ in running if STAGES.index(stage) > STAGES.index("training")]
     return RunProgress(
         running=[f"{job} (slurm {job_id})" if job_id else job for _, job, job_id in running],
         alive=alive,
@@ -647,7 +650,7 @@ def show(a: argparse.Namespace, run: str, console, config: dict | None = None) -
         print(render_plain(run, nodes, results, now, table_width(a), progress), flush=True)
     else:
         render_rich(console, run, nodes, results, now, progress)
-    return headline(nodes, results) == "finished"
+    return headline(nodes, results, progress) == "finished"
 
 
 @cli

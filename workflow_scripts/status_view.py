@@ -172,17 +172,18 @@ def stage_line(picture: dict) -> str:
 
 
 def headline(nodes: list, results: Path, progress: RunProgress | None = None) -> str:
-    """`N training job(s)` while one trains; then `training finished; evaluating` (the stage whose job runs now) or
-    `...; evaluation next, no job running`; `finished` once the models are compared (summary, a grid's table)."""
+    """`N training job(s)` while one trains; then `training finished; evaluating` (the stage whose job runs now,
+    also where an older summary is still there: a retrained node's) or `...; evaluation next, no job running`;
+    `finished` once the models are compared (summary, a grid's table) and no later job runs."""
     if not nodes or any(s.state != "done" for s in nodes):
         return f"{len(nodes)} training job(s)"
+    if progress is not None and progress.stage:
+        return f"training finished; {progress.stage}"
     compared = any(file(results, name).exists() for name in ("SUMMARY", "GRID_TABLE"))  # GRID_TABLE: a grid's
     if compared:
         return "finished"
     if progress is None:
         return "training finished"
-    if progress.stage:
-        return f"training finished; {progress.stage}"
     if progress.next_stage:
         return f"training finished; {NEXT[progress.next_stage]} next, no job running"
     return "training finished"
@@ -223,7 +224,7 @@ def render_plain(run: str, nodes: list, results: Path, now: float, width: int | 
     else:
         lines.append("no training folder yet")
     lines.append(stage_line(stages(results)))
-    lines += progress_lines(progress, headline(nodes, results) == "finished")
+    lines += progress_lines(progress, headline(nodes, results, progress) == "finished")
     if finished:
         lines += summary_lines(nodes, results)
     return "\n".join(lines)
@@ -256,7 +257,7 @@ def render_rich(console, run: str, nodes: list, results: Path, now: float, progr
         cells[state] = f"[{style}]{cells[state]}[/]" if style else cells[state]
         table.add_row(*cells)
     console.print(table if nodes else f"run {run}: no training folder yet")
-    after = progress_lines(progress, headline(nodes, results) == "finished")
+    after = progress_lines(progress, headline(nodes, results, progress) == "finished")
     for line in [*(below if nodes else []), stage_line(stages(results)), *after]:
         console.print(line, highlight=False)
     if finished:
