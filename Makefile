@@ -2,7 +2,9 @@
 #   make run   install into .venv, run the demo workflow, build results/demo/report.html, then its LoRA
 #              stage (config/demo_lora.yaml) on stage 1's node0, build results/demo-lora/report.html
 #   make test  install into .venv (with the trackers' packages), run the test suite (all of it, as CI does)
-# and while working:
+# and while working (`make help` lists every target):
+#   make dry-run    what a submission would run (CONFIG=my.yaml, PROFILE=profiles/slurm), then the jobs per
+#                   partition and rule and the GPU-hours requested
 #   make test-fast  the tests that start no torchrun, no real Snakemake run and no SLURM (< 3 min)
 #   make status     where each training job of a run is (RUN=<run>, default the config's run:; ARGS=--watch)
 #   make install-trackers  logging.trackers' optional packages, wandb and mlflow (requirements-trackers.txt)
@@ -13,6 +15,8 @@ TRACKERS_STAMP := $(VENV)/.trackers-$(shell cat requirements.lock requirements-t
 # the trackers' packages, left out of `make lock` (they are pinned in their own file)
 TRACKER_PKGS := $(shell sed -nE 's/^([A-Za-z0-9_.-]+)==.*/\1/p' requirements-trackers.txt | paste -sd'|')
 RUN ?= demo
+# make dry-run's profile (CONFIG: its --configfile; none: config/config.yaml, the demo)
+PROFILE ?= profiles/slurm
 # the demo's second stage: LoRA with stage 1's results/demo/models/node0 as its base
 LORA_CONFIG := config/demo_lora.yaml
 LORA_RUN := demo-lora
@@ -21,9 +25,9 @@ SNAKEMAKE := $(VENV)/bin/snakemake
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-trackers run report status test test-fast lint format lock clean
+.PHONY: install install-trackers run report status dry-run help test test-fast lint format lock clean
 
-install: $(STAMP)
+install: $(STAMP) ## install into .venv only (torch, then requirements.lock); trains nothing
 
 # the stamp's name carries the lock's hash: a changed lock reinstalls, a touched one (a new checkout) does not
 $(STAMP):
@@ -36,7 +40,7 @@ $(STAMP):
 	touch $@
 
 # optional (logging.trackers: wandb, mlflow); requirements.lock's versions stay as they are
-install-trackers: $(TRACKERS_STAMP)
+install-trackers: $(TRACKERS_STAMP) ## logging.trackers' optional packages (wandb, mlflow)
 
 $(TRACKERS_STAMP): $(STAMP)
 	$(PY) -m pip install -q -r requirements-trackers.txt -c requirements.lock
@@ -44,7 +48,7 @@ $(TRACKERS_STAMP): $(STAMP)
 	touch $@
 
 # Stage 2 is a second invocation: its base model must exist when the workflow is parsed, and stage 1 makes it.
-run: install
+run: install ## install, run the demo and its LoRA stage on this machine, build both reports
 	$(SNAKEMAKE) --cores all
 	$(SNAKEMAKE) --report results/$(RUN)/report.html
 	$(SNAKEMAKE) --cores all --configfile $(LORA_CONFIG)
@@ -55,35 +59,42 @@ run: install
 	@cat results/$(LORA_RUN)/eval/leaderboard.txt
 	@echo "report: results/$(LORA_RUN)/report.html"
 
-report: install
+report: install ## rebuild results/<RUN>/report.html (RUN=demo) and the LoRA stage's
 	$(SNAKEMAKE) --report results/$(RUN)/report.html
 	test ! -d results/$(LORA_RUN) || $(SNAKEMAKE) --report results/$(LORA_RUN)/report.html --configfile $(LORA_CONFIG)
 
+# snakemake -n through PROFILE with CONFIG (ARGS: more Snakemake options), then dry_run_summary.py's table
+dry-run: install ## what a submission would run (CONFIG=my.yaml PROFILE=profiles/slurm): jobs per partition, GPU-hours
+	@$(PY) workflow_scripts/dry_run_summary.py --profile $(PROFILE) $(if $(CONFIG),--configfile $(CONFIG)) $(ARGS)
+
+help: ## this list: every target with one line
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z][a-z-]*:.*## / {printf "  make %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
 # RUN only when given (make status RUN=x); otherwise status.py reads run: from CONFIG (config/config.yaml)
-status: install
+status: install ## where each job of a run is (RUN=<run>, CONFIG=my.yaml, ARGS=--watch)
 	@$(PY) workflow_scripts/status.py $(if $(filter-out file,$(origin RUN)),--run $(RUN)) \
 	  --config $(or $(CONFIG),config/config.yaml) $(ARGS)
 
-test: install install-trackers
+test: install install-trackers ## the whole test suite, as CI runs it
 	$(PY) -m pytest
 
 # the markers are declared in pyproject.toml
-test-fast: install
+test-fast: install ## the tests without torchrun, real Snakemake runs or SLURM (< 3 min)
 	$(PY) -m pytest -m "not e2e and not slurm and not torchrun"
 
-lint: install
+lint: install ## snakemake --lint, snakefmt --check, ruff check
 	$(SNAKEMAKE) --lint
 	$(VENV)/bin/snakefmt --check .
 	$(VENV)/bin/ruff check .
 
-format: install
+format: install ## snakefmt and ruff format
 	$(VENV)/bin/snakefmt .
 	$(VENV)/bin/ruff format .
 
-lock: install
+lock: install ## rewrite requirements.lock from the venv
 	{ echo "# Exact versions tested (pip freeze); torch==2.13.0 is installed first by the Makefile."; \
 	  echo "# Regenerate with: make lock"; \
 	  $(PY) -m pip freeze | grep -vE "^torch==|^-e |^pip==" | grep -viE "^($(TRACKER_PKGS))=="; } > requirements.lock
 
-clean:
+clean: ## remove results/, logs/ and .snakemake/ (models and checkpoints too)
 	rm -rf results logs .snakemake

@@ -105,7 +105,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=256, help="prompt tokens per example")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=64, help="hf's batch (vLLM schedules its own)")
-    p.add_argument("--vllm-python", help="a venv's python with vLLM (README, vLLM backend); hf only without")
+    p.add_argument("--vllm-python", help="a venv's python with vLLM (docs/evaluation.md); hf only without")
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args()
     import torch

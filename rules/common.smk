@@ -98,6 +98,10 @@ RUN = config["run"]
 # fills them for lists, and .format() fills one wildcard or renames it (train_node reads {shard} as {node}).
 # The variant's paths (layout.VARIANT_FILES: PLAN to PROVENANCE) hold {variant}: expand those with allow_missing=True.
 globals().update(patterns(RUN, GRID))
+# The same paths with the run left as a wildcard, {run}, held to RUN (wildcard_constraints below): the report pages'
+# rules write theirs by these, so `snakemake --list-target-rules`, which lists the rules without a wildcard, leaves
+# them out (a page is never a target of its own). The paths written are the same.
+PAGES = patterns("{run}", GRID)
 NODES = [f"node{i}" for i in range(config["nodes"])]  # the data shards, one per node
 JOINT = config["training"]["mode"] == "joint"
 if JOINT and config["nodes"] < 2:
@@ -169,6 +173,7 @@ wildcard_constraints:
     model="|".join(MODELS),
     shard="|".join(NODES),
     variant="|".join(map(re.escape, VARIANTS)) or "(?!)",  # without a grid nothing is a variant
+    run=re.escape(RUN),  # PAGES' {run}: the config's run only
 
 
 # Fail at parse time, before any job runs, when the data cannot be used.
@@ -203,7 +208,7 @@ except UserError as e:
 EVAL_TASK_FILES = EVAL["task_data"]  # evaluate_model's inputs: a changed task reruns it
 VLLM = EVAL["backend"] == "vllm"  # vLLM pins an older transformers: its own environment
 EVAL_ENV = "../envs/eval-vllm.yaml" if VLLM else "../envs/eval.yaml"  # with --sdm conda
-# without conda: the interpreter of a venv with vLLM (README, "vLLM backend"), else the project's `python`
+# without conda: the interpreter of a venv with vLLM (docs/evaluation.md, "vLLM backend"), else the project's `python`
 EVAL_PYTHON = os.environ.get("EVAL_VLLM_PYTHON", "python") if VLLM else "python"
 
 

@@ -64,9 +64,9 @@ rule render_grid_page:
     input:
         GRID_TABLE,
     output:
-        report(GRID_PAGE, caption="../report/grid.rst", category="Grid"),
+        report(PAGES["GRID_PAGE"], caption="../report/grid.rst", category="Grid"),
     log:
-        f"{LOGS}/render_page/grid.log",
+        f"{PAGES['LOGS']}/render_page/grid.log",
     conda:
         "../envs/eval.yaml"
     params:

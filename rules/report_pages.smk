@@ -1,6 +1,8 @@
 # The report's pages: each table, JSON or text output rendered as an HTML page beside it (report_page.py), which
 # the report shows in place (it offers a CSV, JSON or TXT only as a download). Local: a page takes a moment.
-# compare_grid's page is in rules/grid.smk (a grid only).
+# compare_grid's page is in rules/grid.smk (a grid only). Each names its page and log by PAGES (rules/common.smk): the
+# same paths, with the run as a wildcard held to the config's run, so that `snakemake --list-target-rules` (the
+# rules without a wildcard) leaves them out: a page is never a target of its own.
 
 
 localrules:
@@ -20,13 +22,13 @@ rule render_summary_page:
         SUMMARY,
     output:
         report(
-            SUMMARY_PAGE,
+            PAGES["SUMMARY_PAGE"],
             caption="../report/summary.rst",
             category="Evaluation",
             subcategory="1. Best model",
         ),
     log:
-        f"{VLOGS}/render_page/summary.log",
+        f"{PAGES['VLOGS']}/render_page/summary.log",
     conda:
         "../envs/eval.yaml"
     params:
@@ -43,13 +45,13 @@ rule render_leaderboard_page:
         plots=[LEADERBOARD, LOSS_CURVES, TASKS_PLOT],
     output:
         report(
-            LEADERBOARD_PAGE,
+            PAGES["LEADERBOARD_PAGE"],
             caption="../report/leaderboard_text.rst",
             category="Evaluation",
             subcategory="1. Best model",
         ),
     log:
-        f"{VLOGS}/render_page/leaderboard.log",
+        f"{PAGES['VLOGS']}/render_page/leaderboard.log",
     conda:
         "../envs/eval.yaml"
     params:
@@ -65,13 +67,13 @@ rule render_tasks_page:
         TASKS,
     output:
         report(
-            TASKS_PAGE,
+            PAGES["TASKS_PAGE"],
             caption="../report/tasks_table.rst",
             category="Evaluation",
             subcategory="2. Per task",
         ),
     log:
-        f"{VLOGS}/render_page/tasks.log",
+        f"{PAGES['VLOGS']}/render_page/tasks.log",
     conda:
         "../envs/eval.yaml"
     params:
@@ -86,12 +88,12 @@ rule render_samples_page:
         SAMPLES,
     output:
         report(
-            SAMPLES_PAGE,
+            PAGES["SAMPLES_PAGE"],
             caption="../report/samples.rst",
             category="Evaluation",
         ),
     log:
-        f"{VLOGS}/render_page/samples.log",
+        f"{PAGES['VLOGS']}/render_page/samples.log",
     conda:
         "../envs/eval.yaml"
     params:
@@ -106,12 +108,12 @@ rule render_consolidation_page:
         CONSOLIDATION,
     output:
         report(
-            CONSOLIDATION_PAGE,
+            PAGES["CONSOLIDATION_PAGE"],
             caption="../report/consolidation.rst",
             category="Training",
         ),
     log:
-        f"{VLOGS}/render_page/consolidation.log",
+        f"{PAGES['VLOGS']}/render_page/consolidation.log",
     conda:
         "../envs/eval.yaml"
     params:
@@ -126,12 +128,12 @@ rule render_plan_page:
         PLAN_TABLE,
     output:
         report(
-            PLAN_PAGE,
+            PAGES["PLAN_PAGE"],
             caption="../report/plan.rst",
             category="Plan",
         ),
     log:
-        f"{VLOGS}/render_page/plan.log",
+        f"{PAGES['VLOGS']}/render_page/plan.log",
     conda:
         "../envs/eval.yaml"
     params:
@@ -146,12 +148,12 @@ rule render_provenance_page:
         PROVENANCE,
     output:
         report(
-            PROVENANCE_PAGE,
+            PAGES["PROVENANCE_PAGE"],
             caption="../report/provenance.rst",
             category="Provenance",
         ),
     log:
-        f"{VLOGS}/render_page/provenance.log",
+        f"{PAGES['VLOGS']}/render_page/provenance.log",
     conda:
         "../envs/eval.yaml"
     params:
@@ -166,12 +168,12 @@ rule render_environment_page:
         ENV_CHECK,
     output:
         report(
-            ENV_PAGE,
+            PAGES["ENV_PAGE"],
             caption="../report/environment.rst",
             category="Environment",
         ),
     log:
-        f"{LOGS}/render_page/environment.log",
+        f"{PAGES['LOGS']}/render_page/environment.log",
     conda:
         "../envs/eval.yaml"
     params:
@@ -186,12 +188,12 @@ rule render_data_page:
         DATA_REPORT,
     output:
         report(
-            DATA_PAGE,
+            PAGES["DATA_PAGE"],
             caption="../report/data.rst",
             category="Data",
         ),
     log:
-        f"{LOGS}/render_page/data.log",
+        f"{PAGES['LOGS']}/render_page/data.log",
     conda:
         "../envs/eval.yaml"
     params:

@@ -252,7 +252,7 @@ def briefly_trained(assets: dict, out) -> str:
     return str(out)
 
 
-@pytest.mark.skipif(VLLM_PYTHON is None, reason="no vLLM: EVAL_VLLM_PYTHON names a venv with it (README, vLLM backend)")
+@pytest.mark.skipif(VLLM_PYTHON is None, reason="no vLLM: EVAL_VLLM_PYTHON names a venv with it (docs/evaluation.md)")
 def test_hf_and_vllm_give_the_same_greedy_answers(demo_assets, tmp_path):
     """evaluation.py with eval.backend hf (this venv) and vllm (its own venv, as the rule runs it): the same
     greedy answers (the samples and the four scores over every prompt) and the same held-out loss."""

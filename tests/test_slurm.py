@@ -138,7 +138,7 @@ def test_sigint_cancels_the_slurm_jobs(slurm_cluster, tmp_path):
         def all_submitted_and_one_running():
             text = log.read_text()
             # after the local plan_training job: Snakemake 9's local executor crashes on a SIGINT that comes
-            # while a local job runs, before it cancels the SLURM jobs (README, known limits)
+            # while a local job runs, before it cancels the SLURM jobs (docs/slurm.md, "The profile")
             if "SLURM run ID" not in text or not (tmp_path / "results/t/plan/memory.json").exists():
                 return None
             # a training job running (the demo's shortest jobs may be done and gone from squeue by then)

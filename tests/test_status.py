@@ -449,3 +449,116 @@ def test_watch_ends_when_the_run_is_finished(tmp_path, capsys):
         signal.signal(signal.SIGALRM, previous)
     out = capsys.readouterr().out
     assert out.startswith("run r: finished") and out.rstrip().endswith("the run is finished: --watch ends")
+
+
+# ---------------------------------------------------------------- the whole run: running now, later stages, ETA
+
+
+def snakemake_record(root, kind, path, record):
+    """A record as Snakemake writes it: .snakemake/<kind>/<urlsafe base64 of the output path>."""
+    import base64
+
+    folder = root / ".snakemake" / kind
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / base64.urlsafe_b64encode(path.encode()).decode()).write_text(json.dumps(record))
+
+
+def test_outputs_name_their_stage_and_job():
+    from status import output_job
+
+    assert output_job("results/r/train/node1/train_state.json", "r") == ("training", "train node1")
+    assert output_job("results/r/models/node0", "r") == ("consolidating", "consolidate node0")
+    assert output_job("results/r/eval/base.json", "r") == ("evaluating", "evaluate base")
+    assert output_job("results/r/lr-1e-05/eval/node0.json", "r") == ("evaluating", "evaluate lr-1e-05/node0")
+    assert output_job("results/r/data/tokenized/node0.packing.parquet", "r") == ("preparing", "tokenize node0")
+    assert output_job("results/r/eval/summary.csv", "r") == ("summarizing", "summarize")
+    assert output_job("results/r/eval/summary.html", "r") == ("summarizing", "report page")
+    assert output_job("results/other/eval/base.json", "r") is None
+
+
+def test_evaluating_while_an_evaluation_runs_with_the_whole_runs_eta(tmp_path):
+    from status import run_progress
+
+    prefix = make_run(tmp_path, steps=40, total=40)
+    finish(prefix)
+    (prefix / "models" / "node0").mkdir(parents=True)
+    (prefix / "models" / "node0" / "config.json").write_text("{}")
+    (prefix / "eval").mkdir()
+    (prefix / "eval" / "base.json").write_text("{}")
+    # finished: base's evaluation (90 s), node0's consolidation (40 s); running: node1's consolidation, node0's eval
+    snakemake_record(tmp_path, "metadata", "results/r/eval/base.json",
+                     {"rule": "evaluate_model", "starttime": NOW - 500, "endtime": NOW - 410})  # fmt: skip
+    snakemake_record(tmp_path, "metadata", "results/r/models/node0",
+                     {"rule": "consolidate_node", "starttime": NOW - 100, "endtime": NOW - 60})  # fmt: skip
+    snakemake_record(tmp_path, "incomplete", "results/r/models/node1", {"external_jobid": "4242"})
+    snakemake_record(tmp_path, "incomplete", "results/r/eval/node0.json", {"external_jobid": None})
+    snakemake_record(tmp_path, "incomplete", "results/r/eval/lm_eval/node0.json", {"external_jobid": None})
+    (tmp_path / ".snakemake" / "locks").mkdir()
+    (tmp_path / ".snakemake" / "locks" / "0.input.lock").write_text("")
+    nodes = run_status(tmp_path, "r", now=NOW, scheduler=False)
+    progress = run_progress(tmp_path, "r", nodes, NOW)
+    assert progress.running == ["consolidate node1 (slurm 4242)", "evaluate node0"]
+    assert progress.stage == "evaluating"
+    text = render_plain("r", nodes, prefix, NOW, progress=progress)
+    assert text.splitlines()[0].startswith("run r: training finished; evaluating")
+    assert "running now: consolidate node1 (slurm 4242), evaluate node0" in text
+    # consolidation and evaluation measured; the summary not yet: unknown, with what is known
+    assert "whole run: ETA unknown (consolidation 40s, evaluation 1m30s; not yet measured: summary" in text
+    snakemake_record(tmp_path, "metadata", "results/r/eval/summary.csv",
+                     {"rule": "summarize", "starttime": NOW - 700, "endtime": NOW - 690})  # fmt: skip
+    text = render_plain("r", nodes, prefix, NOW, progress=run_progress(tmp_path, "r", nodes, NOW))
+    assert "whole run: ETA 2m20s (consolidation 40s, evaluation 1m30s, summary 10s;" in text
+
+
+def test_no_job_running_says_what_comes_next_and_a_training_run_adds_its_eta(tmp_path):
+    from status import run_progress
+
+    prefix = make_run(tmp_path, steps=40, total=40)
+    finish(prefix)
+    # incomplete markers without a Snakemake holding the lock: left by one that died
+    snakemake_record(tmp_path, "incomplete", "results/r/models/node0", {"external_jobid": None})
+    nodes = run_status(tmp_path, "r", now=NOW, scheduler=False)
+    progress = run_progress(tmp_path, "r", nodes, NOW)
+    text = render_plain("r", nodes, prefix, NOW, progress=progress)
+    assert text.splitlines()[0].startswith("run r: training finished; consolidation next, no job running")
+    assert "left unfinished by a Snakemake that is not running (a rerun redoes them): consolidate node0" in text
+    # still training: the longest training ETA first; a job with no ETA yet makes the whole ETA unknown
+    prefix = make_run(tmp_path / "t", steps=8, total=40, mtime=NOW - 1)
+    nodes = run_status(tmp_path / "t", "r", now=NOW, scheduler=False)
+    progress = run_progress(tmp_path / "t", "r", nodes, NOW)
+    assert progress.eta_parts == ["training 16s"] and progress.eta_s is None
+    assert "consolidation (no job of it finished yet)" in progress.eta_unknown
+    assert headline(nodes, prefix, progress) == "2 training job(s)"
+
+
+def test_a_retrained_node_counts_the_later_stages_again(tmp_path):
+    """A node retrained (-R its train_state.json) still has its older model, evaluation and summary until their
+    jobs rerun: while it trains, the whole run's ETA counts every later stage, as measured before."""
+    from status import run_progress
+
+    prefix = make_run(tmp_path, steps=8, total=40, mtime=NOW - 1)
+    for node in ("node0", "node1"):
+        (prefix / "models" / node).mkdir(parents=True)
+        (prefix / "models" / node / "config.json").write_text("{}")
+    (prefix / "eval").mkdir()
+    for name in ("base.json", "node0.json", "node1.json", "summary.csv"):
+        (prefix / "eval" / name).write_text("{}")
+    finish(prefix, ["node0"])
+    for path, rule, seconds in [("models/node1", "consolidate_node", 30), ("eval/node1.json", "evaluate_model", 60),
+                                ("eval/summary.csv", "summarize", 5)]:  # fmt: skip
+        snakemake_record(tmp_path, "metadata", f"results/r/{path}",
+                         {"rule": rule, "starttime": NOW - 900, "endtime": NOW - 900 + seconds})  # fmt: skip
+    nodes = run_status(tmp_path, "r", now=NOW, scheduler=False)
+    progress = run_progress(tmp_path, "r", nodes, NOW)
+    assert progress.eta_parts == ["training 16s", "consolidation 30s", "evaluation 1m00s", "summary 5s"]
+    assert progress.eta_s == 16 + 30 + 60 + 5
+    # its training done, its evaluation running: not finished, whatever the older summary.csv says
+    finish(prefix, ["node1"])
+    (prefix / "eval" / "node1.json").unlink()
+    snakemake_record(tmp_path, "incomplete", "results/r/eval/node1.json", {"external_jobid": None})
+    (tmp_path / ".snakemake" / "locks").mkdir()
+    (tmp_path / ".snakemake" / "locks" / "0.input.lock").write_text("")
+    nodes = run_status(tmp_path, "r", now=NOW, scheduler=False)
+    progress = run_progress(tmp_path, "r", nodes, NOW)
+    assert headline(nodes, prefix, progress) == "training finished; evaluating"
+    assert progress.eta_parts == ["evaluation 1m00s", "summary 5s"]

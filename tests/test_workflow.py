@@ -76,6 +76,16 @@ def test_deleting_one_nodes_model_reruns_only_that_node(ddp_run):
 
 
 @pytest.mark.e2e
+def test_the_readmes_retrain_command_retrains_one_node_and_refreshes_what_depends_on_it(ddp_run):
+    """README, "Rerunning and retraining": -R with one node's training output forces that job alone; the default
+    target then reruns its consolidation and evaluation, the summary, provenance and the report's pages."""
+    workdir, config = ddp_run
+    proc = snakemake(workdir, config, "-n", "-R", "results/t/train/node1/train_state.json")
+    assert planned_jobs(proc) == dict.fromkeys(DOWNSTREAM_OF_TRAINING, 1)
+    assert "node=node0" not in proc.stdout and "model=node0" not in proc.stdout and "model=base" not in proc.stdout
+
+
+@pytest.mark.e2e
 def test_report_builds(ddp_run):
     workdir, config = ddp_run
     snakemake(workdir, config, "--report", str(workdir / "report.html"))
@@ -322,3 +332,16 @@ def test_training_takes_the_eval_set_as_input_only_with_eval_every(tmp_path, mod
         assert "--eval-data results/e/data/tokenized/eval.parquet" in job, job
     for job in jobs_off:
         assert "tokenized/eval.parquet" not in job and "--eval-data" not in job, job
+
+
+@pytest.mark.parametrize("grid", [{}, {"training.lr": [1.0e-3, 2.0e-3]}])
+def test_the_report_pages_are_no_target_rules(tmp_path, grid):
+    """`snakemake --list-target-rules` lists the rules without a wildcard; the pages' rules name the run as one
+    (rules/common.smk's PAGES), so they are left out, and a dry run still renders every page at its path."""
+    config = tiny_config("t") | {"grid": grid}
+    listed = snakemake(tmp_path, config, "--list-target-rules").stdout.split()
+    assert "data_report" in listed and "all" in listed
+    assert not [rule for rule in listed if rule.startswith("render_")], listed
+    dry = snakemake(tmp_path, config, "-n", "-p").stdout
+    assert "results/t/env/check.html" in dry and "results/t/data/data_report.html" in dry
+    assert ("results/t/lr-0.001/eval/summary.html" if grid else "results/t/eval/summary.html") in dry

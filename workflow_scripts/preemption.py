@@ -5,8 +5,8 @@ checkpoint and a clean exit. The handler only sets a flag; the loop finishes its
 every rank agrees (an all-reduce of the flags) before all of them checkpoint together.
 profiles/slurm asks SLURM for SIGURG (`--signal=URG@600`): its default action is to ignore
 it, so Snakemake, the rule's shell and torchrun, which share the job step with the ranks and
-receive it too, carry on, while SIGUSR1 would kill Snakemake and with it the job (README,
-"On a SLURM cluster").
+receive it too, carry on, while SIGUSR1 would kill Snakemake and with it the job (docs/slurm.md,
+"The profile").
 
 Rank 0 writes `preempted.json` before the checkpoint: the rule maps torchrun's plain failure
 back to 75 by it, and the job that resumes from that step records it as `resumed_after`.

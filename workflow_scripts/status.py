@@ -5,12 +5,17 @@ checkpoints' COMPLETE markers, models/, eval/; where layout.py puts them, as the
 scheduler: squeue (sacct when the cluster keeps accounting) or, outside SLURM, the local torchrun/train.py
 processes. A finished run gets a summary. The table (status_view.py) shows the mean of the recent logged losses,
 the latest held-out loss logged during training (training.eval_every) and the median tok/s of the recent
-intervals, fitted to the terminal's width (COLUMNS, or --width).
+intervals, fitted to the terminal's width (COLUMNS, or --width). Below it: what runs now (the outputs Snakemake
+marked incomplete in .snakemake/incomplete/, which it does for every job it starts or submits), the stage after
+training that runs (consolidating, evaluating, summarizing), and an ETA of the whole run: training's ETA plus,
+for each later stage with jobs left, the longest duration of that stage's jobs finished so far in this run
+(.snakemake/metadata/'s start and end times); "unknown" where a stage has no finished job to go by.
 
     python workflow_scripts/status.py --run demo [--root DIR] [--watch [SECONDS]] [--plain] [--width N]
 """
 
 import argparse
+import base64
 import contextlib
 import json
 import os
@@ -24,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from layout import VARIANT_FILES, expected_train_dirs, file, matching
+from layout import RUN_FILES, VARIANT_FILES, expected_train_dirs, file, matching
 from pipeline_io import UserError, cli, duration
-from status_view import headline, render_plain, render_rich
+from status_view import RunProgress, headline, render_plain, render_rich
 
 RECENT = 10  # step intervals the ETA, the stall rule and tok/s take the median of, and the loss the mean of
 STALL_FACTOR = 5.0  # no new step for this many expected intervals: stalled
@@ -427,6 +432,174 @@ def run_status(root: Path, run: str, now: float | None = None, factor: float = S
     return [node_status(f, results, root, jobs, processes, now, factor, recent) for f in folders]
 
 
+# ---------------------------------------------------------------- the whole run: what runs now, the later stages
+
+# the stages of a run in order, and what each output of layout.py is the job of: (stage, the job's short name)
+STAGES = ("preparing", "training", "consolidating", "evaluating", "summarizing")
+STAGE_NAME = {"training": "training", "consolidating": "consolidation", "evaluating": "evaluation",
+              "summarizing": "summary"}  # fmt: skip
+OUTPUT_JOB = {
+    **dict.fromkeys(["DEMO_MODEL"], ("preparing", "build base model")),
+    **dict.fromkeys(["ENV_CHECK"], ("preparing", "check environment")),
+    **dict.fromkeys(["MANIFEST", "SPLIT", "EVAL_SPLIT", "REJECTS"], ("preparing", "split")),
+    **dict.fromkeys(["TOKENIZED", "PACKING", "TOKEN_STATS", "TOKEN_REJECTS"], ("preparing", "tokenize")),
+    **dict.fromkeys(["DECONTAMINATION", "DECONTAMINATED", "CONTAMINATED"], ("preparing", "decontaminate")),
+    **dict.fromkeys(["DATA_REPORT", "DATA_PLOT"], ("preparing", "data report")),
+    **dict.fromkeys(["PLAN", "PLAN_TABLE"], ("preparing", "plan")),
+    **dict.fromkeys(["TRAIN_METRICS", "TRAIN_STATE", "TRAIN_PLAN"], ("training", "train")),
+    **dict.fromkeys(["MODEL_DIR"], ("consolidating", "consolidate")),
+    **dict.fromkeys(["EVAL_RESULT", "LM_EVAL_RESULT", "BASE_EVAL", "BASE_LM_EVAL"], ("evaluating", "evaluate")),
+}
+
+
+def _output_regex(pattern: str) -> re.Pattern:
+    return re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/.]+)", re.escape(pattern)))
+
+
+OUTPUT_PATTERNS = [(name, _output_regex(path)) for name, path in (RUN_FILES | VARIANT_FILES).items()]
+
+
+def output_job(path: str, run: str) -> tuple[str, str] | None:
+    """The stage and job of an output path under results/<run>/ (layout.py's names): ("evaluating", "evaluate
+    node0"), ("training", "train lr-1e-05/node1"), ("summarizing", "report page"); None for any other path."""
+    prefix = f"results/{run}/"
+    if not path.startswith(prefix):
+        return None
+    rest = path[len(prefix) :]
+    candidates = [("", rest)] + ([tuple(rest.split("/", 1))] if "/" in rest else [])
+    for variant, rel in candidates:
+        for name, regex in OUTPUT_PATTERNS:
+            match = regex.fullmatch(rel)
+            if not match:
+                continue
+            if name.endswith("_PAGE"):
+                stage, what = "summarizing", "report page"
+            else:
+                stage, what = OUTPUT_JOB.get(name, ("summarizing", "summarize"))
+            value = next(iter(match.groupdict().values()), "")
+            where = "/".join(x for x in (variant, value) if x)
+            return stage, f"{what} {where}".strip()
+    return None
+
+
+def snakemake_records(root: Path, kind: str, prefix: str = "") -> dict[str, dict]:
+    """Snakemake's own records under .snakemake/<kind>/, by the output path each is named after (urlsafe base64,
+    long names cut into folders starting with '@'): `incomplete` (the outputs of every job started or submitted
+    and not finished, with its SLURM job id), `metadata` (every output made: its rule, start and end time).
+    Only the paths starting with ``prefix`` are read."""
+    base = root / ".snakemake" / kind
+    records: dict[str, dict] = {}
+    if not base.is_dir():
+        return records
+    for path in base.rglob("*"):
+        if not path.is_file() or path.name == "migration_underway":
+            continue
+        try:
+            name = base64.urlsafe_b64decode("".join(p.removeprefix("@") for p in path.relative_to(base).parts))
+            key = name.decode()
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if Path(key).is_absolute():  # Snakemake names outputs under its work dir relative to it
+            with contextlib.suppress(ValueError):
+                key = str(Path(key).relative_to(root.resolve()))
+        if key.startswith(prefix):
+            records[key] = read_json(path) or {}
+    return records
+
+
+def running_jobs(root: Path, run: str) -> list[tuple[str, str, str]]:
+    """(stage, job, SLURM job id or "") of every job of the run Snakemake started and has not finished, from its
+    incomplete markers; one entry per job (a job's outputs share it), by stage."""
+    jobs: dict[str, tuple[str, str, str]] = {}
+    for path, record in sorted(snakemake_records(root, "incomplete", f"results/{run}/").items()):
+        found = output_job(path, run)
+        if found:
+            jobs.setdefault(found[1], (*found, str(record.get("external_jobid") or "")))
+    return sorted(jobs.values(), key=lambda job: (STAGES.index(job[0]), job[1]))  # in the run's order
+
+
+# the rules whose finished jobs measure a later stage (their durations from Snakemake's metadata)
+RULE_STAGE = {"consolidate_node": "consolidating", "make_soup": "consolidating", "evaluate_model": "evaluating",
+              "copy_base_eval": "evaluating", "summarize": "summarizing", "compare_grid": "summarizing"}  # fmt: skip
+
+
+def stage_durations(root: Path, run: str) -> dict[str, float]:
+    """The longest duration (end - start, as Snakemake recorded them) of each later stage's finished jobs of the
+    run (RULE_STAGE's rules)."""
+    longest: dict[str, float] = {}
+    for path, record in snakemake_records(root, "metadata", f"results/{run}/").items():
+        stage = RULE_STAGE.get(record.get("rule", ""))
+        start, end = record.get("starttime"), record.get("endtime")
+        if not stage or not output_job(path, run) or record.get("incomplete"):
+            continue
+        if all(isinstance(t, int | float) for t in (start, end)):
+            longest[stage] = max(longest.get(stage, 0.0), end - start)
+    return longest
+
+
+def stages_left(nodes: list[NodeStatus], results: Path) -> list[str]:
+    """The stages after training that still have jobs: all of them while a training job is not done (a retrained
+    node's model, evaluation and summary are redone after it, even where the older ones are still there); else
+    from the files: a trained model not consolidated, a model (base included) not evaluated, a summary not
+    written (each variant's; a grid's comparison)."""
+    if not nodes or any(s.state != "done" for s in nodes):
+        return ["consolidating", "evaluating", "summarizing"]
+    left = []
+    prefixes = {s.variant: results / s.variant if s.variant else results for s in nodes}
+    if any(not s.model for s in nodes):
+        left.append("consolidating")
+    evaluated = [file(results, "BASE_EVAL", model="base").exists()]  # shared by a grid's variants
+    evaluated += [file(prefixes[s.variant], "EVAL_RESULT", model=s.node).exists() for s in nodes]
+    if not all(evaluated):
+        left.append("evaluating")
+    summaries = [file(p, "SUMMARY").exists() for p in prefixes.values()]
+    if any(s.variant for s in nodes):  # a grid: its comparison too
+        summaries.append(file(results, "GRID_TABLE").exists())
+    if not all(summaries):
+        left.append("summarizing")
+    return left
+
+
+def run_progress(root: Path, run: str, nodes: list[NodeStatus], now: float | None = None) -> RunProgress:
+    """What runs now, the stage after training that runs (or comes next), and the whole run's ETA: the training
+    jobs' longest ETA, then each later stage with jobs left as long as its longest finished job in this run (the
+    stage's jobs side by side, as on SLURM); unknown where a training job has no ETA yet or a stage no finished job."""
+    results = root / "results" / run
+    running = running_jobs(root, run)
+    locks = root / ".snakemake" / "locks"
+    alive = locks.is_dir() and any(locks.iterdir())
+    left = stages_left(nodes, results)
+    after = [stage for stage, _, _ in running if STAGES.index(stage) > STAGES.index("training")]
+    if after and alive:  # a later stage runs: it and every stage after it are ahead, older outputs or not
+        first = STAGES.index(min(after, key=STAGES.index))
+        left = sorted({*left, *STAGES[first:]}, key=STAGES.index)
+    measured = stage_durations(root, run)
+    parts, unknown, total = [], [], 0.0
+    training = [s for s in nodes if s.state != "done"]
+    if training:
+        etas = [s.eta_s for s in training]
+        if any(e is None for e in etas):
+            unknown.append("training (a job without an ETA yet)")
+        else:
+            total += max(etas)
+            parts.append(f"training {duration(max(etas))}")
+    for stage in left:
+        if stage in measured:
+            total += measured[stage]
+            parts.append(f"{STAGE_NAME[stage]} {duration(measured[stage])}")
+        else:
+            unknown.append(f"{STAGE_NAME[stage]} (no job of it finished yet)")
+    return RunProgress(
+        running=[f"{job} (slurm {job_id})" if job_id else job for _, job, job_id in running],
+        alive=alive,
+        stage=max(after, key=STAGES.index) if after and alive else None,
+        next_stage=left[0] if left else None,
+        eta_s=None if unknown or not (training or left) else total,
+        eta_parts=parts,
+        eta_unknown=unknown,
+    )
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -472,11 +645,12 @@ def show(a: argparse.Namespace, run: str, console, config: dict | None = None) -
     now = time.time()
     nodes = run_status(a.root, run, now, a.stall_factor, config=config)
     results = a.root / "results" / run
+    progress = run_progress(a.root, run, nodes, now)
     if console is None:
-        print(render_plain(run, nodes, results, now, table_width(a)), flush=True)
+        print(render_plain(run, nodes, results, now, table_width(a), progress), flush=True)
     else:
-        render_rich(console, run, nodes, results, now)
-    return headline(nodes, results) == "finished"
+        render_rich(console, run, nodes, results, now, progress)
+    return headline(nodes, results, progress) == "finished"
 
 
 @cli

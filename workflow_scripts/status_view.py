@@ -6,10 +6,28 @@ a SLURM job by its id alone, then leaves out the least needed columns (named und
 step, ETA and model always stay.
 """
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from layout import file, matching
 from pipeline_io import duration
+
+
+@dataclass
+class RunProgress:
+    """The whole run beyond its training jobs (status.run_progress): the jobs running now, the stage after training
+    that runs, the next one by the files, and the ETA of the whole run with its parts (None: unknown)."""
+
+    running: list[str] = field(default_factory=list)  # "evaluate node0 (slurm 123)", ...
+    alive: bool = False  # a Snakemake holds the work dir's lock
+    stage: str | None = None  # consolidating, evaluating or summarizing, while one of its jobs runs
+    next_stage: str | None = None  # the first stage after training with jobs left
+    eta_s: float | None = None
+    eta_parts: list[str] = field(default_factory=list)  # "training 3m10s", "evaluation 1m02s"
+    eta_unknown: list[str] = field(default_factory=list)  # the parts without an estimate
+
+
+NEXT = {"consolidating": "consolidation", "evaluating": "evaluation", "summarizing": "the summary"}
 
 
 def stages(results: Path) -> dict:
@@ -153,18 +171,50 @@ def stage_line(picture: dict) -> str:
     )
 
 
-def headline(nodes: list, results: Path) -> str:
+def headline(nodes: list, results: Path, progress: RunProgress | None = None) -> str:
+    """`N training job(s)` while one trains; then `training finished; evaluating` (the stage whose job runs now,
+    also where an older summary is still there: a retrained node's) or `...; evaluation next, no job running`;
+    `finished` once the models are compared (summary, a grid's table) and no later job runs."""
     if not nodes or any(s.state != "done" for s in nodes):
         return f"{len(nodes)} training job(s)"
+    if progress is not None and progress.stage:
+        return f"training finished; {progress.stage}"
     compared = any(file(results, name).exists() for name in ("SUMMARY", "GRID_TABLE"))  # GRID_TABLE: a grid's
-    return "finished" if compared else "training finished"
+    if compared:
+        return "finished"
+    if progress is None:
+        return "training finished"
+    if progress.next_stage:
+        return f"training finished; {NEXT[progress.next_stage]} next, no job running"
+    return "training finished"
 
 
-def render_plain(run: str, nodes: list, results: Path, now: float, width: int | None = None) -> str:
-    """The status as plain text: a header, an aligned table (fitted to ``width``), the stages, and a finished
-    run's summary."""
+def progress_lines(progress: RunProgress | None, finished: bool) -> list[str]:
+    """`running now: ...` (or the jobs a stopped Snakemake left unfinished) and the whole run's ETA."""
+    if progress is None or finished:
+        return []
+    lines = []
+    if progress.running and progress.alive:
+        lines.append(f"running now: {', '.join(progress.running)}")
+    elif progress.running:
+        jobs = ", ".join(progress.running)
+        lines.append(f"left unfinished by a Snakemake that is not running (a rerun redoes them): {jobs}")
+    parts = ", ".join(progress.eta_parts)
+    if progress.eta_s is not None:
+        lines.append(f"whole run: ETA {duration(progress.eta_s)} ({parts}; each later stage as long as its longest"
+                     " finished job, its jobs side by side)")  # fmt: skip
+    elif progress.eta_unknown:
+        known = f"{parts}; " if parts else ""
+        lines.append(f"whole run: ETA unknown ({known}not yet measured: {', '.join(progress.eta_unknown)})")
+    return lines
+
+
+def render_plain(run: str, nodes: list, results: Path, now: float, width: int | None = None,
+                 progress: RunProgress | None = None) -> str:  # fmt: skip
+    """The status as plain text: a header, an aligned table (fitted to ``width``), the stages, what runs now and
+    the whole run's ETA, and a finished run's summary."""
     finished = bool(nodes) and all(s.state == "done" for s in nodes)
-    lines = [f"run {run}: {headline(nodes, results)} ({results})"]
+    lines = [f"run {run}: {headline(nodes, results, progress)} ({results})"]
     if nodes:
         columns, rows, below = fit(nodes, now, width)
         table = [columns, *rows]
@@ -174,6 +224,7 @@ def render_plain(run: str, nodes: list, results: Path, now: float, width: int | 
     else:
         lines.append("no training folder yet")
     lines.append(stage_line(stages(results)))
+    lines += progress_lines(progress, headline(nodes, results, progress) == "finished")
     if finished:
         lines += summary_lines(nodes, results)
     return "\n".join(lines)
@@ -182,14 +233,14 @@ def render_plain(run: str, nodes: list, results: Path, now: float, width: int | 
 STATE_STYLE = {"done": "green", "running": "cyan", "starting": "yellow", "pending": "yellow", "stalled": "bold red"}
 
 
-def render_rich(console, run: str, nodes: list, results: Path, now: float) -> None:
+def render_rich(console, run: str, nodes: list, results: Path, now: float, progress: RunProgress | None = None) -> None:
     """The status as a rich table, fitted to the console's width (rich wraps the lines below it)."""
     from rich import box
     from rich.table import Table
 
     finished = bool(nodes) and all(s.state == "done" for s in nodes)
     table = Table(
-        title=f"run {run}: {headline(nodes, results)}",
+        title=f"run {run}: {headline(nodes, results, progress)}",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
@@ -206,7 +257,8 @@ def render_rich(console, run: str, nodes: list, results: Path, now: float) -> No
         cells[state] = f"[{style}]{cells[state]}[/]" if style else cells[state]
         table.add_row(*cells)
     console.print(table if nodes else f"run {run}: no training folder yet")
-    for line in [*(below if nodes else []), stage_line(stages(results))]:
+    after = progress_lines(progress, headline(nodes, results, progress) == "finished")
+    for line in [*(below if nodes else []), stage_line(stages(results)), *after]:
         console.print(line, highlight=False)
     if finished:
         for line in summary_lines(nodes, results):
