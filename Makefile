@@ -25,7 +25,7 @@ SNAKEMAKE := $(VENV)/bin/snakemake
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-trackers run report status dry-run help test test-fast lint format lock clean
+.PHONY: install install-trackers run report status dry-run help test test-fast lint format lock clean retrain
 
 install: $(STAMP) ## install into .venv only (torch, then requirements.lock); trains nothing
 
@@ -71,6 +71,12 @@ help: ## this list: every target with one line
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z][a-z-]*:.*## / {printf "  make %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 # RUN only when given (make status RUN=x); otherwise status.py reads run: from CONFIG (config/config.yaml)
+# NODE's checkpoints moved aside, then snakemake -R its train_state.json (its training from step 0, its model,
+# evaluation, the summary and the pages), then the report (workflow_scripts/retrain.py)
+retrain: install ## train NODE=node1 again from step 0, then its evaluation, the summary and the report (CONFIG=, PROFILE=)
+	$(PY) workflow_scripts/retrain.py --config $(or $(CONFIG),config/config.yaml) --node $(NODE) \
+	  $(if $(VARIANT),--variant $(VARIANT)) -- $(if $(PROFILE),--profile $(PROFILE),--cores all)
+
 status: install ## where each job of a run is (RUN=<run>, CONFIG=my.yaml, ARGS=--watch)
 	@$(PY) workflow_scripts/status.py $(if $(filter-out file,$(origin RUN)),--run $(RUN)) \
 	  --config $(or $(CONFIG),config/config.yaml) $(ARGS)

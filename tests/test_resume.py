@@ -177,17 +177,33 @@ def plan_of(tmp_path) -> dict:
     return json.loads((tmp_path / "train" / "plan.json").read_text())
 
 
-def test_a_finished_run_trains_again_from_step_0(tmp_path, demo_assets):
-    """--forcerun train_node (or deleted outputs) on a finished config is a fresh start, not a resume at the end."""
+def test_a_finished_run_trains_nothing_again_and_retrain_starts_from_step_0(tmp_path, demo_assets):
+    """A rerun of a finished config (a re-made plan, --forcerun train_node, deleted outputs) trains nothing: it
+    writes its outputs again from the last checkpoint, metrics.jsonl restored. make retrain moves the
+    checkpoints aside (retrain.set_aside), and the same config trains again from step 0, to the same losses."""
+    from retrain import set_aside
+
     cfg = CONFIG | {"max_steps": 8}
     run_trainer(tmp_path, demo_assets, cfg)
     first = losses(tmp_path)
-    again = run_trainer(tmp_path, demo_assets, cfg)
-    assert "had finished training; starting again from step 0" in again.stderr
-    assert plan_of(tmp_path)["start_step"] == 0 and "resumed from" not in again.stderr
-    assert losses(tmp_path) == first  # all 8 steps trained again, each logged once
     (key,) = [p for p in (tmp_path / "ckpt").iterdir() if p.is_dir()]
-    assert sorted(p.name for p in key.iterdir()) == ["step-4", "step-8"]  # the old run's folders were replaced
+    final = (
+        (key / "step-8" / "model.safetensors").read_bytes() if (key / "step-8" / "model.safetensors").exists() else None
+    )
+    (tmp_path / "train" / "metrics.jsonl").unlink()  # as Snakemake deletes a job's outputs before it runs
+    again = run_trainer(tmp_path, demo_assets, cfg)
+    assert "had finished training: nothing to train" in again.stderr and "step 1/8" not in again.stderr
+    assert plan_of(tmp_path)["start_step"] == 8
+    assert losses(tmp_path) == first  # restored from the last checkpoint, each step once
+    assert sorted(p.name for p in key.iterdir()) == ["step-4", "step-8"]
+    if final is not None:
+        assert (key / "step-8" / "model.safetensors").read_bytes() == final
+
+    aside = set_aside(tmp_path / "ckpt", time.time())
+    assert aside.name.startswith("ckpt.before-retrain-") and not (tmp_path / "ckpt").exists()
+    retrained = run_trainer(tmp_path, demo_assets, cfg)
+    assert plan_of(tmp_path)["start_step"] == 0 and "resumed from" not in retrained.stderr
+    assert losses(tmp_path) == first  # all 8 steps trained again, each logged once
 
 
 def test_a_base_model_changed_in_place_starts_fresh(tmp_path, demo_assets):

@@ -237,8 +237,11 @@ class Checkpointer:
     def resume(self, last_step: int) -> int:
         """Load the newest good checkpoint of an interrupted run; return its step (0 for a fresh start).
 
-        A run whose newest good checkpoint is its last step had finished: this job was forced (or its
-        outputs deleted), so it trains again from step 0 and that run's checkpoints are deleted.
+        A run whose newest good checkpoint is its last step had finished: this job reran for something that
+        does not change what it trains (a re-made plan, a new environment check, its outputs deleted or
+        forced), so it trains nothing and writes its outputs again from that checkpoint: the last step is
+        returned and its metrics.jsonl restored. Training a node again from step 0 is `make retrain`, which
+        moves its checkpoints aside (workflow_scripts/retrain.py).
         """
         metrics_path = self.metrics_path
         complete, partial = list_checkpoints(self.root)
@@ -262,13 +265,6 @@ class Checkpointer:
             for damaged, _ in bad:  # newer than the one resumed: their steps are trained and saved again
                 aside = damaged.with_name(f"damaged-{damaged.name}")
                 damaged.rename(aside if not aside.exists() else aside.with_name(f"{aside.name}-{time.time():.0f}"))
-        if folder is not None and step_of(folder) >= last_step:
-            if self.rank == 0:
-                log.warning("%s: this config had finished training; starting again from step 0", folder)
-                for p in complete + partial:
-                    if p.exists():
-                        shutil.rmtree(p)
-            folder = None
         if folder is None:
             if self.rank == 0 and metrics_path.exists():
                 metrics_path.unlink()
@@ -283,7 +279,12 @@ class Checkpointer:
                 metrics_path.unlink()
             was = self.resharded
             how = f" (saved at {was['world_size']} ranks, grad_accum {was['grad_accum']}: resharded)" if was else ""
-            log.info("resumed from %s at step %d%s", folder, step, how)
+            if step >= last_step:
+                again = "make retrain NODE=<node> trains from step 0"
+                log.warning("%s: this config had finished training: nothing to train, its outputs are written "
+                            "again from it (%s)", folder, again)  # fmt: skip
+            else:
+                log.info("resumed from %s at step %d%s", folder, step, how)
         return step
 
     def _none_good(self, bad: list[tuple[Path, str]]) -> str:
