@@ -33,9 +33,8 @@ def quickstart() -> list[str]:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    from demo_model import build_model, texts_from, train_tokenizer
-
     from conftest import DEMO_CSV
+    from demo_model import build_model, texts_from, train_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny-chat")
     tokenizer = train_tokenizer(texts_from(str(DEMO_CSV)), 512)
