@@ -464,7 +464,7 @@ GPU_RULES = ("train_node", "train_joint", "check_environment")
 
 def check_gpu_count():
     """TRAIN_GPUS (the profile's variable before the rules asked for the GPUs) or a profile's set-resources
-    GPU count for a GPU rule must equal training.procs_per_node: one line naming both, else. A profile's
+    GPU count for a GPU job must equal training.procs_per_node (else one line naming both). A profile's
     `gpu: 0` is a cluster without GPUs (CPU training), not a count."""
     said = os.environ.get("TRAIN_GPUS")
     if said not in (None, "") and said != str(GPUS_PER_NODE):
@@ -472,8 +472,8 @@ def check_gpu_count():
             f"TRAIN_GPUS={said} but training.procs_per_node is {GPUS_PER_NODE}: the training jobs ask SLURM for"
             " training.procs_per_node GPUs (one a rank); unset TRAIN_GPUS or set procs_per_node"
         )
-    for rule in GPU_RULES:
-        resources = workflow.resource_settings.overwrite_resources.get(rule) or {}
+    for job in GPU_RULES:
+        resources = workflow.resource_settings.overwrite_resources.get(job) or {}
         for name in ("gpu", "gres"):
             value = resources.get(name)
             value = getattr(value, "value", value)  # a parsed Resource
@@ -482,7 +482,7 @@ def check_gpu_count():
             count = str(value).rsplit(":", 1)[-1] if name == "gres" else str(value)
             if count != str(GPUS_PER_NODE):
                 raise UserError(
-                    f"the profile's set-resources {rule}: {name}: {value} but training.procs_per_node is"
+                    f"the profile's set-resources {job}: {name}: {value} but training.procs_per_node is"
                     f" {GPUS_PER_NODE}: the rules ask SLURM for training.procs_per_node GPUs; remove {name} there"
                 )
 
