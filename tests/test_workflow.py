@@ -310,7 +310,8 @@ def test_a_failed_jobs_reason_reaches_the_console(tmp_path, demo_assets):
     assert proc.returncode != 0
     reason = f"{data}: no usable rows left (3 read, 3 rejected: {{'empty_response': 3}})"
     assert reason in (tmp_path / "work/logs/t/split_dataset.log").read_text()
-    assert f"error: split_dataset (logs/t/split_dataset.log): {reason}" in proc.stderr.splitlines(), proc.stderr
+    kept = "the rejects are in logs/t/split_dataset.rejects.jsonl"  # kept outside the failed job's outputs
+    assert f"error: split_dataset (logs/t/split_dataset.log): {reason}; {kept}" in proc.stderr.splitlines()
 
 
 def train_jobs(text: str) -> list[str]:
