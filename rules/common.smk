@@ -359,6 +359,17 @@ def training_json():
     return lambda wildcards: json.dumps(training_section(wildcards), sort_keys=True)
 
 
+def measured_gpu_input(wildcards):
+    """check_environment's report as plan_training's named input `env`, where the job's training.gpu_memory_gb
+    is unset: the plan then uses the GPU memory it measured (preflight.gpu_memory)."""
+    return {} if training_section(wildcards)["gpu_memory_gb"] is not None else {"env": ENV_CHECK}
+
+
+def environment_args(wildcards, input):
+    """plan_training's --environment where the job has the `env` input (a params function)."""
+    return f"--environment {shlex.quote(input.env)}" if input.get("env") else ""
+
+
 def held_out_input(wildcards):
     """The tokenized eval set as the training job's named input `eval`, only where the job's training.eval_every
     is on: turning it on or off changes the job's inputs, as it changes its metrics."""

@@ -4,9 +4,9 @@ localrules:
 
 rule plan_training:
     input:
-        # the GPUs check_environment measured on the training partition: their memory, unless
-        # training.gpu_memory_gb is set
-        env=ENV_CHECK,
+        # `env`: the GPUs check_environment measured on the training partition, where training.gpu_memory_gb
+        # is unset (their memory is the plan's); a set one leaves the plan independent of the environment check
+        unpack(measured_gpu_input),
         model=BASE_RECORD_INPUT,  # a hub model's fetch record: a refetch re-plans
     output:
         plan=PLAN,
@@ -23,6 +23,7 @@ rule plan_training:
         # failure, or a cluster after a workstation) re-plans nothing; a finished plan is checked against it at
         # parse time (check_host_memory)
         host_memory=Untracked(cli_args(host_memory_mb=train_mem_mb())),
+        environment=environment_args,
     shell:
         "python {params.script:q} --model {params.model:q} --config {params.config:q} {params.host_memory}"
-        " --environment {input.env} --output {output.plan} --table {output.table} > {log} 2>&1"
+        " {params.environment} --output {output.plan} --table {output.table} > {log} 2>&1"
