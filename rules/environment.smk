@@ -8,6 +8,7 @@ rule check_environment:
     resources:
         # the training job's GPUs (training.procs_per_node): it measures them before the plan
         gpu=GPUS_PER_NODE,
+        tasks_per_gpu=0,  # one task: no --ntasks-per-gpu
     params:
         script=script_path("environment.py"),
         config=ENV_CONFIG,

@@ -18,8 +18,10 @@ rule train_node:
         "../envs/train.yaml"
     threads: config["training"]["procs_per_node"]
     resources:
-        # sbatch --gpus: one GPU a rank, from training.procs_per_node alone (the profile sets no GPU count)
+        # sbatch --gpus: one GPU a rank, from training.procs_per_node alone (the profile sets no GPU count);
+        # one SLURM task, torchrun inside it (0: no --ntasks-per-gpu, which the plugin would add otherwise)
         gpu=GPUS_PER_NODE,
+        tasks_per_gpu=0,
     params:
         script=script_path("train.py"),
         config=training_json(),
@@ -76,8 +78,10 @@ rule train_joint:
         nodes=config["nodes"],
         tasks=config["nodes"],
         mpi="srun",
-        # per node (sbatch --gpus would count the whole job): training.procs_per_node, one GPU a rank
+        # per node (sbatch --gpus would count the whole job): training.procs_per_node, one GPU a rank;
+        # one task a node (0: no --ntasks-per-gpu, which the plugin would take from `tasks` otherwise)
         gres=f"gpu:{GPUS_PER_NODE}",
+        tasks_per_gpu=0,
     params:
         launch=script_path("launch.py"),
         script=script_path("train.py"),
