@@ -11,7 +11,7 @@ import sys
 
 import pytest
 from conftest import DEMO_CSV, REPO, planned_jobs, snakemake, tiny_config, tool_env
-from hub_server import HubServer, folder_files
+from hub_server import HubServer, tiny_chat_model
 from pipeline_io import UserError
 
 REPO_ID = "acme/tiny-chat"
@@ -26,13 +26,7 @@ TOKENIZED_EVAL = f"results/{RUN}/data/tokenized/eval.parquet"
 @pytest.fixture(scope="module")
 def model_files(tmp_path_factory):
     """A tiny demo model's files (save_pretrained's, chat template included) and two that are not fetched."""
-    from demo_model import build_model, texts_from, train_tokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-chat")
-    tokenizer = train_tokenizer(texts_from(str(DEMO_CSV)), 512)
-    build_model(tokenizer, 128, seed=0).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    files = folder_files(folder)
+    files = tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), DEMO_CSV)
     assert set(files) == FETCHED, sorted(files)
     return files | {"README.md": b"# tiny chat\n", "pytorch_model.bin": b"not fetched" * 100}
 

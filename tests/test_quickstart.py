@@ -13,8 +13,8 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import BIN, PROFILES, REPO, job_logs, slurm_env, submissions, tiny_config
-from hub_server import HubServer, folder_files
+from conftest import BIN, DEMO_CSV, PROFILES, REPO, job_logs, slurm_env, submissions, tiny_config
+from hub_server import HubServer, tiny_chat_model
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
@@ -33,15 +33,8 @@ def quickstart() -> list[str]:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    from conftest import DEMO_CSV
-    from demo_model import build_model, texts_from, train_tokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-chat")
-    tokenizer = train_tokenizer(texts_from(str(DEMO_CSV)), 512)
-    build_model(tokenizer, 128, seed=0).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
     server = HubServer()
-    server.repo(REPO_ID).commit(folder_files(folder))
+    server.repo(REPO_ID).commit(tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), DEMO_CSV))
     yield server
     server.stop()
 
