@@ -501,6 +501,8 @@ def check_gpu_count():
 def final_outputs():
     """The report's inputs and each trained model (so a deleted model is rebuilt), of every grid variant,
     and the grid's comparison."""
+    from report_pages import made
+
     variants = list(VARIANTS)  # expand() leaves out a wildcard its pattern does not have (no grid)
     return [
         *expand(MODEL_DIR, model=TRAINED, variant=variants),
@@ -508,12 +510,9 @@ def final_outputs():
         MANIFEST,
         DATA_REPORT,
         *expand([PLAN, SUMMARY, LOSS_CURVES, LEADERBOARD, PROVENANCE], variant=variants),
-        *([GRID_TABLE, GRID_PLOT, GRID_PAGE] if GRID else []),
-        # the report's pages (rules/report_pages.smk)
-        ENV_PAGE,
-        DATA_PAGE,
-        *expand([PLAN_PAGE, SUMMARY_PAGE, LEADERBOARD_PAGE, TASKS_PAGE, SAMPLES_PAGE], variant=variants),
-        *expand([CONSOLIDATION_PAGE, PROVENANCE_PAGE], variant=variants),
+        *([GRID_TABLE, GRID_PLOT] if GRID else []),
+        # the report's pages (workflow_scripts/report_pages.py, rules/report_pages.smk), in the table's order
+        *expand([globals()[page.key] for page in made(GRID)], variant=variants),
     ]
 
 

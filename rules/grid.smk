@@ -42,7 +42,7 @@ rule compare_grid:
         base=BASE_EVAL.format(model="base"),
         results=expand(EVAL_RESULT, variant=VARIANTS, model=[*TRAINED, *SOUPS]),
     output:
-        table=GRID_TABLE,  # the report shows GRID_PAGE
+        table=GRID_TABLE,  # the report shows GRID_PAGE (rules/report_pages.smk)
         plot=report(GRID_PLOT, caption="../report/grid.rst", category="Grid"),
     log:
         f"{LOGS}/compare_grid.log",
@@ -54,23 +54,3 @@ rule compare_grid:
     shell:
         "python {params.script:q} --config {params.config:q} --base {input.base} --results {input.results}"
         " --table {output.table} --plot {output.plot} > {log} 2>&1"
-
-
-localrules:
-    render_grid_page,
-
-
-rule render_grid_page:
-    input:
-        GRID_TABLE,
-    output:
-        report(PAGES["GRID_PAGE"], caption="../report/grid.rst", category="Grid"),
-    log:
-        f"{PAGES['LOGS']}/render_page/grid.log",
-    conda:
-        "../envs/eval.yaml"
-    params:
-        script=script_path("report_page.py"),
-        title="eval/grid.csv: every variant's models against base",
-    shell:
-        "python {params.script:q} --input {input:q} --output {output:q} --title {params.title:q} > {log} 2>&1"

@@ -11,6 +11,8 @@ import json
 import string
 from pathlib import Path
 
+from report_pages import PAGES as REPORT_PAGES
+
 RESULTS = "results/{run}"
 LOGS = "logs/{run}"
 VARIANT = "{variant}"  # a grid variant's folder under results/<run>/ and logs/<run>/
@@ -37,10 +39,6 @@ RUN_FILES = {
     "BASE_LM_EVAL": "eval/lm_eval/{model}.json",
     "GRID_TABLE": "eval/grid.csv",  # compare_grid: every variant's models against base
     "GRID_PLOT": "eval/grid.png",
-    # the report's pages (render_page, rules/report_pages.smk): an output above as HTML the report shows in place
-    "ENV_PAGE": "env/check.html",
-    "DATA_PAGE": "data/data_report.html",
-    "GRID_PAGE": "eval/grid.html",
     "REPORT": "report.html",  # snakemake --report (the Makefile)
     "TRACKERS": "trackers",  # logging.trackers' local stores: wandb's offline runs, MLflow's SQLite store
 }
@@ -68,15 +66,27 @@ VARIANT_FILES = {
     "SAMPLES": "eval/samples.csv",
     "CONSOLIDATION": "eval/consolidation.csv",
     "PROVENANCE": "provenance.json",
-    # the report's pages (render_page, rules/report_pages.smk)
-    "PLAN_PAGE": "plan/memory.html",
-    "SUMMARY_PAGE": "eval/summary.html",
-    "TASKS_PAGE": "eval/tasks.html",
-    "SAMPLES_PAGE": "eval/samples.html",
-    "CONSOLIDATION_PAGE": "eval/consolidation.html",
-    "LEADERBOARD_PAGE": "eval/leaderboard.html",
-    "PROVENANCE_PAGE": "provenance.html",
 }
+
+
+def place_pages(pages) -> tuple[dict[str, str], dict[str, str]]:
+    """The report's pages (report_pages.PAGES) as layout names: each beside the file it renders, a variant's
+    page (in VARIANT_FILES) where that file is a variant's, else the run's (in RUN_FILES). A page whose file or
+    image is no layout name stops here, naming it."""
+    run, variant = {}, {}
+    for page in pages:
+        for name in (page.source, *page.images):
+            if name not in RUN_FILES and name not in VARIANT_FILES:
+                raise ValueError(f"report_pages.py: page {page.name!r}: {name} is no file of layout.py")
+        (variant if page.source in VARIANT_FILES else run)[page.key] = page.path
+    return run, variant
+
+
+# the report's pages (report_pages.py, rendered by rules/report_pages.smk): an output above as HTML the report
+# shows in place
+RUN_PAGES, VARIANT_PAGES = place_pages(REPORT_PAGES)
+RUN_FILES |= RUN_PAGES
+VARIANT_FILES |= VARIANT_PAGES
 
 
 class Pattern(str):

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from layout import RUN_FILES, VARIANT_FILES, expected_train_dirs, file, matching
+from layout import RUN_FILES, RUN_PAGES, VARIANT_FILES, VARIANT_PAGES, expected_train_dirs, file, matching
 from pipeline_io import UserError, cli, duration
 from status_view import RunProgress, headline, render_plain, render_rich
 
@@ -472,7 +472,7 @@ def output_job(path: str, run: str) -> tuple[str, str] | None:
             match = regex.fullmatch(rel)
             if not match:
                 continue
-            if name.endswith("_PAGE"):
+            if name in RUN_PAGES or name in VARIANT_PAGES:  # report_pages.py
                 stage, what = "summarizing", "report page"
             else:
                 stage, what = OUTPUT_JOB.get(name, ("summarizing", "summarize"))
