@@ -5,23 +5,15 @@
 # that `snakemake --list-target-rules` (the rules without a wildcard) leaves them out: a page is never a target of
 # its own.
 
-from layout import VARIANT_FILES  # noqa: E402
+from layout import VARIANT_PAGES  # noqa: E402
 from report_pages import made  # noqa: E402
+
+# each page's logs: the variant's where the file it renders is a variant's
+PAGE_LOGS = {page.name: PAGES["VLOGS" if page.key in VARIANT_PAGES else "LOGS"] for page in made(GRID)}
 
 # Snakemake's code trigger compares a rule's shell text: these are the commands as written before the rules were
 # made from the table (a change here reruns every page). One loop each: a rule's shell expression is evaluated
 # again when its job runs, after the loop, so it must not depend on the loop's page.
-
-
-def page_output(page):
-    """The page, a report item with its caption and category."""
-    caption = f"../report/{page.caption}"
-    return report(PAGES[page.key], caption=caption, category=page.category, subcategory=page.subcategory)
-
-
-def page_log(page):
-    """The page's log, with the variant's logs where the file it renders is a variant's."""
-    return f"{PAGES['VLOGS' if page.source in VARIANT_FILES else 'LOGS']}/render_page/{page.name}.log"
 
 
 for page in made(GRID):
@@ -34,9 +26,14 @@ for page in made(GRID):
         input:
             globals()[page.source],
         output:
-            page_output(page),
+            report(
+                PAGES[page.key],
+                caption=f"../report/{page.caption}",
+                category=page.category,
+                subcategory=page.subcategory,
+            ),
         log:
-            page_log(page),
+            f"{PAGE_LOGS[page.name]}/render_page/{page.name}.log",
         localrule: True
         conda:
             "../envs/eval.yaml"
@@ -59,9 +56,14 @@ for page in made(GRID):
             text=globals()[page.source],
             plots=[globals()[name] for name in page.images],
         output:
-            page_output(page),
+            report(
+                PAGES[page.key],
+                caption=f"../report/{page.caption}",
+                category=page.category,
+                subcategory=page.subcategory,
+            ),
         log:
-            page_log(page),
+            f"{PAGE_LOGS[page.name]}/render_page/{page.name}.log",
         localrule: True
         conda:
             "../envs/eval.yaml"
