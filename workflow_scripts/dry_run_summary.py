@@ -4,7 +4,8 @@ Runs `snakemake -n` with the given arguments (the profile's resources are evalua
 printed with each job: `resources: ..., slurm_partition=gpu, runtime=1440, gpu=4, ...`), prints its output, then
 one line per partition and rule: the jobs, GPUs per job, the first try's time limit and the GPU-hours requested
 (GPUs x time limit, over the jobs), and the totals. The rules declared `localrules` (the Snakefile and
-rules/*.smk) run where Snakemake runs and are counted apart. Retries (a longer limit each) are not counted.
+rules/*.smk) and the report's pages (report_pages.py) run where Snakemake runs and are counted apart. Retries
+(a longer limit each) are not counted.
 
     python workflow_scripts/dry_run_summary.py --profile profiles/slurm --configfile my.yaml
     snakemake -n --profile profiles/slurm --configfile my.yaml | python workflow_scripts/dry_run_summary.py --read -
@@ -80,8 +81,11 @@ def gpus(resources: dict[str, str]) -> int:
 
 
 def local_rules(workflow_dir: Path = REPO) -> set[str]:
-    """The rules a `localrules:` directive names in the Snakefile and rules/*.smk."""
-    names: set[str] = set()
+    """The rules a `localrules:` directive names in the Snakefile and rules/*.smk, and the report's pages' rules
+    (rules/report_pages.smk makes one per row of report_pages.py, each `localrule: True`)."""
+    from report_pages import PAGES
+
+    names = {f"render_{page.name}_page" for page in PAGES}
     for path in [workflow_dir / "Snakefile", *sorted((workflow_dir / "rules").glob("*.smk"))]:
         try:
             text = path.read_text()
