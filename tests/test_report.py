@@ -148,3 +148,27 @@ def test_reject_chart_is_not_drawn_empty(by_reason):
     else:
         assert not ax.patches and not ax.axison and "No rejected rows" in texts
     plt.close(fig)
+
+
+def test_every_report_page_has_a_caption_a_rule_name_and_a_place():
+    """report_pages.py's rows: names and paths unique, each caption a file under report/, each page beside the file
+    it renders (a variant's page where that file is a variant's), the grid's page only with a grid."""
+    from layout import RUN_FILES, RUN_PAGES, VARIANT_FILES, VARIANT_PAGES
+    from report_pages import PAGES, made
+
+    assert len({p.name for p in PAGES}) == len({p.key for p in PAGES}) == len({p.path for p in PAGES}) == len(PAGES)
+    for page in PAGES:
+        assert (REPO / "report" / page.caption).is_file(), page
+        assert page.path.endswith(".html") and page.key.endswith("_PAGE"), page
+        assert (page.key in VARIANT_PAGES) == (page.source in VARIANT_FILES) != (page.key in RUN_PAGES), page
+        assert (RUN_FILES | VARIANT_FILES)[page.key] == page.path
+    assert "grid" not in {p.name for p in made(False)} and [p.name for p in made(True)] == [p.name for p in PAGES]
+
+
+def test_a_page_of_no_layout_file_is_refused_naming_it():
+    from layout import place_pages
+    from report_pages import PAGES
+
+    bad = PAGES[0]._replace(name="typo", source="SUMARY")
+    with pytest.raises(ValueError, match=r"^report_pages.py: page 'typo': SUMARY is no file of layout.py$"):
+        place_pages([bad])
