@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 from layout import RUN_FILES, VARIANT_FILES, expected_train_dirs, file, matching
-from pipeline_io import UserError, cli, duration
+from pipeline_io import UserError, cli, duration, read_metrics
 from status_view import RunProgress, headline, render_plain, render_rich
 
 RECENT = 10  # step intervals the ETA, the stall rule and tok/s take the median of, and the loss the mean of
@@ -40,28 +40,6 @@ SLURM_ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", 
 
 
 # ---------------------------------------------------------------- the workflow's files
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """metrics.jsonl's records, one per logged step. A line cut short (a write in progress, a crash)
-    is skipped; a step logged again (a job that resumed from an earlier checkpoint) replaces the
-    records from that step on, as the resumed job's history does."""
-    records: list[dict] = []
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            continue
-        while records and records[-1]["step"] >= record["step"]:
-            records.pop()
-        records.append(record)
-    return records
 
 
 def read_json(path: Path) -> dict | None:

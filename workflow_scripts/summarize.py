@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 from metrics import HELDOUT, LOSSES, SCORES, direction, number, task_scores
-from pipeline_io import atomic_path, cli
+from pipeline_io import atomic_path, cli, read_metrics
 from plotting import model_color, plt, save_png
 from winners import best_model_lines, score_table, winner_lines
 
@@ -151,8 +151,9 @@ def with_examples_trained(table: pd.DataFrame, metrics: list[Path]) -> pd.DataFr
     return table
 
 
-def read_metrics(path: Path) -> pd.DataFrame:
-    return pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+def read_curve(path: Path) -> pd.DataFrame:
+    """A node's metrics.jsonl as a frame, a row per logged step (pipeline_io.read_metrics)."""
+    return pd.DataFrame(read_metrics(path))
 
 
 SMOOTH = 10  # logged training losses the smoothed curve averages (status.py's loss column takes the same)
@@ -416,7 +417,7 @@ def main(argv=None) -> None:
     with atomic_path(a.tasks) as tmp:
         tasks.to_csv(tmp, index=False, float_format="%.6g")
     plot_tasks(tasks, a.tasks_plot)
-    curves = {p.parent.name: read_metrics(p) for p in a.metrics}
+    curves = {p.parent.name: read_curve(p) for p in a.metrics}
     plot_curves(curves, a.curves)
     for node, tps in plot_throughput(curves, a.throughput).items():
         print(f"{node}: median {tps:,.0f} tokens/s")
