@@ -32,7 +32,7 @@ def test_per_category_exact_match_normalizes_like_the_overall_one():
 
 
 def test_throughput_plot_has_every_node(tmp_path):
-    from summarize import plot_throughput, read_curve
+    from summary_plots import plot_throughput, read_curve
 
     curves = {}
     for node, rate in (("node0", 1000.0), ("node1", 3000.0)):
