@@ -198,7 +198,7 @@ def samples_table(results: list[dict], questions: dict[str, str] | None = None) 
     """Prompt (the last user turn where ``questions`` has the example, else the rendered prompt's end), reference,
     and every model's answer with ``<model>_correct`` beside it (its exact match: evaluation's per-example
     verdict)."""
-    from heldout import exact_matches
+    from metrics import exact_matches
 
     base = results[0]["samples"]
     questions = questions or {}
