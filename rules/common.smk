@@ -13,7 +13,8 @@ sys.path.insert(0, str(SCRIPTS))
 
 from presets import preset_name  # noqa: E402
 from pipeline_io import UserError, interpreter_first_on_path, log_stop_reason  # noqa: E402
-from data_formats import check_rows_fill_nodes, delimiter_arg, resolve_mapping, resolve_paths  # noqa: E402
+from data_mappings import check_rows_fill_nodes, resolve_mapping  # noqa: E402
+from data_readers import delimiter_arg, resolve_paths  # noqa: E402
 from fingerprint import check_model, is_hub_id, local_model_folder  # noqa: E402
 from hub_model import absent_message, cached_snapshot, read_record, resolve_commit  # noqa: E402
 from chat_format import format_list, has_chat_template, no_template_message  # noqa: E402

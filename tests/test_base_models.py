@@ -456,7 +456,7 @@ ALPACA_NO_INPUT = (
 def test_alpaca_prompts_reproduce_the_originals_text(base_dir):
     """data.format_template as a list with the record's own fields: Alpaca's prompt with an input when
     the record has one, the one without otherwise, exactly as its train.py writes them."""
-    from data_formats import column_names, to_examples
+    from data_mappings import column_names, to_examples
 
     tok = use_template(AutoTokenizer.from_pretrained(base_dir), "t", None, [ALPACA_INPUT, ALPACA_NO_INPUT])
     render = ChatRenderer(tok)

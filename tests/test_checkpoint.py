@@ -11,7 +11,8 @@ import pytest
 import torch
 from checkpoint import choose, rng_files, safetensors_bytes, set_rng_state, to_prune
 from divergence import non_finite
-from manifest import MARKER, Writes, build_manifest, file_sha256, marker_text, shares, space_message, verify
+from manifest import MARKER, Writes, build_manifest, marker_text, shares, space_message, verify
+from pipeline_io import file_sha256
 
 
 def saved_folder(tmp_path) -> Path:

@@ -32,7 +32,7 @@ def test_per_category_exact_match_normalizes_like_the_overall_one():
 
 
 def test_throughput_plot_has_every_node(tmp_path):
-    from summarize import plot_throughput, read_metrics
+    from summary_plots import plot_throughput, read_curve
 
     curves = {}
     for node, rate in (("node0", 1000.0), ("node1", 3000.0)):
@@ -40,7 +40,7 @@ def test_throughput_plot_has_every_node(tmp_path):
         path.parent.mkdir()
         rows = [{"step": s, "loss": 1.0, "lr": 1e-3, "tokens_per_s": rate * (0.5 if s == 4 else 1)} for s in (4, 8, 12)]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        curves[node] = read_metrics(path)
+        curves[node] = read_curve(path)
     medians = plot_throughput(curves, tmp_path / "throughput.png")
     assert medians == {"node0": 1000.0, "node1": 3000.0}
     assert (tmp_path / "throughput.png").stat().st_size > 10_000

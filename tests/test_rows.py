@@ -9,7 +9,7 @@ from collections import Counter
 import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, split_files, tokenize_config
-from data_formats import column_names, to_examples
+from data_mappings import column_names, to_examples
 from demo_model import train_tokenizer
 from identity import content_hash
 

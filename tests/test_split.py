@@ -8,7 +8,8 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, split_files, tokenize_config, tool_env
-from data_formats import CONTROL_CHARS, check_columns, column_names, iter_records, to_examples
+from data_mappings import CONTROL_CHARS, check_columns, column_names, to_examples
+from data_readers import iter_records
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from identity import content_hash, is_eval, node_by_hash
@@ -327,7 +328,7 @@ def test_cli_writes_outputs_and_exits_2_with_one_line(tmp_path):
 
 
 def test_estimate_rows_for_progress(tmp_path):
-    from data_formats import estimate_rows
+    from data_readers import estimate_rows
 
     pd.DataFrame({"question": ["a", "b\nc", "d"], "response": ["x", "y", "z"]}).to_parquet(tmp_path / "p.parquet")
     assert estimate_rows(str(tmp_path / "p.parquet")) == (3, True)  # from the metadata
@@ -380,7 +381,7 @@ def test_auto_mapping_reads_each_format_by_its_columns(tmp_path, rows, mapping, 
 
 
 def test_auto_mapping_without_a_fit_and_a_wrong_mapping_say_which_key(tmp_path):
-    from data_formats import resolve_mapping
+    from data_mappings import resolve_mapping
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"instruction": "Add", "input": "2 and 3", "output": "5"}) + "\n")
@@ -454,7 +455,8 @@ def test_a_split_stopped_for_its_rejects_keeps_them_outside_its_outputs(tmp_path
 
 
 def test_rows_that_cannot_fill_the_nodes_are_refused_by_a_line_count(tmp_path):
-    from data_formats import check_rows_fill_nodes, rows_at_most
+    from data_mappings import check_rows_fill_nodes
+    from data_readers import rows_at_most
 
     csv = tmp_path / "d.csv"
     csv.write_text("question,response\n" + "".join(f"q{i},a{i}\n" for i in range(100)))
@@ -469,3 +471,13 @@ def test_rows_that_cannot_fill_the_nodes_are_refused_by_a_line_count(tmp_path):
     jsonl = tmp_path / "d.jsonl"
     jsonl.write_text('{"question": "q", "response": "a"}')  # no line end
     assert rows_at_most(str(jsonl), "auto", 5) == 1
+
+
+def test_the_schemas_format_and_mapping_enums_are_the_registries_keys():
+    """data.format and data.mapping accept exactly the readers and mappings there are (and auto)."""
+    from data_mappings import MAPPINGS
+    from data_readers import READERS
+    from settings import schema_property
+
+    assert schema_property("data.format")["enum"] == ["auto", *READERS]
+    assert schema_property("data.mapping")["enum"] == ["auto", *MAPPINGS]

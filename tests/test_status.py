@@ -10,7 +10,7 @@ import time
 import pytest
 import yaml
 from conftest import snakemake, tiny_config
-from pipeline_io import UserError
+from pipeline_io import UserError, read_metrics
 from status import (
     Job,
     eta_seconds,
@@ -21,7 +21,6 @@ from status import (
     main,
     parse_sacct,
     parse_squeue,
-    read_metrics,
     run_status,
     train_folders,
 )

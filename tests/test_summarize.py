@@ -123,7 +123,8 @@ def test_leaderboard_has_a_line_per_extra_task_only_when_there_are_tasks():
 
 
 def test_task_panels_never_empty():
-    from summarize import task_panels, tasks_table
+    from summarize import tasks_table
+    from summary_plots import task_panels
 
     assert list(task_panels(tasks_table(results()))) == ["heldout", "demo_mc", "other"]
     heldout = task_panels(tasks_table(results(tasks=False)))["heldout"]
@@ -133,7 +134,8 @@ def test_task_panels_never_empty():
 
 def test_plot_tasks_draws_a_panel_per_task(tmp_path):
     import matplotlib.pyplot as plt
-    from summarize import plot_tasks, tasks_table
+    from summarize import tasks_table
+    from summary_plots import plot_tasks
 
     drawn = []
     real = plt.subplots
@@ -209,7 +211,7 @@ def test_lm_eval_keys_with_filters():
 
 
 def test_loss_curves_draw_the_smoothed_training_loss_and_the_held_out_points(tmp_path):
-    from summarize import held_out_points, plot_curves, smoothed_loss, steps_per_epoch
+    from summary_plots import held_out_points, plot_curves, smoothed_loss, steps_per_epoch
 
     # 28 steps an epoch, logged every 10, the held-out loss every 100 and at the last step
     rows = [{"step": s, "loss": 3.0 - s / 1000 + (0.2 if s % 20 else 0.0), "lr": 1e-3, "epoch": (s - 1) / 28}

@@ -187,11 +187,6 @@ def special_texts(tokenizer) -> list[str]:
     return sorted(t for t in tokens if isinstance(t, str) and len(t) > 1)
 
 
-def escape_text(token: str) -> str:
-    """``<|endoftext|>`` -> ``<`` U+200B ``|endoftext|>``: reads the same, is no longer the token."""
-    return token[0] + ZERO_WIDTH_SPACE + token[1:]
-
-
 def remove_special_text(text: str, tokens) -> str:
     """``text`` without any of ``tokens``' text (evaluation compares answers this way on both sides)."""
     for token in sorted(tokens, key=len, reverse=True):

@@ -17,7 +17,8 @@ where it is used: the planner's formula reads ``supported`` and ``slice_tokens``
 
 import types
 
-IGNORE = -100
+from contracts import IGNORE
+
 # model_type values whose *ForCausalLM.forward is exactly lm_head(hidden) then ForCausalLMLoss (transformers 5)
 PLAIN_HEAD = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # config attributes that change the logits after the head in some architectures

@@ -25,7 +25,7 @@ SPLIT_SCHEMA = pa.schema(
     [
         ("messages", pa.string()),  # JSON list of {role, content}
         ("response", pa.string()),  # the last assistant turn's text
-        ("content_hash", pa.string()),  # data_formats.content_hash: the row's identity
+        ("content_hash", pa.string()),  # identity.py's content hash: the row's identity
         ("source_file", pa.string()),
         ("source_row", pa.int64()),
         ("category", pa.string()),
@@ -52,7 +52,7 @@ REJECT_SCHEMA = pa.schema(
     [
         ("source_file", pa.string()),
         ("source_row", pa.int64()),  # 0-based, counting rows (a JSONL file's blank lines are none)
-        ("line", pa.int64()),  # the input file's 1-based line (the split's rejects; data_formats.iter_records)
+        ("line", pa.int64()),  # the input file's 1-based line (the split's rejects; data_readers.iter_records)
         ("reason", pa.string()),  # a reason code (config/README.md lists them)
         ("detail", pa.string()),
         ("content_hash", pa.string()),  # null where the row never became a conversation

@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 import torch
-from data_formats import iter_records, resolve_mapping, to_examples
+from data_mappings import resolve_mapping, to_examples
+from data_readers import iter_records
 from pipeline_io import cli, umask_modes
 from presets import PRESETS, preset_config, preset_name
 from settings import DemoModelConfig

@@ -4,7 +4,6 @@ tasks of eval.tasks, loaded offline from eval.task_data; our result JSON and lm-
 
 import argparse
 import json
-import math
 import os
 from pathlib import Path
 
@@ -12,9 +11,9 @@ import pandas as pd
 import torch
 from contracts import IGNORE
 from fingerprint import model_location
-from heldout import evaluate_model, exact_match, exact_matches, flat_metrics, label_spans, leaf_tasks, model_class
+from heldout import evaluate_model, flat_metrics, label_spans, leaf_tasks, model_class
 from intervals import LEVEL, RESAMPLES, SEED, example_losses, heldout_intervals
-from metrics import HELDOUT, HELDOUT_LOSS, SCORES
+from metrics import HELDOUT, HELDOUT_LOSS, LOSSES, METRICS, SCORES, exact_match, exact_matches
 from pipeline_io import UserError, atomic_path, cli, write_json
 from settings import EvalConfig
 from task_data import check_local_splits, data_override, missing_split, task_sources
@@ -78,8 +77,8 @@ def result_json(name: str, path: str, frame: pd.DataFrame, out: dict, tokenizer)
     samples = sorted(out["samples"][HELDOUT], key=lambda s: s["doc_id"])
     predictions, references = map(list, zip(*(s["exact_match"] for s in samples), strict=True))
     loss, tokens = scores[HELDOUT_LOSS]["eval_loss"], int(scores[HELDOUT_LOSS]["label_tokens"])
-    result = {"model": name, "path": path, "examples": len(frame), "label_tokens": tokens, "eval_loss": loss,
-              "perplexity": math.exp(min(loss, 50))} | {k: scores[HELDOUT][k] for k in SCORES}  # fmt: skip
+    result = {"model": name, "path": path, "examples": len(frame), "label_tokens": tokens}
+    result |= {k: METRICS[k].score(loss) for k in LOSSES} | {k: scores[HELDOUT][k] for k in SCORES}
     if frame["category"].astype(bool).any():
         categories = frame["category"].tolist()
         result["exact_match_by_category"] = exact_match_by_category(predictions, references, categories)

@@ -9,15 +9,13 @@ the checkpoints, under a lock, so the ranks of a job (and later jobs) hash each 
 file in the Hugging Face hub cache is a link to a blob named by its hash: that name is used.
 """
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import re
 from pathlib import Path
 
-from pipeline_io import UserError, file_sha256, write_json
+from pipeline_io import UserError, file_sha256, locked, write_json
 
 HEX_NAME = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # git sha1 or LFS sha256 blob names
 
@@ -82,17 +80,6 @@ def check_model(name_or_path: str) -> None:
     except UserError:
         if not is_hub_id(name_or_path) or constants.HF_HUB_OFFLINE:
             raise
-
-
-@contextlib.contextmanager
-def locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def file_digest(path: Path, cache: dict) -> str:

@@ -2,25 +2,22 @@
 
 The held-out set (the tokenized eval cache) becomes two local tasks: ``heldout`` generates greedily from the first
 ``prompt_length`` ids of each example (exact match; ROUGE-L, BLEU and chrF by rouge_score and sacrebleu), and
-``heldout_loss`` scores each run of label tokens (token-weighted loss, perplexity). lm-eval would tokenize those
-texts again and move a prompt's trailing whitespace into the scored continuation; the model classes here take the
-cached ids instead (PinnedIds), so the numbers are the plain forward pass's, token for token. Generation stops at
-any end-of-turn token; exact match takes the text of every special token out of answers and references.
-evaluation.py evaluates a model by them; soup.py's greedy soup picks its members by heldout_loss.
+``heldout_loss`` scores each run of label tokens (token-weighted loss, perplexity): the metrics of metrics.py's
+registry (a new held-out metric is added there; its lm-eval aggregation comes here from it). lm-eval would
+tokenize those texts again and move a prompt's trailing whitespace into the scored continuation; the model classes
+here take the cached ids instead (PinnedIds), so the numbers are the plain forward pass's, token for token.
+Generation stops at any end-of-turn token; exact match takes the text of every special token out of answers and
+references. evaluation.py evaluates a model by them; soup.py's greedy soup picks its members by heldout_loss.
 """
 
-import re
-from functools import partial
 from itertools import groupby
 
 import datasets
 import pandas as pd
-import sacrebleu
 from chat_format import remove_special_text, special_texts
 from chat_render import generation_settings
 from contracts import IGNORE
-from metrics import HELDOUT, HELDOUT_LOSS, SCORES, lower_is_better
-from rouge_score import rouge_scorer
+from metrics import HELDOUT, HELDOUT_LOSS, METRICS, SCORES, lower_is_better
 from settings import schema_property
 
 
@@ -77,37 +74,8 @@ def model_class(backend: str):
     return type(f"Pinned{base.__name__}", (PinnedIds, base), {"pinned": {}})
 
 
-# lm-eval aggregations over (answer, reference) pairs, each on 0-1
-def exact_matches(pairs) -> list[bool]:
-    """Per pair: the answer equals its reference, ends stripped and inner runs of whitespace taken as one space."""
-    return [re.sub(r"\s+", " ", a).strip() == re.sub(r"\s+", " ", r).strip() for a, r in pairs]
-
-
-def exact_match(pairs) -> float:
-    """The share of answers equal to their reference (exact_matches)."""
-    same = exact_matches(pairs)
-    return sum(same) / max(len(same), 1)
-
-
-def rouge_ls(pairs) -> list[float]:
-    """Per pair: ROUGE-L F1 (rouge_score, no stemming)."""
-    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
-    return [scorer.score(r, a)["rougeL"].fmeasure for a, r in pairs]
-
-
-def rouge_l(pairs) -> float:
-    """Mean ROUGE-L F1 (rouge_ls)."""
-    return sum(rouge_ls(pairs)) / max(len(pairs), 1)
-
-
-def corpus(score, pairs) -> float:
-    """A sacrebleu corpus score over 100, one reference each (identical texts give 100.00000000000004: capped)."""
-    answers, references = map(list, zip(*pairs, strict=True))
-    return min(score(answers, [references]).score / 100, 1.0)
-
-
-BLEU, CHRF = partial(corpus, sacrebleu.corpus_bleu), partial(corpus, sacrebleu.corpus_chrf)
-GENERATION_METRICS = dict(zip(SCORES, (exact_match, rouge_l, BLEU, CHRF), strict=True))
+# lm-eval's aggregation of each held-out generation metric over the (answer, reference) pairs, from the registry
+GENERATION_METRICS = {name: METRICS[name].corpus or METRICS[name].score for name in SCORES}
 
 
 def heldout_tasks(frame: pd.DataFrame, tokenizer, max_new_tokens: int, stop: dict):

@@ -2,9 +2,10 @@
 
 Every model is scored on the same examples, and every model's resamples are drawn with the same seed, so the
 intervals of two models come from the same resampled sets. An interval is the 2.5th to 97.5th percentile of
-RESAMPLES recomputed scores (95%); ``stderr`` is their standard deviation. The loss is recomputed token-weighted
-(summed loss over summed label tokens of the resampled examples), BLEU and chrF from the resampled examples'
-summed sacrebleu statistics, exactly as the corpus scores are computed from all of them.
+RESAMPLES recomputed scores (95%); ``stderr`` is their standard deviation. Each metric of metrics.py's registry
+is recomputed by its own aggregate from its per-example rows (the loss token-weighted: summed loss over summed
+label tokens of the resampled examples; BLEU and chrF from the resampled examples' summed sacrebleu statistics),
+exactly as the corpus scores are computed from all of them: a new metric gets its interval from its entry.
 evaluation.py writes them into a model's result; summarize.py puts them in summary.csv.
 """
 
@@ -12,6 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from metrics import METRICS
 
 RESAMPLES, SEED, LEVEL = 1000, 0, 0.95
 
@@ -49,31 +51,14 @@ def example_losses(span_losses: Sequence[tuple[float, int]], spans_per_example: 
     return out
 
 
-def token_loss(rows: np.ndarray) -> float:
-    """Token-weighted loss of (summed loss, tokens) rows."""
-    return float(rows[:, 0].sum() / max(rows[:, 1].sum(), 1))
-
-
-def sacrebleu_statistic(metric) -> Callable[[np.ndarray], float]:
-    """A sacrebleu metric's corpus score (on 0-1, capped at 1 as heldout.corpus does) from the rows of its
-    per-example statistics."""
-    return lambda rows: min(metric._compute_score_from_stats(list(rows.sum(axis=0))).score / 100, 1.0)
-
-
 def heldout_intervals(pairs: list[tuple[str, str]], losses: np.ndarray, **resampling) -> dict[str, dict]:
-    """The interval of each held-out score: eval_loss and perplexity from ``losses`` (example_losses), exact
-    match, ROUGE-L, BLEU and chrF from the (answer, reference) ``pairs``, one per example."""
-    import sacrebleu
-    from heldout import exact_matches, rouge_ls
-
-    out = {"eval_loss": bootstrap(token_loss, losses, **resampling)}
-    out["perplexity"] = bootstrap(lambda rows: math.exp(min(token_loss(rows), 50)), losses, **resampling)
-    if not pairs:
-        return out
-    out["exact_match"] = bootstrap(np.mean, np.asarray(exact_matches(pairs), dtype=float), **resampling)
-    out["rouge_l"] = bootstrap(np.mean, np.asarray(rouge_ls(pairs)), **resampling)
-    answers, references = map(list, zip(*pairs, strict=True))
-    for name, metric in (("bleu", sacrebleu.BLEU()), ("chrf", sacrebleu.CHRF())):
-        stats = np.asarray(metric._extract_corpus_statistics(answers, [references]), dtype=float)
-        out[name] = bootstrap(sacrebleu_statistic(metric), stats, **resampling)
+    """The interval of each held-out metric of metrics.METRICS: a loss metric's from ``losses``
+    (example_losses), a generation metric's from its per-example rows of the (answer, reference) ``pairs``, one
+    per example (none without pairs); each recomputes the metric's own aggregate on the resampled rows."""
+    out = {}
+    for name, metric in METRICS.items():
+        if metric.is_loss:
+            out[name] = bootstrap(metric.aggregate, losses, **resampling)
+        elif pairs:
+            out[name] = bootstrap(metric.aggregate, metric.per_example(pairs), **resampling)
     return out

@@ -148,7 +148,7 @@ def generate_held_out(seed: int = 0) -> list[dict]:
 
 def multiple_choice(rows: list[dict], seed: int = 0, eval_fraction: float = 0.1) -> list[dict]:
     """The held-out rows of ``rows`` (as split_dataset picks them) as 4-way multiple-choice questions."""
-    from data_formats import column_names, to_examples
+    from data_mappings import column_names, to_examples
     from identity import is_eval, prompt_hash
 
     names = column_names("columns", {"prompt": "prompt", "question": "question", "response": "response"})

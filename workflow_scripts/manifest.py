@@ -23,7 +23,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pipeline_io import free_bytes, is_disk_full
+from pipeline_io import file_sha256, free_bytes, is_disk_full
 
 MARKER = "COMPLETE"
 CHUNK = 1 << 22
@@ -109,14 +109,6 @@ class Writes:
         key = Path(old).relative_to(self.folder).as_posix() if Path(old).is_relative_to(self.folder) else None
         if key in self.files:
             self._record(Path(new), self.files.pop(key))
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            h.update(block)
-    return h.hexdigest()
 
 
 def folder_files(folder: Path) -> list[str]:

@@ -2,6 +2,7 @@
 
 import contextlib
 import errno
+import fcntl
 import functools
 import gc
 import hashlib
@@ -156,7 +157,8 @@ def write_json(path, obj) -> None:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def file_sha256(path, chunk: int = 1 << 20) -> str:
+def file_sha256(path, chunk: int = 1 << 22) -> str:
+    """A file's sha256, read in 4 MiB blocks (checkpoint manifests, token caches, the split's sources)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -164,15 +166,40 @@ def file_sha256(path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def json_object(text: str) -> dict:
-    """argparse type of --template-kwargs: a JSON object."""
+@contextlib.contextmanager
+def locked(path):
+    """An exclusive lock held for the ``with`` block on ``<path>.lock`` (created beside ``path``): parallel jobs
+    that build the same cache entry, token store or MLflow store wait for the first one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def read_metrics(path) -> list[dict]:
+    """metrics.jsonl's records, one per logged step (status.py's progress, summarize.py's curves). A line cut
+    short (a write in progress, a crash) is skipped; a step logged again (a job that resumed from an earlier
+    checkpoint) replaces the records from that step on, as the resumed job's history does."""
+    records: list[dict] = []
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"--template-kwargs: not JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise UserError(f"--template-kwargs: a JSON object is needed, not {text!r}")
-    return value
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            continue
+        while records and records[-1]["step"] >= record["step"]:
+            records.pop()
+        records.append(record)
+    return records
 
 
 def duration(seconds: float | None) -> str:

@@ -139,10 +139,6 @@ def model_to_params(config) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters()), largest
 
 
-def count_parameters(config) -> int:
-    return model_to_params(config)[0]
-
-
 def lora_parameters(config, r: int, targets: list[str]) -> int:
     """Trainable parameters of LoRA adapters on the named projections of every layer."""
     h, layers = config.hidden_size, config.num_hidden_layers

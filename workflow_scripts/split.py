@@ -33,16 +33,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from chat_render import ChatRenderer, load_tokenizer, render_lengths, use_template
 from contracts import REJECT_SCHEMA, SPLIT_SCHEMA
-from data_formats import (
-    ControlChars,
-    check_columns,
-    delimiter_arg,
-    estimate_rows,
-    iter_records,
-    resolve_mapping,
-    resolve_paths,
-    to_examples,
-)
+from data_mappings import ControlChars, check_columns, resolve_mapping, to_examples
+from data_readers import delimiter_arg, estimate_rows, iter_records, resolve_paths
 from fingerprint import model_location
 from identity import JSON_TEXT, conversation_hashes, is_eval, node_by_hash, prompt_hash
 from pipeline_io import Progress, UserError, atomic_path, cli, fewer_gc_pauses, file_sha256, write_json
@@ -90,7 +82,7 @@ class Splitter:
                 continue
             try:
                 examples = to_examples(rec.fields, mapping, names)
-            except RecursionError:  # a JSON array's item nested thousands deep (JSONL's: data_formats)
+            except RecursionError:  # a JSON array's item nested thousands deep (JSONL's: data_readers)
                 deep = f"nested deeper than the JSON reader follows ({sys.getrecursionlimit()})"
                 rejects.append(reject(replace(rec, fields=None), "invalid_json", deep))
                 continue

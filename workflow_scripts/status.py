@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 from layout import RUN_FILES, RUN_PAGES, VARIANT_FILES, VARIANT_PAGES, expected_train_dirs, file, matching
-from pipeline_io import UserError, cli, duration
+from pipeline_io import UserError, cli, duration, read_metrics
 from status_view import RunProgress, headline, render_plain, render_rich
 
 RECENT = 10  # step intervals the ETA, the stall rule and tok/s take the median of, and the loss the mean of
@@ -40,28 +40,6 @@ SLURM_ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", 
 
 
 # ---------------------------------------------------------------- the workflow's files
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """metrics.jsonl's records, one per logged step. A line cut short (a write in progress, a crash)
-    is skipped; a step logged again (a job that resumed from an earlier checkpoint) replaces the
-    records from that step on, as the resumed job's history does."""
-    records: list[dict] = []
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            continue
-        while records and records[-1]["step"] >= record["step"]:
-            records.pop()
-        records.append(record)
-    return records
 
 
 def read_json(path: Path) -> dict | None:
@@ -86,7 +64,7 @@ def recent_median(records: list[dict], key: str, recent: int = RECENT) -> float 
 
 
 def recent_loss(records: list[dict], recent: int = RECENT) -> float | None:
-    """The mean training loss of the last ``recent`` records (summarize.py's smoothed curve ends there)."""
+    """The mean training loss of the last ``recent`` records (summary_plots.py's smoothed curve ends there)."""
     values = [r["loss"] for r in records[-recent:] if isinstance(r.get("loss"), int | float)]
     return statistics.fmean(values) if values else None
 

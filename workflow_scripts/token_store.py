@@ -33,8 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from contracts import batches
-from fingerprint import locked
-from pipeline_io import UserError, file_sha256
+from pipeline_io import UserError, file_sha256, locked
 
 log = logging.getLogger("token_store")
 

@@ -10,7 +10,6 @@ is logged (no environment variables, command lines, git or host metadata, consol
 """
 
 import dataclasses
-import fcntl
 import functools
 import json
 import logging
@@ -19,7 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
-from pipeline_io import UserError, write_json
+from pipeline_io import UserError, locked, write_json
 
 log = logging.getLogger("train")
 
@@ -114,21 +113,6 @@ def mlflow_client(uri: str):
     return MlflowClient(uri)
 
 
-class locked:
-    """An exclusive lock on ``path`` (a file): two training jobs creating the SQLite store or its experiment."""
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("a")
-
-    def __enter__(self):
-        fcntl.flock(self.file, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc):
-        fcntl.flock(self.file, fcntl.LOCK_UN)
-        self.file.close()
-
-
 # ---------------------------------------------------------------- sinks (rank 0 of a training job)
 
 
@@ -178,7 +162,7 @@ class MlflowSink:
         uri = mlflow_uri(folder)
         if resume and resume.get("tracking_uri") != uri:  # another store now: a run of its own there
             resume = None
-        with locked(folder / "mlflow.lock"):  # parallel jobs: one creates the store and the experiment
+        with locked(folder / "mlflow"):  # parallel jobs: one creates the store and the experiment
             self.client = mlflow_client(uri)
             if resume:
                 self.run_id = resume["run_id"]

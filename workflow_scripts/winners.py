@@ -11,10 +11,10 @@ wholly on the worse side of its base model's interval. summarize.py writes the l
 import math
 
 import pandas as pd
-from metrics import HELDOUT, LOSSES, SCORES, lower_is_better
+from metrics import HELDOUT, LOSSES, RANKED, lower_is_better
 
 Z95 = 1.959964  # the normal quantile of a 95% interval, for a task's value ± Z95 stderr
-HELDOUT_METRICS = [LOSSES[0], *SCORES]  # perplexity ranks as eval_loss does: left out
+HELDOUT_METRICS = RANKED  # the registry's ranked metrics (perplexity ranks as eval_loss does: left out)
 SCORE_COLUMNS = ["model", "metric", "value", "lo", "hi"]
 
 
