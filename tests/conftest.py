@@ -212,6 +212,29 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def tiny_dry_run(tmp_path_factory) -> subprocess.CompletedProcess:
+    """`snakemake -n -p` of tiny_config("t") (per node), run once for the tests that only read its plan: each
+    dry run is a Snakemake start and a parse of the workflow (seconds)."""
+    return snakemake(tmp_path_factory.mktemp("tiny_dry_run"), tiny_config("t"), "-n", "-p")
+
+
+# the grid of grid_dry_run: two learning rates
+TINY_GRID = {"training.lr": [1.0e-3, 2.0e-3]}
+
+
+@pytest.fixture(scope="session")
+def grid_dry_run(tmp_path_factory) -> subprocess.CompletedProcess:
+    """`snakemake -n -p` of tiny_config("t") with the grid TINY_GRID, run once for the tests that only read its plan."""
+    return snakemake(tmp_path_factory.mktemp("grid_dry_run"), tiny_config("t") | {"grid": TINY_GRID}, "-n", "-p")
+
+
+@pytest.fixture(scope="session")
+def joint_dry_run(tmp_path_factory) -> subprocess.CompletedProcess:
+    """`snakemake -n -p` of tiny_config("t", mode="joint"), run once for the tests that only read its plan."""
+    return snakemake(tmp_path_factory.mktemp("joint_dry_run"), tiny_config("t", mode="joint"), "-n", "-p")
+
+
+@pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory):
     """The demo base model, one node's tokenized shard and the tokenized eval set."""
     from demo_model import build_model, texts_from, train_tokenizer
