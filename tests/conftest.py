@@ -34,6 +34,23 @@ def rule_env() -> dict:
     return env
 
 
+def run_main(main, argv: list[str]) -> subprocess.CompletedProcess:
+    """A script's ``main(argv)`` in this process, as the CompletedProcess its command line would give: the exit
+    code of its SystemExit (a UserError: 2, through pipeline_io.cli), else 0, and what it printed. A new process
+    would import torch and transformers again: seconds on 2 cores, for a test of what the script says."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
 def tiny_config(run: str, strategy: str = "ddp", **training) -> dict:
     """A config that runs every stage in about a minute on 2 cores."""
     return {
