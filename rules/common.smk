@@ -518,16 +518,16 @@ def final_outputs():
 
 
 def remember_signatures():
-    """Each input, params and log function of every rule keeps its parameters (Snakemake's own
-    overwrite_function_params), computed once here: Snakemake reads a function's signature with inspect twice
-    per job and function (~6,000 times at 256 nodes: 0.1-0.2 s of the dry run), always the same."""
+    """The input, params and log functions of the workflow's rules keep their parameters, computed once here
+    (Snakemake's own overwrite_function_params). Snakemake reads a function's signature with inspect twice
+    per job and function, about 8,000 times at 256 nodes (0.1-0.2 s of the dry run), always the same."""
     import inspect
 
     from snakemake.common import FUNC_OVERWRITE_PARAMS_ATTR, overwrite_function_params
     from snakemake.io import AnnotatedString, _IOFile
 
-    for rule in workflow.rules:
-        for item in [*rule.input, *rule.params, *rule.log]:
+    for each in workflow.rules:  # (not named `rule`: --lint would read a rule in this file)
+        for item in [*each.input, *each.params, *each.log]:
             item = item._file if isinstance(item, _IOFile) else item  # a function as input: its callable
             item = item.callable if isinstance(item, AnnotatedString) else item
             if callable(item) and not hasattr(item, FUNC_OVERWRITE_PARAMS_ATTR):
