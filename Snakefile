@@ -46,3 +46,6 @@ rule all:
     default_target: True
     input:
         final_outputs(),
+
+
+remember_signatures()  # every rule is defined: their functions' signatures, read once

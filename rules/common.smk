@@ -517,6 +517,23 @@ def final_outputs():
     ]
 
 
+def remember_signatures():
+    """The input, params and log functions of the workflow's rules keep their parameters, computed once here
+    (Snakemake's own overwrite_function_params). Snakemake reads a function's signature with inspect twice
+    per job and function, about 8,000 times at 256 nodes (0.1-0.2 s of the dry run), always the same."""
+    import inspect
+
+    from snakemake.common import FUNC_OVERWRITE_PARAMS_ATTR, overwrite_function_params
+    from snakemake.io import AnnotatedString, _IOFile
+
+    for each in workflow.rules:  # (not named `rule`: --lint would read a rule in this file)
+        for item in [*each.input, *each.params, *each.log]:
+            item = item._file if isinstance(item, _IOFile) else item  # a function as input: its callable
+            item = item.callable if isinstance(item, AnnotatedString) else item
+            if callable(item) and not hasattr(item, FUNC_OVERWRITE_PARAMS_ATTR):
+                overwrite_function_params(item, inspect.signature(item).parameters)
+
+
 try:
     check_gpu_count()
     check_host_memory()

@@ -34,6 +34,23 @@ def rule_env() -> dict:
     return env
 
 
+def run_main(main, argv: list[str]) -> subprocess.CompletedProcess:
+    """A script's ``main(argv)`` in this process, as the CompletedProcess its command line would give: the exit
+    code of its SystemExit (a UserError: 2, through pipeline_io.cli), else 0, and what it printed. A new process
+    would import torch and transformers again: seconds on 2 cores, for a test of what the script says."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
 def tiny_config(run: str, strategy: str = "ddp", **training) -> dict:
     """A config that runs every stage in about a minute on 2 cores."""
     return {
@@ -209,6 +226,29 @@ def pytest_collection_modifyitems(config, items):
         for fixture, marker in FIXTURE_TIERS.items():
             if fixture in getattr(item, "fixturenames", ()) and not item.get_closest_marker(marker):
                 raise pytest.UsageError(f"{item.nodeid} takes the {fixture} fixture: mark it @pytest.mark.{marker}")
+
+
+@pytest.fixture(scope="session")
+def tiny_dry_run(tmp_path_factory) -> subprocess.CompletedProcess:
+    """`snakemake -n -p` of tiny_config("t") (per node), run once for the tests that only read its plan: each
+    dry run is a Snakemake start and a parse of the workflow (seconds)."""
+    return snakemake(tmp_path_factory.mktemp("tiny_dry_run"), tiny_config("t"), "-n", "-p")
+
+
+# the grid of grid_dry_run: two learning rates
+TINY_GRID = {"training.lr": [1.0e-3, 2.0e-3]}
+
+
+@pytest.fixture(scope="session")
+def grid_dry_run(tmp_path_factory) -> subprocess.CompletedProcess:
+    """`snakemake -n -p` of tiny_config("t") with the grid TINY_GRID, run once for the tests that only read its plan."""
+    return snakemake(tmp_path_factory.mktemp("grid_dry_run"), tiny_config("t") | {"grid": TINY_GRID}, "-n", "-p")
+
+
+@pytest.fixture(scope="session")
+def joint_dry_run(tmp_path_factory) -> subprocess.CompletedProcess:
+    """`snakemake -n -p` of tiny_config("t", mode="joint"), run once for the tests that only read its plan."""
+    return snakemake(tmp_path_factory.mktemp("joint_dry_run"), tiny_config("t", mode="joint"), "-n", "-p")
 
 
 @pytest.fixture(scope="session")

@@ -12,13 +12,11 @@ import dataclasses
 import json
 import re
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, bpe_tokenizer, tool_env
+from conftest import bpe_tokenizer
 from manifest import MARKER, Writes, build_manifest, marker_text
 from pipeline_io import UserError
 from settings import training_config
@@ -263,15 +261,16 @@ def test_lora_on_a_bf16_base_merges_in_fp32_and_keeps_the_adapter_fp32(tmp_path,
     assert not torch.equal(logits_on(reference, ids), expected)  # the reference is the rounded one
 
 
-def test_cli_takes_consolidate_dtype(tmp_path, bf16_checkpoint):
+def test_cli_takes_consolidate_dtype(tmp_path, bf16_checkpoint, capsys):
+    """The script's command line (its main, in this process: a new one would import torch and transformers
+    again, seconds here); a UserError would end it with exit code 2 (SystemExit), failing the test."""
+    from consolidate import main
+
     state, _ = bf16_checkpoint
     path = tmp_path / "train_state.json"
     path.write_text(json.dumps(state))
-    cmd = [sys.executable, str(REPO / "workflow_scripts/consolidate.py"), "--state", str(path),
-           "--output", str(tmp_path / "out"), "--config", json.dumps({"dtype": "fp32"})]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    main(["--state", str(path), "--output", str(tmp_path / "out"), "--config", json.dumps({"dtype": "fp32"})])
     report = json.loads((tmp_path / "out" / "consolidation.json").read_text())
     assert report["dtype"] == "float32"
     assert set(report["peak_rss_mb"]) == {"training_side_model", "write", "reload_check"}
-    assert "in float32" in proc.stdout
+    assert "in float32" in capsys.readouterr().out

@@ -56,21 +56,31 @@ def test_a_global_batch_that_does_not_divide_stops_before_any_job(tmp_path):
     assert "training.global_batch_size 6 is not a multiple of micro_batch_size x ranks = 2 x 2 = 4" in errors[0]
 
 
-def test_plan_training_stops_on_a_global_batch_that_does_not_divide(tmp_path):
+def test_plan_training_stops_on_a_global_batch_that_does_not_divide(tmp_path, capsys):
+    """preflight.py's command line, its main in this process (a new one imports torch and transformers again)."""
     import dataclasses
-    import subprocess
-    import sys
 
-    from conftest import REPO, tool_env
+    from preflight import main
     from settings import PlanConfig
 
     t = {"procs_per_node": 3, "micro_batch_size": 2, "global_batch_size": 8, "max_seq_len": 128}
-    cmd = [sys.executable, str(REPO / "workflow_scripts/preflight.py"), "--model", "demo", "--config",
-           json.dumps(dataclasses.asdict(PlanConfig.build(t))), "--output", str(tmp_path / "m.json"),
-           "--table", str(tmp_path / "m.csv"), "--probe-timeout", "0"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=300)
-    assert proc.returncode != 0 and not (tmp_path / "m.json").exists()
-    assert proc.stderr.strip().splitlines()[-1] == (
+    with pytest.raises(SystemExit) as stop:
+        main(
+            [
+                "--model",
+                "demo",
+                "--config",
+                json.dumps(dataclasses.asdict(PlanConfig.build(t))),
+                "--output",
+                str(tmp_path / "m.json"),
+                "--table",
+                str(tmp_path / "m.csv"),
+                "--probe-timeout",
+                "0",
+            ]
+        )
+    assert stop.value.code != 0 and not (tmp_path / "m.json").exists()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: training.global_batch_size 8 is not a multiple of micro_batch_size x ranks = 2 x 3 = 6, so no"
         " accumulation keeps it at 3 rank(s); use 6 or 12, or another micro_batch_size"
     )

@@ -188,13 +188,15 @@ def test_seed_000_fits_500_gb_per_node_with_its_stated_choice(tmp_path):
     from model_shapes import config_folder
 
     config["training"]["offload_ratio"] = 1.0
-    cmd = [
-        sys.executable, str(REPO / "workflow_scripts" / "preflight.py"), "--model",
-        config_folder(config["model"]["name_or_path"], config, folder), "--config", PlanConfig.to_json(config),
-        "--host-memory-mb", env["TRAIN_MEM_MB"], "--probe-timeout", "0",
+    from conftest import run_main
+    from preflight import main
+
+    argv = [
+        "--model", config_folder(config["model"]["name_or_path"], config, folder),
+        "--config", PlanConfig.to_json(config), "--host-memory-mb", env["TRAIN_MEM_MB"], "--probe-timeout", "0",
         "--output", str(tmp_path / "plan.json"), "--table", str(tmp_path / "plan.csv"),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=300)
+    proc = run_main(main, argv)  # its command line, in this process
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert "of host memory per node (in training)" in last and "fits with training.strategy: deepspeed" in last, last

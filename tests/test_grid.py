@@ -130,11 +130,11 @@ def test_dry_run_plans_the_shared_stages_once_and_each_variant_s_jobs(tmp_path):
     assert jobs["compare_grid"] == 1
 
 
-def test_without_a_grid_there_is_no_variant_and_no_comparison(tmp_path):
-    proc = snakemake(tmp_path, tiny_config("g"), "-n")
+def test_without_a_grid_there_is_no_variant_and_no_comparison(tiny_dry_run):
+    proc = tiny_dry_run  # tiny_config("t"), -n -p
     jobs = planned_jobs(proc)
     assert "compare_grid" not in jobs and "evaluate_base" not in jobs and jobs["evaluate_model"] == 3
-    assert "results/g/train/node0/metrics.jsonl" in proc.stdout and "grid.csv" not in proc.stdout
+    assert "results/t/train/node0/metrics.jsonl" in proc.stdout and "grid.csv" not in proc.stdout
 
 
 def test_a_bad_grid_stops_the_workflow_with_one_line(tmp_path):

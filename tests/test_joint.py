@@ -194,9 +194,8 @@ def test_sigterm_checkpoints_every_node_group_and_the_rerun_resumes(tmp_path, de
     assert steps == list(range(2, 25, 2))  # every logged step once
 
 
-def test_joint_mode_dag_and_config_errors(tmp_path):
-    proc = snakemake(tmp_path / "ok", tiny_config("t", mode="joint"), "-n")
-    jobs = planned_jobs(proc)
+def test_joint_mode_dag_and_config_errors(tmp_path, joint_dry_run):
+    jobs = planned_jobs(joint_dry_run)  # tiny_config("t", mode="joint"), -n -p
     assert jobs["train_joint"] == 1 and "train_node" not in jobs and "make_soup" not in jobs
     assert jobs["consolidate_node"] == 1 and jobs["evaluate_model"] == 2 and jobs["tokenize_shard"] == 2
     soup = tiny_config("t", mode="joint") | {"eval": {"soup": True}}

@@ -83,18 +83,17 @@ def test_fake_probe_matches_the_real_step_within_one_percent(tmp_path):
 
 
 def run_plan(tmp_path, t: dict, *extra):
-    """preflight.py on a folder holding only the tiny model's config.json."""
-    import sys
-
-    from conftest import tool_env
+    """preflight.py on a folder holding only the tiny model's config.json (its command line, in this process:
+    conftest.run_main; the probe runs in its own process either way)."""
+    from conftest import run_main
+    from preflight import main
 
     folder = tmp_path / "model"
     if not folder.exists():
         Qwen3Config(**SHAPE).save_pretrained(folder)
-    cmd = [sys.executable, str(REPO / "workflow_scripts" / "preflight.py"), "--model", str(folder),
-           "--config", json.dumps(t | {"procs_per_node": 2}), "--output", str(tmp_path / "m.json"),
-           "--table", str(tmp_path / "m.csv"), *extra]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
+    argv = ["--model", str(folder), "--config", json.dumps(t | {"procs_per_node": 2}),
+            "--output", str(tmp_path / "m.json"), "--table", str(tmp_path / "m.csv"), *extra]  # fmt: skip
+    proc = run_main(main, argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = dict(line.split(",", 1) for line in (tmp_path / "m.csv").read_text().splitlines())
     return proc, json.loads((tmp_path / "m.json").read_text()), table

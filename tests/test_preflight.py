@@ -3,11 +3,9 @@ DeepSpeed's own estimators as the reference, and the mem_mb Snakemake will submi
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO, planned_jobs, snakemake, tiny_config, tool_env
+from conftest import REPO, planned_jobs, run_main, snakemake, tiny_config, tool_env
 
 GB = 2**30
 
@@ -114,13 +112,16 @@ def test_fp16_weighs_like_bf16_on_the_gpu():
 
 
 def preflight(tmp_path, t, *extra):
-    cmd = [
-        sys.executable, str(REPO / "workflow_scripts/preflight.py"), "--model", "preset:1b",
+    """preflight.py's command line (its main, in this process: conftest.run_main)."""
+    from preflight import main
+
+    argv = [
+        "--model", "preset:1b",
         "--config", json.dumps(t | {"max_seq_len": 2048, "demo_vocab_size": 32000}),
         "--output", str(tmp_path / "m.json"), "--table", str(tmp_path / "m.csv"),
         "--probe-timeout", "0", *extra,  # the host plan is the formula's; the probe has its own tests
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env())
+    proc = run_main(main, argv)
     table = dict(line.split(",", 1) for line in (tmp_path / "m.csv").read_text().splitlines())
     return proc, json.loads((tmp_path / "m.json").read_text()), table
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import yaml
-from conftest import snakemake, tiny_config
+from conftest import TINY_GRID, tiny_config
 from pipeline_io import UserError, read_metrics
 from status import (
     Job,
@@ -259,12 +259,13 @@ def test_plain_rendering_of_a_running_and_a_finished_run(tmp_path):
     assert text.rstrip().endswith("Best model: node0 (lowest eval loss)\n  eval loss 1.25")
 
 
-@pytest.mark.parametrize("grid", [{}, {"training.lr": [1e-3, 3e-3]}])
-def test_status_finds_what_the_rules_write(tmp_path, grid):
+@pytest.mark.parametrize("grid", [{}, TINY_GRID])
+def test_status_finds_what_the_rules_write(tmp_path, grid, request):
     """The rules and status.py take the results tree from one place (layout.py): every file a dry run's jobs
     would write, created empty, is where status looks for it (training folders, checkpoints, models, eval
     results, the stages), so a folder renamed for one side only fails here."""
-    text = snakemake(tmp_path, tiny_config("r") | {"grid": grid}, "-n", "-p").stdout
+    # the session's dry run of tiny_config("t") | {"grid": grid} (run "t")
+    text = request.getfixturevalue("grid_dry_run" if grid else "tiny_dry_run").stdout
     outputs = [p.strip() for line in text.splitlines() if line.strip().startswith("output:")
                for p in line.split("output:", 1)[1].split(",")]  # fmt: skip
     for path in map(tmp_path.joinpath, outputs):
@@ -277,12 +278,12 @@ def test_status_finds_what_the_rules_write(tmp_path, grid):
     for root in re.findall(r"--checkpoint-root (\S+)", text):
         (tmp_path / root / "key" / "step-12").mkdir(parents=True)
         (tmp_path / root / "key" / "step-12" / "COMPLETE").write_text(json.dumps({"step": 12, "time": NOW}))
-    nodes = run_status(tmp_path, "r", now=NOW, scheduler=False)
+    nodes = run_status(tmp_path, "t", now=NOW, scheduler=False)
     variants = [f"lr-{lr:g}" for lr in grid.get("training.lr", [])] or [""]
     assert [(n.variant, n.node) for n in nodes] == [(v, node) for v in variants for node in ("node0", "node1")]
     assert all(n.state == "done" and n.step == 12 and n.checkpoint["step"] == 12 for n in nodes)
     assert all(n.model and n.eval_loss == 1.5 for n in nodes)
-    results = tmp_path / "results" / "r"
+    results = tmp_path / "results" / "t"
     picture = stages(results)
     assert picture["split"] and picture["tokenized"] == ["eval", "node0", "node1"]
     assert picture["evaluated"] == (["base"] if grid else ["base", "node0", "node1"])

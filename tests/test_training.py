@@ -309,12 +309,15 @@ def test_preflight_estimate_orders_the_strategies():
 
 
 def test_preflight_fails_with_advice(tmp_path):
-    cmd = [
-        sys.executable, str(REPO / "workflow_scripts/preflight.py"), "--model", "preset:7b",
+    from conftest import run_main
+    from preflight import main
+
+    argv = [
+        "--model", "preset:7b",
         "--config", json.dumps(memory_config(procs_per_node=1, max_seq_len=4096, demo_vocab_size=32000)),
         "--output", str(tmp_path / "m.json"), "--table", str(tmp_path / "m.csv"), "--probe-timeout", "0",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env())
+    proc = run_main(main, argv)  # its command line, in this process
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert "needs about" in last and "training.gpu_memory_gb is 80.0" in last and "fits with training." in last

@@ -6,7 +6,17 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import DEMO_CSV, check_outputs, planned_jobs, snakemake, snakemake_cmd, status, tiny_config, tool_env
+from conftest import (
+    DEMO_CSV,
+    TINY_GRID,
+    check_outputs,
+    planned_jobs,
+    snakemake,
+    snakemake_cmd,
+    status,
+    tiny_config,
+    tool_env,
+)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 # the tests that take ddp_run are e2e (it runs the workflow); the dry runs of bad input are not
@@ -321,11 +331,12 @@ def train_jobs(text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("mode", ["per_node", "joint"])
-def test_training_takes_the_eval_set_as_input_only_with_eval_every(tmp_path, mode):
+def test_training_takes_the_eval_set_as_input_only_with_eval_every(tmp_path, mode, request):
     """training.eval_every: the tokenized eval set is the train jobs' input and reaches the trainer; without it
     neither, so a change to the eval set reruns training only where training reads it."""
     on = snakemake(tmp_path / "on", tiny_config("e", mode=mode, eval_every=4), "-n", "-p").stdout
-    off = snakemake(tmp_path / "off", tiny_config("e", mode=mode), "-n", "-p").stdout
+    # without eval_every: the session's dry run of tiny_config("t") in that mode (per_node is the default)
+    off = request.getfixturevalue("joint_dry_run" if mode == "joint" else "tiny_dry_run").stdout
     jobs_on, jobs_off = train_jobs(on), train_jobs(off)
     assert len(jobs_on) == len(jobs_off) == (1 if mode == "joint" else 2), on[-3000:]
     for job in jobs_on:
@@ -336,14 +347,14 @@ def test_training_takes_the_eval_set_as_input_only_with_eval_every(tmp_path, mod
         assert "tokenized/eval.parquet" not in job and "--eval-data" not in job, job
 
 
-@pytest.mark.parametrize("grid", [{}, {"training.lr": [1.0e-3, 2.0e-3]}])
-def test_the_report_pages_are_no_target_rules(tmp_path, grid):
+@pytest.mark.parametrize("grid", [{}, TINY_GRID])
+def test_the_report_pages_are_no_target_rules(tmp_path, grid, request):
     """`snakemake --list-target-rules` lists the rules without a wildcard; the pages' rules name the run as one
     (rules/common.smk's PAGES), so they are left out, and a dry run still renders every page at its path."""
     config = tiny_config("t") | {"grid": grid}
     listed = snakemake(tmp_path, config, "--list-target-rules").stdout.split()
     assert "data_report" in listed and "all" in listed
     assert not [rule for rule in listed if rule.startswith("render_")], listed
-    dry = snakemake(tmp_path, config, "-n", "-p").stdout
+    dry = request.getfixturevalue("grid_dry_run" if grid else "tiny_dry_run").stdout  # the session's, of `config`
     assert "results/t/env/check.html" in dry and "results/t/data/data_report.html" in dry
     assert ("results/t/lr-0.001/eval/summary.html" if grid else "results/t/eval/summary.html") in dry

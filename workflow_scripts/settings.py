@@ -18,11 +18,14 @@ import yaml
 from pipeline_io import UserError
 
 SCHEMA = Path(__file__).resolve().parents[1] / "config" / "schema.yaml"
+# libyaml's loader where PyYAML has it: the same documents, ~8x faster (the schema is read at every parse: 0.3 s
+# with the pure-Python loader on this CPU, about a tenth of a 256-node dry run)
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 @functools.cache
 def schema() -> dict:
-    return yaml.safe_load(SCHEMA.read_text())
+    return yaml.load(SCHEMA.read_text(), Loader=LOADER)
 
 
 def _validator_with_defaults():
@@ -77,7 +80,7 @@ def check_config_file(path) -> None:
     keys at top level", neither naming the file): a UserError, one line naming the file, when it is empty
     (or only comments), holds no mapping at top level, or gives one key twice (both lines named)."""
     try:
-        root = yaml.compose(Path(path).read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+        root = yaml.compose(Path(path).read_text(encoding="utf-8"), Loader=LOADER)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return  # Snakemake's loader says what it thinks of it
     if root is None or (isinstance(root, yaml.ScalarNode) and root.tag.endswith(":null")):
