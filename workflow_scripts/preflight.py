@@ -3,7 +3,7 @@
 GPU, per GPU, for DDP and FSDP2: the workflow's own training step run on fake tensors (memory_probe.py,
 in a subprocess bounded by --probe-timeout): rank 0's peak of live tensor bytes by component (params,
 grads, optimizer, activations, buffers) over two optimizer steps of the configured micro-batch ×
-max_seq_len × grad_accum, plus memory_probe's stated constants (allocator headroom, CUDA context, NCCL
+max_seq_len × grad_accum, plus the stated constants (allocator headroom, plan_terms' CUDA context and NCCL
 buffers); FSDP2 with offload leaves out the shards CPUOffloadPolicy keeps on the host. plan/memory.json
 keeps the formula below as ``formula`` (the cross-check; memory.csv shows both) and says in ``method``
 how the plan's numbers were made. DeepSpeed has no fake-tensor path: its model states are ZeRO's own
@@ -33,7 +33,7 @@ activations):
   tokens with ``chunked_loss`` (the default, for the architectures it supports), else the micro-batch's;
 - FSDP2 with ``fsdp_no_sync`` and grad_accum > 1: the unsharded fp32 gradient, 4 per trainable parameter;
 - the caching allocator's headroom, a fraction of the above (the strategy's ``allocator_headroom``: 10%,
-  FSDP2 30%, as measured on an H200), and memory_probe's stated CUDA context and NCCL buffers (0.5 + 0.5);
+  FSDP2 30%, as measured on an H200), and plan_terms' stated CUDA context and NCCL buffers (0.5 + 0.5);
   the same GPU-only terms (GPU_ONLY_TERMS) as a plan by the fake-tensor probe.
 
 Host RAM, per node (its ``procs_per_node`` ranks; the world is nodes × procs_per_node in joint mode,
@@ -73,8 +73,10 @@ node), passed as ``--host-memory-mb``; without it there is no limit to check. GB
 On a CPU run (the demo) the GPU column's weights and states are on the host as well.
 
 Each strategy's terms are its own (workflow_scripts/parallel/: ``shards``, ``host_load_bytes``,
-``offloaded_bytes``, ``model_states``, ``probe_config``, ``unsupported``); this module holds the shared
-arithmetic, and ``Planner`` plans any training config of one model (the job's, or a proposal's).
+``offloaded_bytes``, ``unsharded_gradient_bytes``, ``probed_components``, ``model_states``, ``probe_config``,
+``fake_probe``, ``unsupported``); this module holds the shared arithmetic, and ``Planner`` plans any training
+config of one model (the job's, or a proposal's). What it shares with memory_probe.py (the model's config, the
+GPU constants) is plan_terms.py's.
 """
 
 import argparse
