@@ -283,10 +283,17 @@ class DeepSpeedStrategy(Strategy):
         """ZeRO-3's partial optimizer offload (with the parameters too where ``t`` is ZeRO-3 offloading
         them, and without), each at the smallest offload_ratio that fits; unpinned where none does; then
         ZeRO-3 with the optimizer on NVMe."""
+        from parallel.zero_memory import ratio_for
+
+        def partial(keys: dict) -> dict:
+            result, change, split = ratio_for(t, attempt, keys)
+            label = f"{change_keys(change)} (ZeRO-3 partial offload: {split} optimizer sub-groups per rank on the host)"
+            return result | {"proposal": label, "change": change}
+
         offloads = ["all", "optimizer"] if t["strategy"] == "deepspeed" and t["offload"] == "all" else ["optimizer"]
-        out = [ratio_for(t, attempt, {"offload": offload}) for offload in offloads]
+        out = [partial({"offload": offload}) for offload in offloads]
         if not any(p["fits"] for p in out):  # unpinned: no power-of-two rounding of the optimizer's host blocks
-            out += [ratio_for(t, attempt, {"offload": offload, "offload_pin_memory": False}) for offload in offloads]
+            out += [partial({"offload": offload, "offload_pin_memory": False}) for offload in offloads]
         change = {"strategy": "deepspeed", "zero_stage": 3, "offload": "all", "optimizer_device": "nvme"}
         label = (
             "ZeRO-3 with the optimizer states on NVMe (training.strategy: deepspeed, training.zero_stage: 3, "
@@ -294,33 +301,6 @@ class DeepSpeedStrategy(Strategy):
             '"nvme_path": <local disk>})'
         )
         return out + [attempt(label, change)]
-
-
-def ratio_for(t: dict, attempt, keys_: dict) -> dict:
-    """ZeRO-3 with ``keys_`` at the smallest offload_ratio (zero_memory.best_ratio) that fits the GPUs and the
-    host with the most slack, or fully offloaded where none does."""
-    from parallel.zero_memory import best_ratio
-
-    base = {"strategy": "deepspeed", "zero_stage": 3} | keys_
-    found = {}
-
-    def slack(ratio: float) -> float | None:
-        p = found[ratio] = attempt("", base | {"offload_ratio": ratio})
-        if not p["fits"]:
-            return None
-        host = 1 - p["host_gb"] / limit if (limit := p.get("host_limit_gb")) else 1.0
-        return min(1 - p["gpu_gb"] / t["gpu_memory_gb"], host)
-
-    ratio = best_ratio(slack) or 1.0
-    result = found.get(ratio) or attempt("", base | {"offload_ratio": ratio})
-    change = base | {"offload_ratio": ratio}
-    split = (
-        f"{result['sub_groups'] - result['sub_groups_on_gpu']} of {result['sub_groups']}"
-        if "sub_groups" in result
-        else "all"
-    )
-    label = f"{change_keys(change)} (ZeRO-3 partial offload: {split} optimizer sub-groups per rank on the host)"
-    return result | {"proposal": label, "change": change}
 
 
 def choose_optimizer(zero: dict, cpu_adam, torch_adamw, on_gpu: bool = True) -> tuple[torch.optim.Optimizer, str]:
