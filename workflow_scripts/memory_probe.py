@@ -23,9 +23,12 @@ Choices and traps:
 - DTensor's sharding propagation runs its own nested fake mode: the trackers skip those shadow tensors
   (torch 2.13's trackers compare the fake mode at entry).
 
-What a GPU adds to the live tensors is stated here, in one place (``GPU_CONSTANTS_GB``), and added
-by the planner: the CUDA context and NCCL's buffers; and the caching allocator's headroom (a fraction
-of the peak: fragmentation and rounding), the strategy's ``allocator_headroom`` (parallel/).
+What a strategy needs to run here is its own (parallel/: ``fake_probe`` says whether the probe runs it,
+``probe_shims`` what torch needs patched, ``probe_prepare`` its wrapper's needs, ``probe_tracker`` torch's
+tracker of its memory). What a GPU adds to the live tensors is stated in one place (plan_terms.py's
+``GPU_CONSTANTS_GB``), and added by the planner: the CUDA context and NCCL's buffers; and the caching
+allocator's headroom (a fraction of the peak: fragmentation and rounding), the strategy's
+``allocator_headroom`` (parallel/).
 
     python memory_probe.py --model demo_model/ --config '{...PlanConfig...}' --world 8 --output probe.json
 """
@@ -39,16 +42,12 @@ import time
 from pathlib import Path
 
 import torch
+from plan_terms import GPU_CONSTANTS_GB, load_config  # noqa: F401 (GPU_CONSTANTS_GB: the planner's, for tests)
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# What a GPU rank holds beyond its live tensors (GiB), added to the probe's peak by the planner.
-CUDA_CONTEXT_GB = 0.5  # CUDA context and cuBLAS/cuDNN workspaces (about 0.3-0.6 GiB on A100/H100)
-NCCL_GB = 0.5  # NCCL's communicator buffers per process group (NCCL_BUFFSIZE 4 MiB × channels × peers)
-GPU_CONSTANTS_GB = {"cuda_context": CUDA_CONTEXT_GB, "nccl_buffers": NCCL_GB}
 GB = 2**30
 STEPS = 2  # optimizer steps probed: the second runs with the optimizer's states already allocated
-FAKE_PATH_STRATEGIES = ("ddp", "fsdp")  # DeepSpeed has no fake-tensor path
 ACTIVATIONS = ("Activation", "Temp", "Inputs")  # the tracker's categories of the step's activations
 ACTIVATION_PEAK = "Activations peak"  # their own peak over the run (not the global peak's share)
 
@@ -128,57 +127,24 @@ def train_config(t: dict):
 
 
 @contextlib.contextmanager
-def fake_world(world: int):
-    """torch's fake process group of ``world`` ranks, this process rank 0."""
+def fake_world(world: int, strategy: type):
+    """torch's fake process group of ``world`` ranks, this process rank 0, with ``strategy``'s shims."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        with shims():
+        with shims(strategy.probe_shims()):
             yield
     finally:
         dist.destroy_process_group()
 
 
 @contextlib.contextmanager
-def shims():
-    """What torch does not do under fake tensors by itself: functions that compute metadata (ranks,
-    offsets) with data-dependent tensor ops run on real tensors: fully_shard's default device mesh
-    (its rank map's ``tolist``), a DTensor shard's offset (model_loading.local_index); DDP's cross-rank
-    checks are skipped; fp16's overflow test is taken as no overflow."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.amp.grad_scaler import GradScaler
-    from torch.distributed.fsdp._fully_shard import _fully_shard
-    from torch.distributed.tensor import _utils
-    from torch.nn.parallel import distributed as ddp_module
-
-    def real(fn):
-        def wrapper(*args, **kwargs):
-            with unset_fake_temporarily():
-                return fn(*args, **kwargs)
-
-        return wrapper
-
-    def skipped(*args, **kwargs):
-        return None
-
-    def stepped(fn):
-        def no_overflow(self, optimizer, optimizer_state, *args, **kwargs):
-            return optimizer.step(*args, **kwargs)
-
-        return no_overflow
-
-    patched = {
-        (_fully_shard, "_init_default_mesh"): real,
-        (_utils, "compute_local_shape_and_global_offset"): real,
-        # DDP's start: a cross-rank check of the parameters' shapes and rank 0's broadcast of the weights
-        (ddp_module, "_verify_param_shape_across_processes"): lambda fn: skipped,
-        (ddp_module, "_sync_module_states"): lambda fn: skipped,
-        # fp16: the loss scaler's overflow test reads found_inf (no value): the step is taken, as an
-        # overflow-free real step, and allocates the optimizer's states
-        (GradScaler, "_maybe_opt_step"): stepped,
-    }
+def shims(patched: dict):
+    """What torch does not do under fake tensors by itself (the strategy's ``probe_shims``: functions that
+    compute metadata with data-dependent tensor ops run on real tensors, cross-rank checks skipped, fp16's
+    overflow test taken as no overflow): each ``(module, name)`` replaced by ``wrap(original)`` meanwhile."""
     saved = {where: getattr(*where) for where in patched}
     for (module, name), wrap in patched.items():
         setattr(module, name, wrap(saved[module, name]))
@@ -198,29 +164,6 @@ class FakeScalars(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default and is_fake(args[0]):
             return True if args[0].dtype == torch.bool else (1.0 if args[0].is_floating_point() else 1)
         return func(*args, **(kwargs or {}))
-
-
-def in_place_all_reduce(state, bucket):
-    """DDP's gradient bucket all-reduced in place, as gloo and NCCL do: the fake process group's
-    all-reduce completes without a value, which DDP's reducer rejects."""
-    future = torch.futures.Future()
-    future.set_result(bucket.buffer())
-    return future
-
-
-class FixedBuckets:
-    """DDP's reducer, keeping its first buckets: rebuilding them in the order of the first backward
-    broadcasts bucket indices (values a fake tensor has not). The rebuilt buckets hold the same gradients,
-    and they are made before the forward's activations, so the peak does not see the difference."""
-
-    def __init__(self, reducer):
-        self._reducer = reducer
-
-    def _rebuild_buckets(self) -> bool:
-        return False
-
-    def __getattr__(self, name):
-        return getattr(self._reducer, name)
 
 
 def placed_on_fake(strategy: type, mode):
@@ -272,15 +215,17 @@ def propagation_untracked():
 
 
 def tracker_for(strategy):
-    """FSDPMemTracker around an FSDP2 model (it tells sharded from unsharded parameters and gradients),
-    MemTracker with the model and optimizer registered otherwise; neither counts DTensor's shadow tensors."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.fsdp import FSDPModule
+    """The strategy's torch tracker (``probe_tracker``: FSDPMemTracker around an FSDP2 model, it tells sharded
+    from unsharded parameters and gradients; MemTracker with the model and optimizer registered otherwise),
+    counting neither DTensor's shadow tensors nor every module's own peak."""
+    return strategy.probe_tracker(tracked)
 
-    fsdp = isinstance(strategy.model, FSDPModule)
 
-    class Tracker(FSDPMemTracker if fsdp else MemTracker):
+def tracked(base: type) -> type:
+    """A torch memory tracker class (``base``) that skips DTensor's shadow tensors, keeps the global peak and
+    the activations' own peak only, and takes frozen parameters (LoRA's base) as hooked."""
+
+    class Tracker(base):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if PROPAGATING[0]:
                 return func(*args, **(kwargs or {}))
@@ -307,11 +252,7 @@ def tracker_for(strategy):
                     self._param_to_grad_hook_handles[p] = (NO_HOOK, NO_HOOK)
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
-    if fsdp:
-        return Tracker(strategy.model, strategy.optimizer)
-    tracker = Tracker()
-    tracker.track_external(getattr(strategy, "inner", strategy.model), strategy.optimizer)
-    return tracker
+    return Tracker
 
 
 def run_steps(strategy, data, steps: int = STEPS) -> dict:
@@ -363,20 +304,21 @@ def measure(config, t: dict, steps: int = STEPS, mode=None) -> dict:
     model.to = lambda *args, **kwargs: model
     with mode, FakeScalars():
         strategy = build_strategy(cfg, model, device, total_steps=steps)
-        if hasattr(strategy.model, "register_comm_hook"):  # DDP
-            strategy.model.register_comm_hook(None, in_place_all_reduce)
-            strategy.model.reducer = FixedBuckets(strategy.model.reducer)
+        strategy.probe_prepare()  # DDP: its all-reduce in place, its first buckets kept
         return run_steps(strategy, SyntheticData(cfg, t["max_seq_len"], config.vocab_size), steps)
 
 
 def probe(config, t: dict, world: int, steps: int = STEPS) -> dict:
     """Rank 0's peak in training for the planner's config ``t`` at ``world`` ranks, on fake tensors (bytes)."""
+    from parallel import STRATEGIES, strategy_for
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if t["strategy"] not in FAKE_PATH_STRATEGIES:
-        raise ValueError(f"training.strategy {t['strategy']}: no fake-tensor path (only {FAKE_PATH_STRATEGIES})")
+    strategy = strategy_for(t["strategy"])
+    if not strategy.fake_probe:
+        runs = ", ".join(name for name, s in STRATEGIES.items() if s.fake_probe)
+        raise ValueError(f"training.strategy {t['strategy']}: no fake-tensor path (only {runs})")
     start = time.perf_counter()
-    with fake_world(world):
+    with fake_world(world, strategy):
         peak = measure(config, t, steps, FakeTensorMode(allow_non_fake_inputs=True))
     return {
         "peak_bytes": peak["Total"],
@@ -394,7 +336,6 @@ def main(argv=None) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from pipeline_io import write_json
-    from preflight import load_config
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="base model folder, hub id, demo or preset:<size>")

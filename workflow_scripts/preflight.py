@@ -3,7 +3,7 @@
 GPU, per GPU, for DDP and FSDP2: the workflow's own training step run on fake tensors (memory_probe.py,
 in a subprocess bounded by --probe-timeout): rank 0's peak of live tensor bytes by component (params,
 grads, optimizer, activations, buffers) over two optimizer steps of the configured micro-batch ×
-max_seq_len × grad_accum, plus memory_probe's stated constants (allocator headroom, CUDA context, NCCL
+max_seq_len × grad_accum, plus the stated constants (allocator headroom, plan_terms' CUDA context and NCCL
 buffers); FSDP2 with offload leaves out the shards CPUOffloadPolicy keeps on the host. plan/memory.json
 keeps the formula below as ``formula`` (the cross-check; memory.csv shows both) and says in ``method``
 how the plan's numbers were made. DeepSpeed has no fake-tensor path: its model states are ZeRO's own
@@ -33,7 +33,7 @@ activations):
   tokens with ``chunked_loss`` (the default, for the architectures it supports), else the micro-batch's;
 - FSDP2 with ``fsdp_no_sync`` and grad_accum > 1: the unsharded fp32 gradient, 4 per trainable parameter;
 - the caching allocator's headroom, a fraction of the above (the strategy's ``allocator_headroom``: 10%,
-  FSDP2 30%, as measured on an H200), and memory_probe's stated CUDA context and NCCL buffers (0.5 + 0.5);
+  FSDP2 30%, as measured on an H200), and plan_terms' stated CUDA context and NCCL buffers (0.5 + 0.5);
   the same GPU-only terms (GPU_ONLY_TERMS) as a plan by the fake-tensor probe.
 
 Host RAM, per node (its ``procs_per_node`` ranks; the world is nodes × procs_per_node in joint mode,
@@ -73,8 +73,10 @@ node), passed as ``--host-memory-mb``; without it there is no limit to check. GB
 On a CPU run (the demo) the GPU column's weights and states are on the host as well.
 
 Each strategy's terms are its own (workflow_scripts/parallel/: ``shards``, ``host_load_bytes``,
-``offloaded_bytes``, ``model_states``, ``probe_config``, ``unsupported``); this module holds the shared
-arithmetic, and ``Planner`` plans any training config of one model (the job's, or a proposal's).
+``offloaded_bytes``, ``unsharded_gradient_bytes``, ``probed_components``, ``model_states``, ``probe_config``,
+``fake_probe``, ``unsupported``); this module holds the shared arithmetic, and ``Planner`` plans any training
+config of one model (the job's, or a proposal's). What it shares with memory_probe.py (the model's config, the
+GPU constants) is plan_terms.py's.
 """
 
 import argparse
@@ -91,8 +93,8 @@ from fingerprint import model_location
 from parallel import strategy_for
 from parallel.base import Footprint, compute_bytes
 from pipeline_io import UserError, cli, write_json
+from plan_terms import GPU_CONSTANTS_GB, load_config
 from settings import PlanConfig, accumulation, job_ranks
-from transformers import AutoConfig
 
 GB = 2**30  # the plan's GB are GiB, as SLURM's and nvidia-smi's
 GPU_ONLY_TERMS = ("allocator_headroom", "cuda_context", "nccl_buffers")  # beside the live tensors of a plan
@@ -115,16 +117,6 @@ def gpu_memory(configured: float | None, environment: Path | None) -> tuple[floa
         smallest = min(gpus, key=lambda g: g["memory_gb"])
         return smallest["memory_gb"], f"measured by check_environment: {smallest['name']}"
     return ASSUMED_GPU_GB, "assumed: check_environment saw no GPU (a CPU run); set training.gpu_memory_gb"
-
-
-def load_config(model: str, t: dict):
-    """The model's config: a from-scratch preset's shape (before the possibly huge model is built), or config.json."""
-    from presets import preset_config, preset_name
-
-    preset = preset_name(model)
-    if preset:
-        return preset_config(preset, t["demo_vocab_size"], t["max_seq_len"])
-    return AutoConfig.from_pretrained(model)
 
 
 def model_to_params(config) -> tuple[int, int]:
@@ -177,15 +169,14 @@ def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
     half = compute_bytes(t) == 2
     offload = t["offload"]
     trainable = trainable_parameters(config, n_params, t)
-    shard_params, shard_grads, shard_optim = strategy_for(t["strategy"]).shards(t)
+    strategy = strategy_for(t["strategy"])
+    shard_params, shard_grads, shard_optim = strategy.shards(t)
     w = compute_bytes(t)
     weights = n_params * w / (world if shard_params else 1) * (0 if offload == "all" else 1)
     master = trainable * (4 if half else 0)
     optim = (trainable * 8 + master) / (world if shard_optim else 1) * (0 if offload != "none" else 1)
     grads = trainable * w / (world if shard_grads else 1)
-    # FSDP2 with training.fsdp_no_sync: every rank holds the unsharded fp32 gradient until the last micro-batch
-    no_sync = t["strategy"] == "fsdp" and t.get("fsdp_no_sync") and t.get("grad_accum", 1) > 1
-    unsharded_grads = trainable * 4 if no_sync else 0
+    unsharded_grads = strategy.unsharded_gradient_bytes(t, trainable)  # FSDP2's with training.fsdp_no_sync
     tokens = t["micro_batch_size"] * seq_len
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     per_layer = ACTIVATION_BYTES * h * tokens * (w / 2)
@@ -202,10 +193,8 @@ def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
         "activations": activations,
         "logits": logits,
     }
-    from memory_probe import GPU_CONSTANTS_GB
-
     gb = {k: v / GB for k, v in gb.items()}
-    gb["allocator_headroom"] = sum(gb.values()) * strategy_for(t["strategy"]).allocator_headroom
+    gb["allocator_headroom"] = sum(gb.values()) * strategy.allocator_headroom
     gb |= GPU_CONSTANTS_GB
     return {
         "parameters": n_params,
@@ -221,10 +210,8 @@ def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
 def probe_memory(model: str, t: dict, world: int, timeout: float) -> tuple[dict | None, str]:
     """memory_probe.py's run of the training step on fake tensors, in a subprocess (its own fake process
     group, bounded in time): its result and how the GPU memory was estimated, or None and why not."""
-    from memory_probe import FAKE_PATH_STRATEGIES
-
     formula = "by the formula (module docstring)"
-    if t["strategy"] not in FAKE_PATH_STRATEGIES:
+    if not strategy_for(t["strategy"]).fake_probe:
         return None, f"{formula}: no fake-tensor path for {t['strategy']}"
     if timeout <= 0:
         return None, f"{formula}: the fake-tensor probe is off (--probe-timeout 0)"
@@ -246,21 +233,15 @@ def probe_memory(model: str, t: dict, world: int, timeout: float) -> tuple[dict 
 def planned(est: dict, probed: dict | None, note: str, t: dict) -> dict:
     """The plan's GPU memory: the probe's components where it ran (the formula's as the cross-check),
     else the formula's, with how it was estimated."""
-    from memory_probe import GPU_CONSTANTS_GB
-
     formula = {k: est.pop(k) for k in ("per_gpu_gb", "total_gb", "without_checkpointing_gb")}
     est |= {"method": note, "formula": formula, "probe": probed}
     if probed is None:
         return est | {"per_gpu_gb": formula["per_gpu_gb"], "total_gb": formula["total_gb"]}
-    parts = dict(probed["components_bytes"])
-    if t["strategy"] == "fsdp" and t["offload"] != "none":  # CPUOffloadPolicy: the shards live on the host
-        cats = probed["tracker_categories_bytes"]
-        parts["params"] -= cats.get("Sharded Param", 0)
-        parts["grads"] -= cats.get("Sharded Grad", 0)
-        parts["optimizer"] = 0
-        est["method"] += "; FSDP2 offload: sharded parameters, gradients and optimizer states on the host"
+    strategy = strategy_for(t["strategy"])
+    parts, on_host = strategy.probed_components(t, probed)  # FSDP2's offload: the shards live on the host
+    est["method"] += on_host
     gb = {k: v / GB for k, v in parts.items()}
-    gb["allocator_headroom"] = sum(gb.values()) * strategy_for(t["strategy"]).allocator_headroom
+    gb["allocator_headroom"] = sum(gb.values()) * strategy.allocator_headroom
     gb |= GPU_CONSTANTS_GB
     return est | {"per_gpu_gb": gb, "total_gb": sum(gb.values())}
 
@@ -268,8 +249,6 @@ def planned(est: dict, probed: dict | None, note: str, t: dict) -> dict:
 def with_states(est: dict, states: dict, probed: dict | None, note: str, headroom: float) -> dict:
     """The plan's GPU memory for a strategy that states its own model states (ZeRO): those, plus the probe's
     activations peak where it ran (else the formula's activations and logits), plus the stated constants."""
-    from memory_probe import GPU_CONSTANTS_GB
-
     formula = {k: est.pop(k) for k in ("per_gpu_gb", "total_gb", "without_checkpointing_gb")}
     parts = {k: v / GB for k, v in states["gpu"].items()}
     if probed is not None:

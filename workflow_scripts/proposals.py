@@ -2,9 +2,10 @@
 
 ``propose(t, plan)`` tries, in order of how little each changes the experiment: gradient checkpointing,
 a smaller micro-batch with more accumulation (the same global batch), the strategy's sharded
-alternative (DDP and ZeRO-1/2: ZeRO-3, the ``sharded_alternative`` of parallel/), DeepSpeed ZeRO-3's partial
-optimizer offload (training.offload_ratio: the smallest ratio, in hundredths, that fits both the GPUs
-and the host), ZeRO-3 with the optimizer on NVMe, more nodes on one model (training.mode: joint) and
+alternative (DDP and ZeRO-1/2: ZeRO-3, the ``sharded_alternative`` of parallel/), each strategy's own
+proposals (``Strategy.proposals``: DeepSpeed ZeRO-3's partial optimizer offload, training.offload_ratio at
+the smallest ratio, in hundredths, that fits both the GPUs and the host, and ZeRO-3 with the optimizer on
+NVMe), more nodes on one model (training.mode: joint) and
 LoRA. ``plan(t)`` is preflight's ``Planner.plan``: the same estimate (fake-tensor probe, ZeRO's terms,
 host RAM) as the job's own config. Each proposal is kept with its planned GPU and host GB; the best is
 the first that fits. With the fake-tensor probe on, the proposals' probes share one --probe-timeout
@@ -12,6 +13,7 @@ the first that fits. With the fake-tensor probe on, the proposals' probes share 
 says so.
 """
 
+from parallel.base import change_keys
 from pipeline_io import UserError
 
 MAX_NODES = 16  # more nodes: tried up to this many on one model
@@ -36,7 +38,7 @@ def _try(label: str, change: dict, t: dict, plan) -> dict:
 
 
 def keys(change: dict) -> str:
-    return ", ".join(f"training.{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in change.items())
+    return change_keys(change)
 
 
 def checkpointing(t: dict, plan) -> list[dict]:
@@ -71,49 +73,17 @@ def sharded(t: dict, plan) -> list[dict]:
     return [_try(f"{keys(change)} (weights, gradients and optimizer states sharded over the ranks)", change, t, plan)]
 
 
-def partial_offload(t: dict, plan) -> list[dict]:
-    """ZeRO-3 with the optimizer offloaded (with the parameters too where ``t`` offloads them, and without),
-    each at the smallest offload_ratio that fits, or fully offloaded where none does."""
-    offloads = ["all", "optimizer"] if t["strategy"] == "deepspeed" and t["offload"] == "all" else ["optimizer"]
-    out = [ratio_for(t, plan, {"offload": offload}) for offload in offloads]
-    if not any(p["fits"] for p in out):  # unpinned: no power-of-two rounding of the optimizer's host blocks
-        out += [ratio_for(t, plan, {"offload": offload, "offload_pin_memory": False}) for offload in offloads]
+def offered(t: dict, plan) -> list[dict]:
+    """Each strategy's own proposals (``Strategy.proposals``: DeepSpeed's ZeRO-3 partial and NVMe offload), in
+    STRATEGIES' order; a strategy that inherits its parent's offers them once."""
+    from parallel import STRATEGIES
+
+    out, seen = [], set()
+    for strategy in STRATEGIES.values():
+        if strategy.proposals.__func__ not in seen:
+            seen.add(strategy.proposals.__func__)
+            out += strategy.proposals(t, lambda label, change: _try(label, change, t, plan))
     return out
-
-
-def ratio_for(t: dict, plan, keys_: dict) -> dict:
-    from parallel.zero_memory import best_ratio
-
-    base = {"strategy": "deepspeed", "zero_stage": 3} | keys_
-    found = {}
-
-    def slack(ratio: float) -> float | None:
-        p = found[ratio] = _try("", base | {"offload_ratio": ratio}, t, plan)
-        if not p["fits"]:
-            return None
-        host = 1 - p["host_gb"] / limit if (limit := p.get("host_limit_gb")) else 1.0
-        return min(1 - p["gpu_gb"] / t["gpu_memory_gb"], host)
-
-    ratio = best_ratio(slack) or 1.0
-    result = found.get(ratio) or _try("", base | {"offload_ratio": ratio}, t, plan)
-    change = base | {"offload_ratio": ratio}
-    split = (
-        f"{result['sub_groups'] - result['sub_groups_on_gpu']} of {result['sub_groups']}"
-        if "sub_groups" in result
-        else "all"
-    )
-    label = f"{keys(change)} (ZeRO-3 partial offload: {split} optimizer sub-groups per rank on the host)"
-    return result | {"proposal": label, "change": change}
-
-
-def nvme(t: dict, plan) -> list[dict]:
-    change = {"strategy": "deepspeed", "zero_stage": 3, "offload": "all", "optimizer_device": "nvme"}
-    label = (
-        "ZeRO-3 with the optimizer states on NVMe (training.strategy: deepspeed, training.zero_stage: 3, "
-        'training.offload: all, and training.deepspeed_config with "offload_optimizer": {"device": "nvme", '
-        '"nvme_path": <local disk>})'
-    )
-    return [_try(label, change, t, plan)]
 
 
 def more_nodes(t: dict, plan) -> list[dict]:
@@ -136,7 +106,7 @@ def lora(t: dict, plan) -> list[dict]:
     return [_try(keys(change) + f" (r {t['lora']['r']} on {', '.join(t['lora']['target_modules'])})", change, t, plan)]
 
 
-PROPOSALS = (checkpointing, smaller_micro_batch, sharded, partial_offload, nvme, more_nodes, lora)
+PROPOSALS = (checkpointing, smaller_micro_batch, sharded, offered, more_nodes, lora)
 
 
 def propose(t: dict, plan) -> list[dict]:

@@ -30,7 +30,7 @@ from evaluator import Evaluator
 from fingerprint import cache_file_for, model_fingerprint, model_location
 from host_memory import map_large_allocations
 from metrics_logger import MetricsLogger, flops_per_sequence_fn
-from parallel import build_strategy, load_model
+from parallel import build_strategy, load_model, strategy_for
 from pipeline_io import UserError, cli, write_json
 from preemption import StopSignal
 from settings import TrainConfig, for_world
@@ -62,11 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def process_group_backend(cfg: TrainConfig, device_type: str) -> str:
-    """gloo on CPU; NCCL on GPUs, plus gloo for CPU tensors when FSDP2 offloads to the host: its
-    sharded gradients are CPU DTensors there, and clipping them all-reduces their norms on the CPU."""
-    if device_type != "cuda":
-        return "gloo"
-    return "cpu:gloo,cuda:nccl" if cfg.strategy == "fsdp" and cfg.offload != "none" else "nccl"
+    """The strategy's (Strategy.process_group_backend): gloo on CPU, NCCL on GPUs, and FSDP2 offloading to
+    the host adds gloo for its CPU tensors."""
+    return strategy_for(cfg.strategy).process_group_backend(cfg, device_type)
 
 
 def init_distributed(cfg: TrainConfig) -> torch.device:

@@ -1,9 +1,21 @@
 """The parallelization strategies, one module each (ddp, fsdp, zero for DeepSpeed), and the one place a
-strategy is chosen by its name (training.strategy, train_state.json's "strategy"). A new strategy is
-one module here, its entry in STRATEGIES and a value of training.strategy in config/schema.yaml.
+strategy is chosen by its name (training.strategy, train_state.json's "strategy").
 
-parallel/base.py says what a strategy owns: its load plan, wrapping, optimizer and step, its
-checkpoint, its export reader for consolidation and its memory terms for the planner.
+A new strategy touches exactly three files:
+
+1. its module here (parallel/<name>.py): a subclass of parallel.base.Strategy (or of another strategy)
+   with the hooks it does not inherit;
+2. its entry in STRATEGIES below (its name -> its class);
+3. its value in training.strategy's ``enum`` in config/schema.yaml (tests/test_strategies.py holds the
+   enum equal to STRATEGIES' names).
+
+Nothing outside this package compares a strategy's name (tests/test_strategies.py checks
+workflow_scripts/*.py, rules/ and the Snakefile): train.py, the planner (preflight.py, proposals.py),
+the fake-tensor probe (memory_probe.py), consolidation and check_environment ask the class
+``strategy_for`` returns. parallel/base.py says what a strategy owns: its load plan, wrapping,
+optimizer and step, its process group's backend, its checkpoint, its export reader for consolidation,
+its memory terms and proposals for the planner and its part in the fake-tensor probe. The arrows point
+down: those modules import this package, which imports none of them.
 """
 
 from pipeline_io import UserError

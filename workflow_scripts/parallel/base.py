@@ -11,8 +11,14 @@ over ranks:
   native checkpoint (checkpoint.Checkpointer decides when; ``load`` reshards one saved at another
   world size), what of its settings keys a checkpoint (``key_extra``);
 - the export reader consolidation reads that checkpoint through (``export_source``);
+- its process group's backend (``process_group_backend``: train.py starts it);
 - its memory terms for the planner (preflight): which of weights, gradients and optimizer states
-  it shards, what it holds on the host at load and in training, and what to try when it does not fit.
+  it shards, what it holds on the host at load and in training, its own GPU terms beside the
+  formula's and the probe's (``unsharded_gradient_bytes``, ``probed_components``), and what to try
+  when it does not fit (``sharded_alternative``, ``proposals``);
+- its part in the fake-tensor probe (memory_probe.py): whether the probe runs it (``fake_probe``),
+  what torch needs patched to run it on fake tensors (``probe_shims``), what its wrapper needs
+  after it is built (``probe_prepare``) and which torch tracker counts its memory (``probe_tracker``).
 
 The base class holds AdamW (no decay on norms and biases), the lr schedule and the clipped step.
 """
@@ -94,6 +100,37 @@ class Footprint:
 SHARDED_LOAD = {"strategy": "deepspeed", "zero_stage": 3}
 
 
+def change_keys(change: dict) -> str:
+    """A proposal's config change as the refusal names it: ``training.key: value, ...``."""
+    return ", ".join(f"training.{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in change.items())
+
+
+def on_real_tensors(fn):
+    """``fn`` run outside the fake mode (the probe's shims: metadata computed with data-dependent ops)."""
+
+    def wrapper(*args, **kwargs):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def skipped(fn):
+    """``fn`` not run at all (the probe's shims: a cross-rank check with nothing to check on fake tensors)."""
+    return lambda *args, **kwargs: None
+
+
+def stepped(fn):
+    """GradScaler's overflow test skipped: the optimizer steps (the probe's shims: found_inf has no value)."""
+
+    def no_overflow(self, optimizer, optimizer_state, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
+
+    return no_overflow
+
+
 class Strategy:
     """A strategy: see the module docstring. A subclass wraps the model, runs micro-batches and
     saves/loads; its classmethods are its load plan, export reader and memory terms."""
@@ -110,6 +147,11 @@ class Strategy:
 
     def __init__(self, cfg, device, total_steps: int):
         self.cfg, self.device, self.total_steps = cfg, device, total_steps
+
+    @classmethod
+    def process_group_backend(cls, cfg, device_type: str) -> str:
+        """torch.distributed's backend for this strategy's process group: gloo on CPU, NCCL on GPUs."""
+        return "nccl" if device_type == "cuda" else "gloo"
 
     @classmethod
     def unmet(cls, report: dict) -> list[str]:
@@ -304,6 +346,50 @@ class Strategy:
         for a strategy the fake-tensor probe cannot run; None where the probe runs the real step. ``layout()``
         gives the model's parameters (parallel/zero_memory.Layout)."""
         return None
+
+    @classmethod
+    def unsharded_gradient_bytes(cls, t: dict, trainable: int) -> int:
+        """The formula's per-GPU bytes of gradients held unsharded beside ``shards``' (none by default)."""
+        return 0
+
+    @classmethod
+    def probed_components(cls, t: dict, probed: dict) -> tuple[dict, str]:
+        """The GPU's share of the probe's components (bytes), and what the plan's ``method`` adds about it:
+        all of them by default (what the probe tracked is on the GPU)."""
+        return dict(probed["components_bytes"]), ""
+
+    @classmethod
+    def proposals(cls, t: dict, attempt) -> list[dict]:
+        """The changes to this strategy it offers a config ``t`` (of any strategy) that does not fit, each
+        re-planned by ``attempt(label, change)`` (proposals.py: in STRATEGIES' order, after the sharded
+        alternative). None by default."""
+        return []
+
+    # ------------------------------------------------------------ the fake-tensor probe (memory_probe.py)
+
+    fake_probe = False  # whether memory_probe runs this strategy's training step on fake tensors
+
+    @classmethod
+    def probe_shims(cls) -> dict:
+        """What torch needs patched to run this strategy on fake tensors: {(module, name): wrap}, the
+        attribute replaced by ``wrap(original)`` while the probe runs. fp16's loss scaler: its overflow test
+        reads found_inf (no value), so the step is taken as an overflow-free real step, which allocates the
+        optimizer's states."""
+        from torch.amp.grad_scaler import GradScaler
+
+        return {(GradScaler, "_maybe_opt_step"): stepped}
+
+    def probe_prepare(self) -> None:
+        """What the wrapped model needs, under the fake mode, before the probe runs its steps (nothing)."""
+
+    def probe_tracker(self, tracked):
+        """torch's memory tracker of this strategy's step: ``tracked(cls)`` is memory_probe's subclass of a
+        torch tracker class; by default MemTracker with the model and optimizer registered."""
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = tracked(MemTracker)()
+        tracker.track_external(self.model, self.optimizer)
+        return tracker
 
     @classmethod
     def probe_config(cls, t: dict) -> dict:

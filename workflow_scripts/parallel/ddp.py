@@ -11,7 +11,7 @@ import torch.distributed as dist
 from host_memory import page_out
 from pipeline_io import UserError
 
-from parallel.base import SHARDED_LOAD, Strategy, compute_dtype, loss_scaler
+from parallel.base import SHARDED_LOAD, Strategy, compute_dtype, loss_scaler, skipped
 
 
 def trainable_state_dict(model) -> dict:
@@ -74,6 +74,58 @@ class DDPStrategy(Strategy):
     @classmethod
     def sharded_alternative(cls, t: dict) -> dict | None:
         return SHARDED_LOAD
+
+    # ------------------------------------------------------------ the fake-tensor probe
+
+    fake_probe = True
+
+    @classmethod
+    def probe_shims(cls) -> dict:
+        """DDP's start: a cross-rank check of the parameters' shapes and rank 0's broadcast of the weights,
+        skipped."""
+        from torch.nn.parallel import distributed as ddp_module
+
+        return super().probe_shims() | {
+            (ddp_module, "_verify_param_shape_across_processes"): skipped,
+            (ddp_module, "_sync_module_states"): skipped,
+        }
+
+    def probe_prepare(self) -> None:
+        """The fake process group's all-reduce completes without a value, which DDP's reducer rejects: the
+        bucket all-reduced in place instead, and the reducer's first buckets kept."""
+        self.model.register_comm_hook(None, in_place_all_reduce)
+        self.model.reducer = FixedBuckets(self.model.reducer)
+
+    def probe_tracker(self, tracked):
+        """MemTracker on the replica (DDP's wrapper holds no tensors of its own)."""
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = tracked(MemTracker)()
+        tracker.track_external(self.inner, self.optimizer)
+        return tracker
+
+
+def in_place_all_reduce(state, bucket):
+    """DDP's gradient bucket all-reduced in place, as gloo and NCCL do: the fake process group's
+    all-reduce completes without a value, which DDP's reducer rejects."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+class FixedBuckets:
+    """DDP's reducer, keeping its first buckets: rebuilding them in the order of the first backward
+    broadcasts bucket indices (values a fake tensor has not). The rebuilt buckets hold the same gradients,
+    and they are made before the forward's activations, so the peak does not see the difference."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
 
 
 class DDPSource:

@@ -12,14 +12,14 @@ import torch.distributed as dist
 from model_loading import materialize
 from pipeline_io import UserError
 
-from parallel.base import Footprint, Strategy, compute_dtype, loss_scaler
+from parallel.base import Footprint, Strategy, compute_dtype, loss_scaler, on_real_tensors
 
 
 def offloaded(cfg, device: torch.device) -> bool:
     """FSDP2 CPU offload (training.offload optimizer or all: FSDP2 offloads parameters, gradients and
     optimizer states together). Taken on a CPU run too, where the shards already live on the host, so
     that CPU tests run the offload path (CPUOffloadPolicy, gradient clipping of CPU DTensors over the
-    process group's CPU backend: train.process_group_backend)."""
+    process group's CPU backend: ``FSDPStrategy.process_group_backend``)."""
     return cfg.offload != "none"
 
 
@@ -72,6 +72,14 @@ class FSDPStrategy(Strategy):
         self.optimizer = self.make_optimizer(model.parameters())
         self.scheduler = self.make_scheduler(self.optimizer)
         self.scaler = loss_scaler(cfg, device, sharded=True)
+
+    @classmethod
+    def process_group_backend(cls, cfg, device_type: str) -> str:
+        """NCCL on GPUs, plus gloo for CPU tensors when FSDP2 offloads to the host: its sharded gradients are
+        CPU DTensors there, and clipping them all-reduces their norms on the CPU."""
+        if device_type == "cuda" and cfg.offload != "none":
+            return "cpu:gloo,cuda:nccl"
+        return super().process_group_backend(cfg, device_type)
 
     @classmethod
     def unmet(cls, report: dict) -> list[str]:
@@ -156,6 +164,46 @@ class FSDPStrategy(Strategy):
         if t["offload"] != "none":
             return (f.trainable * 16 + f.frozen * f.c) / f.nodes
         return 0.0
+
+    @classmethod
+    def unsharded_gradient_bytes(cls, t: dict, trainable: int) -> int:
+        """training.fsdp_no_sync with grad_accum > 1: every rank holds the unsharded fp32 gradient until the
+        last micro-batch."""
+        return trainable * 4 if t.get("fsdp_no_sync") and t.get("grad_accum", 1) > 1 else 0
+
+    @classmethod
+    def probed_components(cls, t: dict, probed: dict) -> tuple[dict, str]:
+        """CPUOffloadPolicy: the sharded parameters, gradients and optimizer states live on the host."""
+        parts = dict(probed["components_bytes"])
+        if t["offload"] == "none":
+            return parts, ""
+        cats = probed["tracker_categories_bytes"]
+        parts["params"] -= cats.get("Sharded Param", 0)
+        parts["grads"] -= cats.get("Sharded Grad", 0)
+        parts["optimizer"] = 0
+        return parts, "; FSDP2 offload: sharded parameters, gradients and optimizer states on the host"
+
+    # ------------------------------------------------------------ the fake-tensor probe
+
+    fake_probe = True
+
+    @classmethod
+    def probe_shims(cls) -> dict:
+        """Run on real tensors: fully_shard's default device mesh (its rank map's ``tolist``) and a DTensor
+        shard's offset (model_loading.local_index), metadata computed with data-dependent tensor ops."""
+        from torch.distributed.fsdp._fully_shard import _fully_shard
+        from torch.distributed.tensor import _utils
+
+        return super().probe_shims() | {
+            (_fully_shard, "_init_default_mesh"): on_real_tensors,
+            (_utils, "compute_local_shape_and_global_offset"): on_real_tensors,
+        }
+
+    def probe_tracker(self, tracked):
+        """FSDPMemTracker: it tells sharded from unsharded parameters and gradients."""
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        return tracked(FSDPMemTracker)(self.model, self.optimizer)
 
 
 def hashing_writer(path: Path, writes):

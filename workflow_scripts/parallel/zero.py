@@ -34,7 +34,7 @@ from model_loading import source_key
 from pipeline_io import UserError
 from weights import READ_BYTES
 
-from parallel.base import SHARDED_LOAD, Footprint, Strategy, compute_dtype
+from parallel.base import SHARDED_LOAD, Footprint, Strategy, change_keys, compute_dtype
 from parallel.zero_memory import hidden_size, layer_parameters, zero_buffer_sizes  # noqa: F401 (hidden_size: tests)
 
 log = logging.getLogger("train")
@@ -277,6 +277,30 @@ class DeepSpeedStrategy(Strategy):
     @classmethod
     def sharded_alternative(cls, t: dict) -> dict | None:
         return SHARDED_LOAD if t.get("zero_stage", 0) < 3 else None
+
+    @classmethod
+    def proposals(cls, t: dict, attempt) -> list[dict]:
+        """ZeRO-3's partial optimizer offload (with the parameters too where ``t`` is ZeRO-3 offloading
+        them, and without), each at the smallest offload_ratio that fits; unpinned where none does; then
+        ZeRO-3 with the optimizer on NVMe."""
+        from parallel.zero_memory import ratio_for
+
+        def partial(keys: dict) -> dict:
+            result, change, split = ratio_for(t, attempt, keys)
+            label = f"{change_keys(change)} (ZeRO-3 partial offload: {split} optimizer sub-groups per rank on the host)"
+            return result | {"proposal": label, "change": change}
+
+        offloads = ["all", "optimizer"] if t["strategy"] == "deepspeed" and t["offload"] == "all" else ["optimizer"]
+        out = [partial({"offload": offload}) for offload in offloads]
+        if not any(p["fits"] for p in out):  # unpinned: no power-of-two rounding of the optimizer's host blocks
+            out += [partial({"offload": offload, "offload_pin_memory": False}) for offload in offloads]
+        change = {"strategy": "deepspeed", "zero_stage": 3, "offload": "all", "optimizer_device": "nvme"}
+        label = (
+            "ZeRO-3 with the optimizer states on NVMe (training.strategy: deepspeed, training.zero_stage: 3, "
+            'training.offload: all, and training.deepspeed_config with "offload_optimizer": {"device": "nvme", '
+            '"nvme_path": <local disk>})'
+        )
+        return out + [attempt(label, change)]
 
 
 def choose_optimizer(zero: dict, cpu_adam, torch_adamw, on_gpu: bool = True) -> tuple[torch.optim.Optimizer, str]:

@@ -284,3 +284,26 @@ def best_ratio(slack) -> float | None:
     room = {r / 100: slack(r / 100) for r in range(1, 101)}
     fitting = {r: v for r, v in room.items() if v is not None}
     return max(fitting, key=lambda r: (fitting[r], r)) if fitting else None  # ties: the same split, the plainer ratio
+
+
+def ratio_for(t: dict, attempt, keys: dict) -> tuple[dict, dict, str]:
+    """ZeRO-3 with ``keys`` at the offload_ratio of best_ratio, re-planned by ``attempt(label, change)`` (1.0,
+    all offloaded, where none fits): that plan, its change, and how many optimizer sub-groups are on the host."""
+    base = {"strategy": "deepspeed", "zero_stage": 3} | keys
+    found = {}
+
+    def slack(ratio: float) -> float | None:
+        p = found[ratio] = attempt("", base | {"offload_ratio": ratio})
+        if not p["fits"]:
+            return None
+        host = 1 - p["host_gb"] / limit if (limit := p.get("host_limit_gb")) else 1.0
+        return min(1 - p["gpu_gb"] / t["gpu_memory_gb"], host)
+
+    ratio = best_ratio(slack) or 1.0
+    result = found.get(ratio) or attempt("", base | {"offload_ratio": ratio})
+    split = (
+        f"{result['sub_groups'] - result['sub_groups_on_gpu']} of {result['sub_groups']}"
+        if "sub_groups" in result
+        else "all"
+    )
+    return result, base | {"offload_ratio": ratio}, split
