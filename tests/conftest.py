@@ -4,6 +4,7 @@ command line, one local end-to-end run, and the throwaway SLURM clusters (one ho
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -279,6 +280,17 @@ def ddp_run(tmp_path_factory):
     config = tiny_config("t")
     snakemake(workdir, config)
     return workdir, config
+
+
+def copy_of_run(workdir: Path, dest: Path, drop: tuple[str, ...] = ()) -> Path:
+    """A copy of a finished run's ``workdir`` at ``dest`` (cp -a: the times and Snakemake's records kept, so the
+    copy is as finished as the run), without the folders ``drop`` of its results (results/<run>/<name>): the
+    tests that only need the stages before training start from the shared ddp_run instead of running them."""
+    subprocess.run(["cp", "-a", str(workdir), str(dest)], check=True)
+    for name in drop:
+        for path in (dest / "results").glob(f"*/{name}"):
+            shutil.rmtree(path)
+    return dest
 
 
 def throwaway_cluster(tmp_path_factory, name: str, unavailable_reason, start):
