@@ -333,9 +333,16 @@ def submissions(output: str) -> list[tuple[str, str]]:
     return SUBMITTED.findall(output)
 
 
+# sitecustomize.py there: the SLURM plugin's status checks every second (the file says why)
+POLL_EVERY_SECOND = Path(__file__).resolve().parent / "site"
+
+
 def slurm_env(cluster) -> dict:
-    """The tests' environment for Snakemake, pointed at a throwaway cluster and its partition."""
-    return cluster.client_env(tool_env()) | {"SLURM_PARTITION": cluster.partition}
+    """The tests' environment for Snakemake, pointed at a throwaway cluster and its partition, polling it every
+    second (POLL_EVERY_SECOND on PYTHONPATH)."""
+    env = cluster.client_env(tool_env()) | {"SLURM_PARTITION": cluster.partition}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(POLL_EVERY_SECOND), env.get("PYTHONPATH")) if p)
+    return env
 
 
 def bpe_tokenizer(
