@@ -124,8 +124,9 @@ def test_rerunning_one_nodes_training_submits_one_job(slurm_cluster, slurm_run):
 
 
 def test_sigint_cancels_the_slurm_jobs(slurm_cluster, ddp_run, tmp_path):
-    # the finished local run without its training: the SLURM run submits the training jobs first
-    workdir = copy_of_run(ddp_run[0], tmp_path / "work", drop=("train", "checkpoints"))
+    # the finished local run without its training and what comes of it (Snakemake makes no missing file that no
+    # target needs): the SLURM run submits the training jobs first
+    workdir = copy_of_run(ddp_run[0], tmp_path / "work", drop=("train", "checkpoints", "models", "eval"))
     cmd = snakemake_cmd(workdir, tiny_config("t"), *PROFILES)
     log = tmp_path / "snakemake.log"
     with open(log, "w") as out:
