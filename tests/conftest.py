@@ -4,6 +4,7 @@ command line, one local end-to-end run, and the throwaway SLURM clusters (one ho
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -321,6 +322,17 @@ def ddp_run(tmp_path_factory):
     return workdir, config
 
 
+def copy_of_run(workdir: Path, dest: Path, drop: tuple[str, ...] = ()) -> Path:
+    """A copy of a finished run's ``workdir`` at ``dest`` (cp -a: the times and Snakemake's records kept, so the
+    copy is as finished as the run), without the folders ``drop`` of its results (results/<run>/<name>): the
+    tests that only need the stages before training start from the shared ddp_run instead of running them."""
+    subprocess.run(["cp", "-a", str(workdir), str(dest)], check=True)
+    for name in drop:
+        for path in (dest / "results").glob(f"*/{name}"):
+            shutil.rmtree(path)
+    return dest
+
+
 def throwaway_cluster(tmp_path_factory, name: str, unavailable_reason, start):
     """The body of a cluster fixture: skipped with ``unavailable_reason()``'s reason, if any; else the
     cluster ``start`` starts in a temp dir ``name``, stopped at the end."""
@@ -361,9 +373,16 @@ def submissions(output: str) -> list[tuple[str, str]]:
     return SUBMITTED.findall(output)
 
 
+# sitecustomize.py there: the SLURM plugin's status checks every second (the file says why)
+POLL_EVERY_SECOND = Path(__file__).resolve().parent / "site"
+
+
 def slurm_env(cluster) -> dict:
-    """The tests' environment for Snakemake, pointed at a throwaway cluster and its partition."""
-    return cluster.client_env(tool_env()) | {"SLURM_PARTITION": cluster.partition}
+    """The tests' environment for Snakemake, pointed at a throwaway cluster and its partition, polling it every
+    second (POLL_EVERY_SECOND on PYTHONPATH)."""
+    env = cluster.client_env(tool_env()) | {"SLURM_PARTITION": cluster.partition}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(POLL_EVERY_SECOND), env.get("PYTHONPATH")) if p)
+    return env
 
 
 def bpe_tokenizer(

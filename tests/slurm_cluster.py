@@ -26,7 +26,9 @@ CLIENTS = ("sbatch", "srun", "squeue", "sinfo", "scancel", "scontrol")
 # daemons live in sbin, which is not always on a non-root PATH
 SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/local/sbin"])
 PARTITION = "throwaway"
-MIN_JOB_AGE = 300  # seconds a finished job stays in squeue: the plugin's squeue status needs >= 3 polls
+# seconds a finished job stays in squeue: the plugin's squeue status needs >= 3 polls, and a test reads every job of
+# its run there at the end (the demo through SLURM took 405 s at load 12: its first jobs had gone after 300)
+MIN_JOB_AGE = 1800
 # GPUs each node declares, "devices" that are links to /dev/null (Slurm 22.05 reports no GPU without a File=),
 # so sbatch --gpus and --gres=gpu:<n> are accepted and scheduled as on a GPU cluster while the jobs run on the
 # CPU; the workflow asks for training.procs_per_node of them

@@ -22,8 +22,13 @@ def wait_for(predicate, seconds: float, what: str):
     raise AssertionError(f"timed out after {seconds} s waiting for {what}")
 
 
+# long enough that the run is still training when it is killed (status shows it at step 8, 16 or 24), and no longer:
+# the rerun trains every step after the checkpoint it resumes from
+STEPS = 48
+
+
 def test_kill_9_ends_the_ranks_and_the_rerun_resumes(tmp_path):
-    config = tiny_config("crash", max_steps=120, checkpoint_every=8, log_every=8)
+    config = tiny_config("crash", max_steps=STEPS, checkpoint_every=8, log_every=8)
     config["eval"]["max_samples"] = 16
     config["nodes"] = 1  # a local run trains its nodes one after the other: a second node adds time, not a case
     cmd = snakemake_cmd(tmp_path, config)
@@ -33,10 +38,10 @@ def test_kill_9_ends_the_ranks_and_the_rerun_resumes(tmp_path):
     try:
         wait_for(lambda: list(checkpoints.glob("node*/*/step-*/COMPLETE")), 600, "a training checkpoint")
         assert training_ranks(tmp_path), "no training rank is running"
-        # make status while it trains: the node with a checkpoint (8 of 120 steps) runs, with an ETA
+        # make status while it trains: the node with a checkpoint (8 of STEPS steps) runs, with an ETA
         shown = status(tmp_path, "crash")
         node = next(checkpoints.glob("node*/*/step-*/COMPLETE")).parts[-4]
-        assert re.search(rf"^{node} +pid \d+ +running +(8|16|24)/120 .* (\d+m)?\d+s +\d+, ", shown, re.M), shown
+        assert re.search(rf"^{node} +pid \d+ +running +(8|16|24)/{STEPS} .* (\d+m)?\d+s +\d+, ", shown, re.M), shown
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # Snakemake and everything in its process group
         proc.wait()
@@ -51,4 +56,4 @@ def test_kill_9_ends_the_ranks_and_the_rerun_resumes(tmp_path):
     plan = json.loads((tmp_path / "results/crash/train/node0/plan.json").read_text())
     assert plan["start_step"] >= 8  # resumed from its checkpoint
     lines = (tmp_path / "results/crash/train/node0/metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == list(range(8, 121, 8))  # every logged step once
+    assert [json.loads(x)["step"] for x in lines] == list(range(8, STEPS + 1, 8))  # every logged step once

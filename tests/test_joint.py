@@ -20,6 +20,7 @@ from conftest import (
     BIN,
     PROFILES,
     REPO,
+    copy_of_run,
     job_logs,
     planned_jobs,
     rule_env,
@@ -253,8 +254,11 @@ def training_pids(cluster, host: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def joint_run(two_hosts, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("joint-run")
+def joint_run(two_hosts, ddp_run, tmp_path_factory):
+    """The joint run on a copy of the finished local run (ddp_run, cp -a: its times and Snakemake's records
+    kept): the data stages, the base model and the environment check are the same for every mode and run
+    through SLURM in tests/test_slurm.py, so only the plan, train_joint and what depends on it run here."""
+    workdir = copy_of_run(ddp_run[0], tmp_path_factory.mktemp("joint-run") / "work")
     config = tiny_config("t", mode="joint")
     start = time.monotonic()
     # the joint model and the base evaluated: the stages after them (summary, data report, provenance) are

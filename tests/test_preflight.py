@@ -5,7 +5,7 @@ import json
 import math
 
 import pytest
-from conftest import REPO, planned_jobs, run_main, snakemake, tiny_config, tool_env
+from conftest import REPO, copy_of_run, planned_jobs, run_main, snakemake, tiny_config, tool_env
 
 GB = 2**30
 
@@ -190,7 +190,8 @@ def test_a_new_host_memory_replans_nothing_and_keeps_training_in_the_dag(ddp_run
     not-yet-trained train_node from the DAG)."""
     workdir, config = ddp_run
     assert planned_jobs(snakemake(workdir, config, "-n", "--set-resources", "train_node:mem_mb=64000")) == {}
-    fresh = tmp_path / "fresh"
+    # the finished run's stages before the plan (a copy), then a plan made without a mem_mb, nothing trained
+    fresh = copy_of_run(workdir, tmp_path / "fresh", drop=("plan", "train", "checkpoints"))
     snakemake(fresh, config, f"results/{config['run']}/plan/memory.json")  # planned without a mem_mb
     target = f"results/{config['run']}/train/node0/train_state.json"
     jobs = planned_jobs(snakemake(fresh, config, "-n", target, "--set-resources", "train_node:mem_mb=64000"))

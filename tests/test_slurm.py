@@ -20,6 +20,7 @@ import yaml
 from conftest import (
     PROFILES,
     check_outputs,
+    copy_of_run,
     job_logs,
     slurm_env,
     snakemake,
@@ -122,8 +123,11 @@ def test_rerunning_one_nodes_training_submits_one_job(slurm_cluster, slurm_run):
     assert (train / "node0" / "train_state.json").stat().st_mtime_ns == untouched
 
 
-def test_sigint_cancels_the_slurm_jobs(slurm_cluster, tmp_path):
-    cmd = snakemake_cmd(tmp_path, tiny_config("t"), *PROFILES)
+def test_sigint_cancels_the_slurm_jobs(slurm_cluster, ddp_run, tmp_path):
+    # the finished local run without its training and what comes of it (Snakemake makes no missing file that no
+    # target needs): the SLURM run submits the training jobs first
+    workdir = copy_of_run(ddp_run[0], tmp_path / "work", drop=("train", "checkpoints", "models", "eval"))
+    cmd = snakemake_cmd(workdir, tiny_config("t"), *PROFILES)
     log = tmp_path / "snakemake.log"
     with open(log, "w") as out:
         # SIGINT as a terminal's Ctrl-C would send it; restored to the default in case this
@@ -141,7 +145,7 @@ def test_sigint_cancels_the_slurm_jobs(slurm_cluster, tmp_path):
             text = log.read_text()
             # after the local plan_training job: Snakemake 9's local executor crashes on a SIGINT that comes
             # while a local job runs, before it cancels the SLURM jobs (docs/slurm.md, "The profile")
-            if "SLURM run ID" not in text or not (tmp_path / "results/t/plan/memory.json").exists():
+            if "SLURM run ID" not in text or not (workdir / "results/t/plan/memory.json").exists():
                 return None
             # a training job running (the demo's shortest jobs may be done and gone from squeue by then)
             jobs = slurm_cluster.jobs(name=run_id(text))
@@ -154,7 +158,7 @@ def test_sigint_cancels_the_slurm_jobs(slurm_cluster, tmp_path):
         proc.wait(timeout=120)
         slurm_cluster.wait_for(lambda: not slurm_cluster.jobs(), timeout=60, what="an empty squeue after SIGINT")
         states = {j["state"] for j in slurm_cluster.jobs(all_states=True, name=rid)}
-        assert "CANCELLED" in states, (states, log.read_text()[-3000:], job_logs(tmp_path))
+        assert "CANCELLED" in states, (states, log.read_text()[-3000:], job_logs(workdir))
         assert proc.returncode != 0
     finally:
         if proc.poll() is None:
@@ -191,7 +195,7 @@ def signalled(pid: int) -> bool:
     return bool(int(re.search(r"^ShdPnd:\s*(\w+)", status, re.M).group(1), 16) & SIGURG_BIT)
 
 
-def test_time_limit_signal_checkpoints_and_the_retry_resumes(slurm_cluster, tmp_path):
+def test_time_limit_signal_checkpoints_and_the_retry_resumes(slurm_cluster, ddp_run, tmp_path):
     """A training job longer than its time limit gets SLURM's warning signal, checkpoints and ends;
     Snakemake's retry (a longer limit) resumes from that checkpoint and finishes.
 
@@ -201,11 +205,12 @@ def test_time_limit_signal_checkpoints_and_the_retry_resumes(slurm_cluster, tmp_
     again, handle it after the step they were in, and the job ends before the limit.
     """
     # one checkpoint only at the end: the one the retry resumes from can only be the signal's
-    config = tiny_config("p", max_steps=PREEMPT_STEPS, log_every=1, checkpoint_every=10**6)
-    target = "results/p/train/node0/train_state.json"
-    # everything before training runs here, so that the SLURM run submits only the training job
-    snakemake(tmp_path, config, "results/p/env/check.json", "results/p/plan/memory.json",
-              "results/p/data/tokenized/node0.parquet", "results/p/base_model")  # fmt: skip
+    config = tiny_config("t", max_steps=PREEMPT_STEPS, log_every=1, checkpoint_every=10**6)
+    target = "results/t/train/node0/train_state.json"
+    # everything before training is the finished local run's (a copy, cp -a: its times and Snakemake's records
+    # kept), so that the SLURM run submits only the training job; its training and checkpoints are dropped, so
+    # that this one starts from step 0 (the plan, a local rule, is made again for the new steps)
+    workdir = copy_of_run(ddp_run[0], tmp_path / "work", drop=("train", "checkpoints"))
     overlay = tmp_path / "overlay"
     overlay.mkdir()
     (overlay / "profile.yaml").write_text(
@@ -225,17 +230,17 @@ def test_time_limit_signal_checkpoints_and_the_retry_resumes(slurm_cluster, tmp_
             }
         )
     )
-    metrics = tmp_path / "results" / "p" / "train" / "node0" / "metrics.jsonl"
+    metrics = workdir / "results" / "t" / "train" / "node0" / "metrics.jsonl"
     log = tmp_path / "snakemake.log"
     start = time.monotonic()
     with open(log, "w") as out:
-        cmd = snakemake_cmd(tmp_path, config, target, *PROFILES, "--profile", str(overlay))
+        cmd = snakemake_cmd(workdir, config, target, *PROFILES, "--profile", str(overlay))
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=slurm_env(slurm_cluster))
     try:
         slurm_cluster.wait_for(
             lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 150, what="3 training steps"
         )
-        ranks = training_ranks(tmp_path)
+        ranks = training_ranks(workdir)
         assert len(ranks) == 2, ranks
         for pid in ranks:
             os.kill(pid, signal.SIGSTOP)
@@ -244,7 +249,7 @@ def test_time_limit_signal_checkpoints_and_the_retry_resumes(slurm_cluster, tmp_
         try:
             # make status while the job is in flight (frozen, so this costs it no steps): its id and state
             job = json.loads(metrics.read_text().splitlines()[0])["slurm_job_id"]
-            shown = status(tmp_path, "p", env=slurm_env(slurm_cluster))
+            shown = status(workdir, "t", env=slurm_env(slurm_cluster))
             assert re.search(rf"^node0 +{job} RUNNING +running +\d+/{PREEMPT_STEPS} ", shown, re.M), shown
             slurm_cluster.wait_for(lambda: all(signalled(pid) for pid in ranks), timeout=150, what="SIGURG from SLURM")
         finally:
@@ -258,7 +263,7 @@ def test_time_limit_signal_checkpoints_and_the_retry_resumes(slurm_cluster, tmp_
             proc.wait()
     print(f"time-limited training through SLURM: {time.monotonic() - start:.0f} s")
     output = log.read_text()
-    assert proc.returncode == 0, output[-3000:] + job_logs(tmp_path)
+    assert proc.returncode == 0, output[-3000:] + job_logs(workdir)
     submitted = submissions(output)
     assert [rule for _, rule in submitted] == ["train_node", "train_node"], output[-3000:]
     (first, _), (second, _) = submitted
@@ -273,7 +278,7 @@ def test_time_limit_signal_checkpoints_and_the_retry_resumes(slurm_cluster, tmp_
     # the second job resumed from the checkpoint the first one wrote on SLURM's signal
     assert plan["resumed_after"]["signal"] == "SIGURG" and plan["resumed_after"]["step"] == resumed, plan
     assert (plan["resumed_after"]["slurm_job_id"], plan["slurm_job_id"]) == (first, second)
-    checkpoints = sorted(p.parent.name for p in (tmp_path / "results" / "p" / "checkpoints").rglob("COMPLETE"))
+    checkpoints = sorted(p.parent.name for p in (workdir / "results" / "t" / "checkpoints").rglob("COMPLETE"))
     assert checkpoints == sorted([f"step-{resumed}", f"step-{PREEMPT_STEPS}"])
     # every step once: the first job's up to the signal, the second's from there on
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
