@@ -65,20 +65,20 @@ report: install ## rebuild results/<RUN>/report.html (RUN=demo) and the LoRA sta
 
 # snakemake -n through PROFILE with CONFIG (ARGS: more Snakemake options), then dry_run_summary.py's table
 dry-run: install ## what a submission would run (CONFIG=my.yaml PROFILE=profiles/slurm): jobs per partition, GPU-hours
-	@$(PY) workflow_scripts/dry_run_summary.py --profile $(PROFILE) $(if $(CONFIG),--configfile $(CONFIG)) $(ARGS)
+	@$(PY) -m workflow_scripts.ops.dry_run_summary --profile $(PROFILE) $(if $(CONFIG),--configfile $(CONFIG)) $(ARGS)
 
 help: ## this list: every target with one line
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z][a-z-]*:.*## / {printf "  make %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 # RUN only when given (make status RUN=x); otherwise status.py reads run: from CONFIG (config/config.yaml)
 # NODE's checkpoints moved aside, then snakemake -R (through PROFILE when given, else here with --cores all) its train_state.json (its training from step 0, its model,
-# evaluation, the summary and the pages), then the report (workflow_scripts/retrain.py)
+# evaluation, the summary and the pages), then the report (workflow_scripts/ops/retrain.py)
 retrain: install ## train NODE=node1 again from step 0, then its evaluation, the summary and the report (CONFIG=, PROFILE=)
-	$(PY) workflow_scripts/retrain.py --config $(or $(CONFIG),config/config.yaml) --node $(NODE) \
+	$(PY) -m workflow_scripts.ops.retrain --config $(or $(CONFIG),config/config.yaml) --node $(NODE) \
 	  $(if $(VARIANT),--variant $(VARIANT)) -- $(if $(filter-out file,$(origin PROFILE)),--profile $(PROFILE),--cores all)
 
 status: install ## where each job of a run is (RUN=<run>, CONFIG=my.yaml, ARGS=--watch)
-	@$(PY) workflow_scripts/status.py $(if $(filter-out file,$(origin RUN)),--run $(RUN)) \
+	@$(PY) -m workflow_scripts.ops.status $(if $(filter-out file,$(origin RUN)),--run $(RUN)) \
 	  --config $(or $(CONFIG),config/config.yaml) $(ARGS)
 
 test: install install-trackers ## the whole test suite, as CI runs it

@@ -34,8 +34,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 SCRIPTS = REPO / "workflow_scripts"
-sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_data import rss_of  # noqa: E402
@@ -48,9 +49,9 @@ import dataclasses, json, os, sys
 from pathlib import Path
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-from checkpoint import Checkpointer
-from parallel import build_strategy, load_model
-from settings import TrainConfig
+from workflow_scripts.train.checkpoint import Checkpointer
+from workflow_scripts.train.parallel import build_strategy, load_model
+from workflow_scripts.core.settings import TrainConfig
 cfg, base, root, steps = TrainConfig.from_json(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5])
 dist.init_process_group("gloo")
 torch.manual_seed(0)
@@ -120,7 +121,8 @@ def build_base(preset: str, out: Path, dtype: str = "fp32") -> int:
     """The demo tokenizer and a randomly initialized model of ``preset``, saved in ``dtype``; returns its
     parameter count."""
     import torch
-    from demo_model import build_model, texts_from, train_tokenizer
+
+    from workflow_scripts.model.demo_model import build_model, texts_from, train_tokenizer
 
     tokenizer = train_tokenizer(texts_from(str(REPO / "resources" / "demo" / "instructions.csv")), 1024)
     model = build_model(tokenizer, 128, seed=0, size=preset).to(getattr(torch, DTYPES[dtype]))
@@ -181,13 +183,13 @@ def main() -> None:
             root = work / preset / f"{label}-{dtype}"
             cmd = [
                 str(Path(py).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
-                str(work / "make_checkpoint.py"), str(SCRIPTS), training_config(label), str(base),
+                str(work / "make_checkpoint.py"), str(REPO), training_config(label), str(base),
                 str(root / "ckpt"), str(steps),
             ]  # fmt: skip
             rss_of(cmd, env)
             state = root / "ckpt" / "train_state.json"
-            ours = [py, str(SCRIPTS / "consolidate.py"), "--state", str(state), "--output", str(root / "ours"),
-                    "--max-shard-size", SHARD]  # fmt: skip
+            ours = [py, "-m", "workflow_scripts.export.consolidate", "--state", str(state),
+                    "--output", str(root / "ours"), "--max-shard-size", SHARD]  # fmt: skip
             secs, rss, _ = rss_of(ours, env)
             report = json.loads((root / "ours" / "consolidation.json").read_text())
             assert report["dtype"] == DTYPES[dtype], report["dtype"]

@@ -26,8 +26,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 SCRIPTS = REPO / "workflow_scripts"
-sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(0, str(REPO))
 
 WORDS = "the of and to in is you that it he was for on are as with his they at be this have from or one had by".split()
 WORDS += "word but not what all were we when your can said there use an each which she do how their if will".split()
@@ -101,11 +102,11 @@ def bench_decontaminate(work: Path, rows: int, env: dict) -> None:
         w.writerows(["", f"doc {i}: {d}", f"the answer is {i}"] for i, d in enumerate(docs))
     py = sys.executable
     config = json.dumps({"path": str(data), "eval_path": str(held), "nodes": 1, "max_reject_fraction": 0.9})
-    split = [py, str(SCRIPTS / "split.py"), "--config", config, "--splits", str(work / "d0.parquet"),
+    split = [py, str(SCRIPTS / "data/split.py"), "--config", config, "--splits", str(work / "d0.parquet"),
              "--eval", str(work / "deval.parquet"), "--rejects", str(work / "drej.parquet"),
              "--manifest", str(work / "dman.json")]  # fmt: skip
     split_s, split_rss, _ = rss_of(split, env)
-    decon = [py, str(SCRIPTS / "decontaminate.py"), "--config", json.dumps({"decontaminate": "report"}),
+    decon = [py, str(SCRIPTS / "evals/decontaminate.py"), "--config", json.dumps({"decontaminate": "report"}),
              "--shards", str(work / "d0.parquet"), "--eval", str(work / "deval.parquet"),
              "--output", str(work / "decon.json")]  # fmt: skip
     decon_s, decon_rss, _ = rss_of(decon, env)
@@ -159,7 +160,7 @@ def main() -> None:
     size_mb = data.stat().st_size / 2**20
     tok_dir = work / "tokenizer"
     if not tok_dir.exists():
-        from demo_model import train_tokenizer
+        from workflow_scripts.model.demo_model import train_tokenizer
 
         sample = (line for i, line in enumerate(data.open()) if i < 20_000)
         train_tokenizer(sample, 8192).save_pretrained(tok_dir)
@@ -168,13 +169,13 @@ def main() -> None:
     split_config = json.dumps({"path": str(data), "nodes": 1, "eval_fraction": 0.001})
     tok_config = json.dumps({"max_seq_len": a.max_seq_len, "overlength": "truncate", "cache_dir": ""})
     split_cmd = [
-        py, str(SCRIPTS / "split.py"), "--config", split_config,
+        py, str(SCRIPTS / "data/split.py"), "--config", split_config,
         "--splits", str(work / "node0.parquet"), "--eval", str(work / "eval.parquet"),
         "--rejects", str(work / "rejects.parquet"), "--manifest", str(work / "manifest.json"),
     ]  # fmt: skip
     split_s, split_rss, _ = rss_of(split_cmd, env)
     tok_cmd = [
-        py, str(SCRIPTS / "tokenization.py"), "--config", tok_config, "--shard", str(work / "node0.parquet"),
+        py, str(SCRIPTS / "data/tokenization.py"), "--config", tok_config, "--shard", str(work / "node0.parquet"),
         "--tokenizer", str(tok_dir), "--output", str(work / "tok.parquet"),
         "--packing", str(work / "pack.parquet"), "--stats", str(work / "tok.json"),
     ]  # fmt: skip
@@ -209,13 +210,13 @@ def main() -> None:
     if shared.exists():
         s_config = json.dumps({"path": str(shared / "*.jsonl"), "mapping": "nested", "nodes": 2})
         s_split = [
-            py, str(SCRIPTS / "split.py"), "--config", s_config,
+            py, str(SCRIPTS / "data/split.py"), "--config", s_config,
             "--splits", str(work / "s0.parquet"), str(work / "s1.parquet"), "--eval", str(work / "seval.parquet"),
             "--rejects", str(work / "srej.parquet"), "--manifest", str(work / "smanifest.json"),
         ]  # fmt: skip
         rss_of(s_split, env)
         s_tok = [
-            py, str(SCRIPTS / "tokenization.py"), "--config", tok_config, "--shard", str(work / "s0.parquet"),
+            py, str(SCRIPTS / "data/tokenization.py"), "--config", tok_config, "--shard", str(work / "s0.parquet"),
             "--tokenizer", str(tok_dir), "--output", str(work / "stok.parquet"),
             "--packing", str(work / "spack.parquet"), "--stats", str(work / "stok.json"),
         ]  # fmt: skip

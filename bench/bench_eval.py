@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "workflow_scripts"))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 WORKER = r"""
@@ -33,9 +34,9 @@ sys.path.insert(0, sys.argv[1])
 
 def main():
     import pandas as pd
-    from evaluation import load_model
-    from heldout import evaluate_model
-    from metrics import HELDOUT
+    from workflow_scripts.evals.evaluation import load_model
+    from workflow_scripts.evals.heldout import evaluate_model
+    from workflow_scripts.evals.metrics import HELDOUT
     from lm_eval.tasks import TaskManager
 
     backend, model, data, new_tokens, batch = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
@@ -87,7 +88,7 @@ def build(work: Path, shape: str, examples: int, prompt: int) -> None:
 def run(python: str, backend: str, work: Path, a) -> dict:
     script = work / "worker.py"
     script.write_text(WORKER)
-    cmd = [python, str(script), str(REPO / "workflow_scripts"), backend, str(work / "model"),
+    cmd = [python, str(script), str(REPO), backend, str(work / "model"),
            str(work / "eval.parquet"), str(a.new_tokens), str(a.batch_size)]  # fmt: skip
     env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

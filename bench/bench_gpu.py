@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "workflow_scripts"))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+sys.path.insert(0, str(REPO))
 
 SHAPES = {
     # Qwen3-0.6B: 28 layers, GQA 16/8 heads of 128, tied embeddings, 151,936-token vocabulary
@@ -53,7 +54,8 @@ def write_data(work: Path, lengths: list[int], vocab: int, seq: int) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
-    from packing import write_packing
+
+    from workflow_scripts.data.packing import write_packing
 
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
@@ -82,7 +84,7 @@ def run_ours(work: Path, a, bins_per_step: int, chunked_loss: bool = True) -> di
     }  # fmt: skip
     cmd = [
         str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "1",
-        str(REPO / "workflow_scripts/train.py"), "--config", json.dumps(cfg), "--data", str(work / "tokens.parquet"),
+        "-m", "workflow_scripts.train.train", "--config", json.dumps(cfg), "--data", str(work / "tokens.parquet"),
         "--packing", str(work / "packing.parquet"), "--base-model", str(work / "model"),
         "--log-dir", str(logs), "--checkpoint-root", str(logs / "ckpt"), "--state", str(logs / "state.json"),
     ]  # fmt: skip
@@ -192,8 +194,9 @@ def main() -> None:
         results.append(("ours, the model's own loss (training.chunked_loss: false)", own))
     ratio = None
     if not a.lora:
-        from metrics_logger import flops_per_sequence_fn
         from transformers import AutoModelForCausalLM
+
+        from workflow_scripts.train.metrics_logger import flops_per_sequence_fn
 
         model = AutoModelForCausalLM.from_pretrained(work / "model")
         flops_of = flops_per_sequence_fn(model, sum(t.numel() for t in model.parameters()))

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "workflow_scripts"))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+sys.path.insert(0, str(REPO))
 
 MiB = 2**20
 BIN = Path(sys.executable).parent
@@ -48,7 +49,7 @@ ACCUM_ROWS = {
 def plan_keys(**keys) -> dict:
     import dataclasses
 
-    from settings import PlanConfig
+    from workflow_scripts.core.settings import PlanConfig
 
     return dataclasses.asdict(PlanConfig.build({"strategy": "fsdp", "max_seq_len": 128, "micro_batch_size": 1} | keys))
 
@@ -56,8 +57,9 @@ def plan_keys(**keys) -> dict:
 def worker(shape: dict, out: Path) -> None:
     """Under torchrun: every accum row measured on real tensors; rank 0 writes them."""
     import torch.distributed as dist
-    from memory_probe import measure
     from transformers import Qwen3Config
+
+    from workflow_scripts.plan.memory_probe import measure
 
     dist.init_process_group("gloo")
     results = {}
@@ -90,8 +92,9 @@ def table(title: str, peaks: dict, params: int, world: int) -> None:
 
 
 def part_accum(layers: int) -> None:
-    from memory_probe import probe
     from transformers import Qwen3Config
+
+    from workflow_scripts.plan.memory_probe import probe
 
     shape = QWEN3_06B | {"num_hidden_layers": layers}
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,9 +114,10 @@ def part_accum(layers: int) -> None:
 
 
 def part_planner() -> None:
-    from memory_probe import probe
-    from presets import preset_config
     from transformers import LlamaConfig
+
+    from workflow_scripts.model.presets import preset_config
+    from workflow_scripts.plan.memory_probe import probe
 
     demo = plan_keys(strategy="ddp", max_seq_len=128, micro_batch_size=4)
     cases = [

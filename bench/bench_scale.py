@@ -56,7 +56,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "workflow_scripts"))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+sys.path.insert(0, str(REPO))
 
 MB = 2**20
 BIN = Path(sys.executable).parent
@@ -87,8 +88,9 @@ def synthetic_shard(path: Path, tokens: int, seed: int = 0, chunk_rows: int = 20
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from contracts import IGNORE
-    from contracts import TOKENIZED_SCHEMA as SCHEMA
+
+    from workflow_scripts.core.contracts import IGNORE
+    from workflow_scripts.core.contracts import TOKENIZED_SCHEMA as SCHEMA
 
     rng = np.random.default_rng(seed)
     lengths, total = [], 0
@@ -118,7 +120,7 @@ def synthetic_shard(path: Path, tokens: int, seed: int = 0, chunk_rows: int = 20
 
 
 def child_store(p: dict) -> dict:
-    from token_store import open_store
+    from workflow_scripts.data.token_store import open_store
 
     start, base = time.perf_counter(), rss()
     store = open_store(Path(p["shard"]), Path(p["root"]))
@@ -129,14 +131,15 @@ def child_store(p: dict) -> dict:
 def import_data_path() -> None:
     """What both loaders import, loaded before the first measurement: torch, numpy, pyarrow (its
     dataset module too, which pq.read_table loads: 40 MB that are not data)."""
-    import batching  # noqa: F401
     import pyarrow.dataset  # noqa: F401
-    import settings  # noqa: F401
+
+    from workflow_scripts.core import settings  # noqa: F401
+    from workflow_scripts.train import batching  # noqa: F401
 
 
 def child_mmap(p: dict) -> dict:
-    from batching import TrainingData
-    from settings import training_config
+    from workflow_scripts.core.settings import training_config
+    from workflow_scripts.train.batching import TrainingData
 
     import_data_path()
     imported = rss()
@@ -167,7 +170,7 @@ CHILDREN = {"store": child_store, "mmap": child_mmap, "legacy": child_legacy}
 
 def in_child(name: str, **params) -> dict:
     """Run CHILDREN[name](params) in a fresh one-thread process; its result."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO / "workflow_scripts"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, __file__, "--child", name, json.dumps(params, default=str)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -200,7 +203,7 @@ def data_part(args) -> list[dict]:
     for name, tokens in (("big", args.tokens), ("small", args.legacy_tokens)):
         shard, plan = work / f"{name}_{tokens}.parquet", work / f"{name}_{tokens}.packing.parquet"
         if not plan.exists():
-            from packing import write_packing
+            from workflow_scripts.data.packing import write_packing
 
             lengths = synthetic_shard(shard, tokens, seed=len(name))
             write_packing(lengths, 2048, plan)
@@ -280,22 +283,22 @@ def status(key):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 import torch, torch.distributed as dist, transformers, deepspeed, peft  # everything a rank imports
-from settings import training_config
-from parallel import build_strategy, load_model
+from workflow_scripts.core.settings import training_config
+from workflow_scripts.train.parallel import build_strategy, load_model
 dist.init_process_group("gloo")
 if sys.argv[7] == "1":  # as train.py does first: every allocation over 1 MiB its own mapping
-    from host_memory import map_large_allocations
+    from workflow_scripts.core.host_memory import map_large_allocations
     map_large_allocations()
 if sys.argv[7] == "before":  # the trainer before issue 24: no malloc_trim after deepspeed.initialize
-    import parallel.zero
-    parallel.zero.trim = lambda: None
+    from workflow_scripts.train.parallel import zero
+    zero.trim = lambda: None
 imports = status("VmRSS:")
 base, config, legacy, out = sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
 cfg = training_config(config)
 device = torch.device("cpu")
 if legacy:  # the trainer before issue 13: a whole fp32 model on every rank
     from transformers import AutoModelForCausalLM
-    import model_loading
+    from workflow_scripts.model import model_loading
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="sdpa")
     model.config.use_cache = False
     if cfg.peft == "lora":
@@ -329,9 +332,9 @@ def status():
     f = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
     return {k: int(f[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
 import torch, torch.distributed as dist, transformers, deepspeed, peft
-from host_memory import map_large_allocations
-from settings import training_config
-from parallel import build_strategy, load_model
+from workflow_scripts.core.host_memory import map_large_allocations
+from workflow_scripts.core.settings import training_config
+from workflow_scripts.train.parallel import build_strategy, load_model
 map_large_allocations()  # as train.py
 dist.init_process_group("gloo")
 base, cfg, out, tokens = sys.argv[2], training_config(json.loads(sys.argv[3])), Path(sys.argv[4]), int(sys.argv[5])
@@ -395,7 +398,7 @@ def measure(
     script = workdir / "worker.py"
     script.write_text(WORKER)
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(ranks), str(script),
-           str(REPO / "workflow_scripts"), str(base), json.dumps(config), "1" if legacy else "0", str(out),
+           str(REPO), str(base), json.dumps(config), "1" if legacy else "0", str(out),
            "1" if step else "0", {"mallopt": "1", "before": "before"}.get(malloc, "0")]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir)
     if proc.returncode != 0:
@@ -493,7 +496,7 @@ def phases_part(args) -> list[dict]:
     config = {"precision": "bf16", "gradient_checkpointing": True, "strategy": "fsdp"} | LORA
     config["chunked_loss"] = not args.own_loss
     env = os.environ | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(script), str(REPO / "workflow_scripts"),
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(script), str(REPO),
            str(base), json.dumps(config), str(out), str(args.phase_tokens)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=args.workdir)
     if proc.returncode != 0:
@@ -572,7 +575,7 @@ def planner_keys(args, case: str, grad_accum: int) -> dict:
     """The planner's keys (settings.PlanConfig) of one case: micro-batch 1 × --seq packed tokens."""
     import dataclasses
 
-    from settings import PlanConfig
+    from workflow_scripts.core.settings import PlanConfig
 
     keys = {
         "precision": args.precision,
@@ -616,9 +619,9 @@ def plan(base: Path, t: dict, workdir: Path) -> dict:
 
 def run_preflight(base: Path, t: dict, workdir: Path) -> dict:
     out = workdir / "memory.json"
-    cmd = [sys.executable, str(REPO / "workflow_scripts" / "preflight.py"), "--model", str(base), "--config",
+    cmd = [sys.executable, "-m", "workflow_scripts.plan.preflight", "--model", str(base), "--config",
            json.dumps(t), "--output", str(out), "--table", str(workdir / "memory.csv")]  # fmt: skip
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "workflow_scripts")}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"preflight failed for {t['strategy']}:\n{proc.stderr[-3000:]}")
@@ -642,7 +645,7 @@ def run_case(base: Path, t: dict, args) -> dict:
 
 def planned_live(est: dict) -> tuple[float, float]:
     """The plan's per-GPU bytes without its GPU-only terms (preflight.live_gb), and those terms' bytes."""
-    from preflight import live_gb
+    from workflow_scripts.plan.preflight import live_gb
 
     return live_gb(est) * 2**30, (est["total_gb"] - live_gb(est)) * 2**30
 

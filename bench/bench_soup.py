@@ -7,7 +7,7 @@ bench_eval.py's randomly initialised Qwen3-0.6B-shaped model (596M parameters, b
 tokenizer) and synthetic held-out set (8 examples); --nodes node models made from it by adding different
 noise to every tensor, saved in bf16 as consolidation writes them. Each soup runs in its own process under
 /usr/bin/time (peak RSS = its maximum resident set, wall time), on the same node models and held-out set:
-  streamed  workflow_scripts/soup.py: the uniform soup streamed from the nodes' safetensors to safetensors,
+  streamed  workflow_scripts/export/soup.py: the uniform soup streamed from the nodes' safetensors to safetensors,
             the greedy soup's candidates streamed into one fp32 model for their held-out loss
   before    the soup.py of 6faf679 (LEGACY below, its algorithm verbatim): every node's fp32 state dict in
             memory, their mean, the template model in the saving dtype, its fp32 copy for the loss
@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "workflow_scripts"))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 LEGACY = r"""
@@ -33,8 +34,8 @@ import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import pandas as pd, torch
-from heldout import heldout_loss
-from weights import stored_dtype
+from workflow_scripts.evals.heldout import heldout_loss
+from workflow_scripts.model.weights import stored_dtype
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -146,10 +147,10 @@ def main() -> None:
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "2"}
     eval_ = str(work / "eval.parquet")
     rows = {}
-    streamed = [sys.executable, str(REPO / "workflow_scripts" / "soup.py"), "--models", *map(str, models),
+    streamed = [sys.executable, "-m", "workflow_scripts.export.soup", "--models", *map(str, models),
                 "--results", *results, "--eval", eval_, "--uniform", str(work / "streamed-uniform"),
                 "--greedy", str(work / "streamed-greedy")]  # fmt: skip
-    before = [sys.executable, str(work / "legacy_soup.py"), str(REPO / "workflow_scripts"),
+    before = [sys.executable, str(work / "legacy_soup.py"), str(REPO),
               ",".join(map(str, models)), json.dumps(losses), eval_, str(work / "before-uniform"),
               str(work / "before-greedy")]  # fmt: skip
     start = time.perf_counter()

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 BARE = r"""
 import json, math, sys, time, os
@@ -74,7 +75,7 @@ def main() -> None:
     bare_times = json.loads(out.stdout.strip().splitlines()[-1])["step_times"][10:]
     cfg = {"lr": 3e-3, "precision": "fp32", "micro_batch_size": 16, "max_steps": a.steps, "log_every": 1,
            "checkpoint_every": 10 * a.steps, "warmup_ratio": 0.0, "packing": False}  # fmt: skip
-    cmd = [*torchrun, str(REPO / "workflow_scripts/train.py"), "--config", json.dumps(cfg), "--data", str(a.data),
+    cmd = [*torchrun, "-m", "workflow_scripts.train.train", "--config", json.dumps(cfg), "--data", str(a.data),
            "--base-model", str(a.base), "--log-dir", str(work / "train"), "--checkpoint-root", str(work / "ckpt"),
            "--state", str(work / "state.json")]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -3,7 +3,7 @@
 #
 #     bash bench/gpu_checklist.sh OUT_DIR [PLANNER_WORKDIR]
 #
-# 1. the workflow's environment check (workflow_scripts/environment.py): GPU, bf16, the attention backend
+# 1. the workflow's environment check (workflow_scripts/ops/environment.py): GPU, bf16, the attention backend
 #    training gets and why, bf16 matmul TFLOP/s            -> OUT_DIR/check.json, OUT_DIR/env.log
 # 2. bench/bench_gpu.py: train.py against the HF Trainer, tokens/s and MFU on the Qwen3-0.6B shape
 #                                     -> OUT_DIR/bench_gpu.log, bench_gpu_runs.tar.gz (each run's log and metrics)
@@ -23,7 +23,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
     "$py" -c 'import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)'
 } >"$out/device.txt" 2>&1
 
-timeout "${ENV_S:-120}" "$py" workflow_scripts/environment.py \
+timeout "${ENV_S:-120}" "$py" workflow_scripts/ops/environment.py \
     --config '{"strategy": "fsdp", "precision": "bf16", "procs_per_node": 1}' \
     --output "$out/check.json" >"$out/env.log" 2>&1
 echo "environment check: rc $?"

@@ -9,13 +9,15 @@ Prints a markdown table (docs/benchmarks.md, "Planner at the seeds' sizes").
 """
 
 import argparse
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "workflow_scripts"), str(REPO / "tests")]
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 
 def plan_example(name: str, timeout: float, **training) -> tuple[dict, dict, float]:
@@ -23,9 +25,10 @@ def plan_example(name: str, timeout: float, **training) -> tuple[dict, dict, flo
     import dataclasses
 
     from model_shapes import by_hand, config_folder
-    from preflight import Planner
-    from settings import PlanConfig
     from test_examples import header_command, load, with_defaults
+
+    from workflow_scripts.core.settings import PlanConfig
+    from workflow_scripts.plan.preflight import Planner
 
     config = with_defaults(load(name))
     config["training"] |= training
@@ -46,7 +49,7 @@ def main() -> None:
     p.add_argument("examples", nargs="*")
     a = p.parse_args()
     names = a.examples or sorted(p.name for p in (REPO / "config" / "examples").glob("*.yaml"))
-    from preflight import live_gb
+    from workflow_scripts.plan.preflight import live_gb
 
     print("| example | params (B) | GPU GiB planned / usable | tensors planned | by hand | plan / hand | "
           "host GiB per node: at load, "

@@ -33,7 +33,7 @@ import time
 import weakref
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def status(key: str) -> int:
@@ -146,11 +146,12 @@ def allocator_peak(prof) -> dict:
 def run(base: str, t: dict, device_name: str) -> dict:
     import torch
     import torch.distributed as dist
-    from host_memory import map_large_allocations
-    from memory_probe import STEPS, NullMetrics, SyntheticData, train_config
-    from parallel import build_strategy, load_model
-    from train import init_distributed, train_step
     from transformers import AutoConfig
+
+    from workflow_scripts.core.host_memory import map_large_allocations
+    from workflow_scripts.plan.memory_probe import STEPS, NullMetrics, SyntheticData, train_config
+    from workflow_scripts.train.parallel import build_strategy, load_model
+    from workflow_scripts.train.train import init_distributed, train_step
 
     map_large_allocations()  # as train.py, before any weight exists
     cfg = train_config(t)

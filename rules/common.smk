@@ -9,23 +9,22 @@ import sys
 from pathlib import Path
 
 SCRIPTS = Path(workflow.basedir) / "workflow_scripts"
-sys.path.insert(0, str(SCRIPTS))
 
-from presets import preset_name  # noqa: E402
-from pipeline_io import UserError, interpreter_first_on_path, log_stop_reason  # noqa: E402
-from data_mappings import check_rows_fill_nodes, resolve_mapping  # noqa: E402
-from data_readers import delimiter_arg, resolve_paths  # noqa: E402
-from fingerprint import check_model, is_hub_id, local_model_folder  # noqa: E402
-from hub_model import absent_message, cached_snapshot, read_record, resolve_commit  # noqa: E402
-from chat_format import format_list, has_chat_template, no_template_message  # noqa: E402
-from settings import accumulation, check_grid, job_ranks, validated  # noqa: E402
-from settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig  # noqa: E402
-from settings import TEMPLATE_KEYS, DecontaminateConfig, PlanConfig, SplitConfig, TokenizeConfig  # noqa: E402
-from grid import expand_grid, variant_training  # noqa: E402
-from layout import patterns  # noqa: E402
-from task_data import check_names as check_task_names  # noqa: E402
-from task_index import check_tasks  # noqa: E402
-from trainer_lock import running_holder  # noqa: E402
+from workflow_scripts.model.presets import preset_name  # noqa: E402
+from workflow_scripts.core.pipeline_io import UserError, interpreter_first_on_path, log_stop_reason  # noqa: E402
+from workflow_scripts.data.mappings import check_rows_fill_nodes, resolve_mapping  # noqa: E402
+from workflow_scripts.data.readers import delimiter_arg, resolve_paths  # noqa: E402
+from workflow_scripts.core.fingerprint import check_model, is_hub_id, local_model_folder  # noqa: E402
+from workflow_scripts.core.hub_model import absent_message, cached_snapshot, read_record, resolve_commit  # noqa: E402
+from workflow_scripts.data.chat_format import format_list, has_chat_template, no_template_message  # noqa: E402
+from workflow_scripts.core.settings import accumulation, check_grid, job_ranks, validated  # noqa: E402
+from workflow_scripts.core.settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig  # noqa: E402
+from workflow_scripts.core.settings import TEMPLATE_KEYS, DecontaminateConfig, PlanConfig, SplitConfig, TokenizeConfig  # noqa: E402
+from workflow_scripts.report.grid import expand_grid, variant_training  # noqa: E402
+from workflow_scripts.core.layout import patterns  # noqa: E402
+from workflow_scripts.evals.task_data import check_names as check_task_names  # noqa: E402
+from workflow_scripts.evals.task_index import check_tasks  # noqa: E402
+from workflow_scripts.train.trainer_lock import running_holder  # noqa: E402
 
 # The rules call `python` and `torchrun` by name: .venv/bin/snakemake works without activating .venv.
 interpreter_first_on_path()
@@ -93,7 +92,7 @@ except UserError as e:
 GRID = bool(VARIANTS)
 
 RUN = config["run"]
-# Every path under results/<run>/ (workflow_scripts/layout.py, which status.py reads them by), as the rules
+# Every path under results/<run>/ (workflow_scripts/core/layout.py, which status.py reads them by), as the rules
 # name them: R, LOGS; V, VLOGS (a grid variant's prefixes, results/<run>/<variant>/ and logs/<run>/<variant>/;
 # without a grid results/<run>/ itself); ENV_CHECK, MANIFEST, SPLIT, ..., TRAIN_DIR, ..., GRID_PLOT. expand()
 # fills them for lists, and .format() fills one wildcard or renames it (train_node reads {shard} as {node}).
@@ -502,7 +501,7 @@ def check_gpu_count():
 def final_outputs():
     """The report's inputs and each trained model (so a deleted model is rebuilt), of every grid variant,
     and the grid's comparison."""
-    from report_pages import made
+    from workflow_scripts.core.pages import made
 
     variants = list(VARIANTS)  # expand() leaves out a wildcard its pattern does not have (no grid)
     return [
@@ -512,7 +511,7 @@ def final_outputs():
         DATA_REPORT,
         *expand([PLAN, SUMMARY, LOSS_CURVES, LEADERBOARD, PROVENANCE], variant=variants),
         *([GRID_TABLE, GRID_PLOT] if GRID else []),
-        # the report's pages (workflow_scripts/report_pages.py, rules/report_pages.smk), in the table's order
+        # the report's pages (workflow_scripts/core/pages.py, rules/report_pages.smk), in the table's order
         *expand([globals()[page.key] for page in made(GRID)], variant=variants),
     ]
 

@@ -4,12 +4,8 @@ at its top level, a key given twice (Snakemake keeps the last silently) stop wit
 empty one stops there, with Snakemake's own message (README, "Troubleshooting"); the Snakefile's default
 config/config.yaml is checked before its `configfile:` loads it."""
 
-import sys
-
-sys.path.insert(0, f"{workflow.basedir}/workflow_scripts")
-
-from pipeline_io import UserError  # noqa: E402
-from settings import check_config_file  # noqa: E402
+from workflow_scripts.core.pipeline_io import UserError  # noqa: E402
+from workflow_scripts.core.settings import check_config_file  # noqa: E402
 
 
 def check_config_files(paths):

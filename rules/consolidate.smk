@@ -8,7 +8,7 @@ rule consolidate_node:
     conda:
         "../envs/train.yaml"
     params:
-        script=script_path("consolidate.py"),
+        script=script_path("export/consolidate.py"),
         config=CONSOLIDATE_CONFIG,
     shell:
         "python {params.script:q} --state {input.state} --output {output.model} --config {params.config:q}"

@@ -12,7 +12,7 @@ rule data_report:
     conda:
         "../envs/eval.yaml"
     params:
-        script=script_path("data_report.py"),
+        script=script_path("data/data_report.py"),
     shell:
         "python {params.script:q} --manifest {input.manifest} --tokenized {input.tokenized}"
         " --decontamination {input.decontamination} --json {output.json} --plot {output.plot} > {log} 2>&1"

@@ -12,7 +12,7 @@ rule decontaminate:
     conda:
         "../envs/eval.yaml"
     params:
-        script=script_path("decontaminate.py"),
+        script=script_path("evals/decontaminate.py"),
         config=DECONTAMINATE_CONFIG,
         drop=lambda wildcards, output: (
             f"--clean {' '.join(map(shlex.quote, output.clean))} --rejects {shlex.quote(output.rejects)}"

@@ -10,7 +10,7 @@ rule check_environment:
         gpu=GPUS_PER_NODE,
         tasks_per_gpu=0,  # one task: no --ntasks-per-gpu
     params:
-        script=script_path("environment.py"),
+        script=script_path("ops/environment.py"),
         config=ENV_CONFIG,
     shell:
         "python {params.script:q} --config {params.config:q} --output {output} > {log} 2>&1"

@@ -12,7 +12,7 @@ rule evaluate_model:
         EVAL_ENV
     params:
         python=EVAL_PYTHON,
-        script=script_path("evaluation.py"),
+        script=script_path("evals/evaluation.py"),
         model=get_model,
         config=EVAL_CONFIG,
     shell:

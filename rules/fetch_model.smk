@@ -12,7 +12,7 @@ rule fetch_model:
     conda:
         "../envs/data.yaml"
     params:
-        script=script_path("fetch_model.py"),
+        script=script_path("model/fetch_model.py"),
         repo=HUB_REPO,
         revision=HUB_REVISION,
         # the commit model.revision resolved to when the workflow was parsed: a new one reruns this job and

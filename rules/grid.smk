@@ -49,7 +49,7 @@ rule compare_grid:
     conda:
         "../envs/eval.yaml"
     params:
-        script=script_path("grid.py"),
+        script=script_path("report/grid.py"),
         config=GRID_CONFIG,
     shell:
         "python {params.script:q} --config {params.config:q} --base {input.base} --results {input.results}"

@@ -8,7 +8,7 @@ rule build_demo_model:
     conda:
         "../envs/data.yaml"
     params:
-        script=script_path("demo_model.py"),
+        script=script_path("model/demo_model.py"),
         config=DEMO_MODEL_CONFIG,
         args=DEMO_MODEL_ARGS,
     shell:

@@ -16,7 +16,7 @@ rule plan_training:
     conda:
         "../envs/train.yaml"
     params:
-        script=script_path("preflight.py"),
+        script=script_path("plan/preflight.py"),
         model=model_shape,
         config=plan_json,
         # the training job's host memory, untracked: a profile's TRAIN_MEM_MB (raised after an out-of-memory

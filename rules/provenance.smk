@@ -11,7 +11,7 @@ rule provenance:
     conda:
         "../envs/eval.yaml"
     params:
-        script=script_path("provenance.py"),
+        script=script_path("report/provenance.py"),
         config=provenance_json,  # a function: data.format_template has {question}, not a wildcard
         repo=Untracked(workflow.basedir),  # the checkout (its git commit is recorded), wherever it lives
         fetched=fetch_record_args,

@@ -1,12 +1,12 @@
 # The report's pages: each table, JSON or text output rendered as an HTML page beside it (report_page.py), which
 # the report shows in place (it offers a CSV, JSON or TXT only as a download). Local: a page takes a moment.
-# One rule per row of workflow_scripts/report_pages.py (the grid's with `grid:` only), made here. Each names its
+# One rule per row of workflow_scripts/core/pages.py (the grid's with `grid:` only), made here. Each names its
 # page and log by PAGES (rules/common.smk): the same paths, with the run as a wildcard held to the config's run, so
 # that `snakemake --list-target-rules` (the rules without a wildcard) leaves them out: a page is never a target of
 # its own.
 
-from layout import VARIANT_PAGES  # noqa: E402
-from report_pages import made  # noqa: E402
+from workflow_scripts.core.layout import VARIANT_PAGES  # noqa: E402
+from workflow_scripts.core.pages import made  # noqa: E402
 
 # each page's logs: the variant's where the file it renders is a variant's
 PAGE_LOGS = {page.name: PAGES["VLOGS" if page.key in VARIANT_PAGES else "LOGS"] for page in made(GRID)}
@@ -38,7 +38,7 @@ for page in made(GRID):
         conda:
             "../envs/eval.yaml"
         params:
-            script=script_path("report_page.py"),
+            script=script_path("report/report_page.py"),
             title=page.title,
         shell:
             "python {params.script:q} --input {input:q} --output {output:q} --title {params.title:q} > {log} 2>&1"
@@ -68,7 +68,7 @@ for page in made(GRID):
         conda:
             "../envs/eval.yaml"
         params:
-            script=script_path("report_page.py"),
+            script=script_path("report/report_page.py"),
             title=page.title,
         shell:
             "python {params.script:q} --input {input.text:q} --images {input.plots} --output {output:q}"

@@ -11,7 +11,7 @@ rule make_soup:
     conda:
         "../envs/eval.yaml"
     params:
-        script=script_path("soup.py"),
+        script=script_path("export/soup.py"),
     shell:
         "python {params.script:q} --models {input.models} --results {input.results} --eval {input.eval}"
         " --uniform {output.uniform} --greedy {output.greedy} > {log} 2>&1"

@@ -12,7 +12,7 @@ rule split_dataset:
     conda:
         "../envs/data.yaml"
     params:
-        script=script_path("split.py"),
+        script=script_path("data/split.py"),
         config=SPLIT_CONFIG,
         tokenizer=SPLIT_TOKENIZER,
         # not an output (Snakemake deletes a failed job's): the rejects of a split that stops for them

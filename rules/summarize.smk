@@ -43,7 +43,7 @@ rule summarize:
     conda:
         "../envs/eval.yaml"
     params:
-        script=script_path("summarize.py"),
+        script=script_path("report/summarize.py"),
         # the tracker runs of the trained models (their trackers.json) get the eval summary and the leaderboard
         trackers=" ".join(config["logging"]["trackers"]),
     shell:

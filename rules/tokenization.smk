@@ -12,7 +12,7 @@ rule tokenize_shard:
     conda:
         "../envs/data.yaml"
     params:
-        script=script_path("tokenization.py"),
+        script=script_path("data/tokenization.py"),
         config=TOKENIZE_CONFIG,
         tokenizer=TOKENIZER,
         training=NODE_TOKENIZE_ARGS,
@@ -35,7 +35,7 @@ use rule tokenize_shard as tokenize_eval with:
     log:
         f"{LOGS}/tokenize_shard/eval.log",
     params:
-        script=script_path("tokenization.py"),
+        script=script_path("data/tokenization.py"),
         config=TOKENIZE_CONFIG,
         tokenizer=TOKENIZER,
         training="",  # the eval set is not trained on

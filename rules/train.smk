@@ -23,7 +23,7 @@ rule train_node:
         gpu=GPUS_PER_NODE,
         tasks_per_gpu=0,
     params:
-        script=script_path("train.py"),
+        script=script_path("train/train.py"),
         config=training_json(),
         base=get_model,
         log_dir=TRAIN_DIR,
@@ -83,8 +83,8 @@ rule train_joint:
         gres=f"gpu:{GPUS_PER_NODE}",
         tasks_per_gpu=0,
     params:
-        launch=script_path("launch.py"),
-        script=script_path("train.py"),
+        launch=script_path("train/launch.py"),
+        script=script_path("train/train.py"),
         config=training_json(),
         base=get_model,
         log_dir=joint_log_dir,

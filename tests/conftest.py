@@ -13,6 +13,8 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+# the scripts' package, for every command the tests start (the Snakefile sets it for its jobs)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 BIN = Path(sys.executable).parent
 DEMO_CSV = REPO / "resources" / "demo" / "instructions.csv"
 
@@ -96,7 +98,8 @@ def status(workdir: Path, run: str, env: dict | None = None) -> str:
     """What `make status RUN=<run>` prints for ``workdir`` (plain text, as when not on a terminal)."""
     cmd = [
         str(BIN / "python"),
-        str(REPO / "workflow_scripts" / "status.py"),
+        "-m",
+        "workflow_scripts.ops.status",
         "--run",
         run,
         "-d",
@@ -141,7 +144,7 @@ def trainer_args(tmp: Path, assets: dict, config: dict, shards: int = 1) -> list
     log_dir = tmp / "train"
     config = {"precision": "fp32"} | config
     return [
-        str(REPO / "workflow_scripts/train.py"), "--config", json.dumps(config),
+        str(REPO / "workflow_scripts" / "train" / "train.py"), "--config", json.dumps(config),
         "--data", *[str(assets["node0"])] * shards, "--packing", *[str(assets["packing"])] * shards,
         "--base-model", str(assets["base"]), "--log-dir", str(log_dir), "--checkpoint-root", str(tmp / "ckpt"),
         "--state", str(log_dir / "train_state.json"),
@@ -193,8 +196,8 @@ def start_trainer(tmp: Path, assets: dict, config: dict, procs: int = 2) -> subp
 def split_files(tmp: Path, data, nodes: int = 2, **options) -> dict:
     """Run split.py's run_split on ``data`` into ``tmp``; returns the result and output paths. ``options``: the
     SplitConfig fields (``eval_data`` is data.eval_path), ``tokenizer`` and ``min_examples_per_shard``."""
-    from settings import SplitConfig
-    from split import run_split
+    from workflow_scripts.core.settings import SplitConfig
+    from workflow_scripts.data.split import run_split
 
     options = {"eval_fraction": 0.1, "max_reject_fraction": 1.0} | options
     tokenizer = options.pop("tokenizer", None)
@@ -255,9 +258,9 @@ def joint_dry_run(tmp_path_factory) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory):
     """The demo base model, one node's tokenized shard and the tokenized eval set."""
-    from demo_model import build_model, texts_from, train_tokenizer
-    from packing import write_packing
-    from tokenization import tokenize_shard
+    from workflow_scripts.data.packing import write_packing
+    from workflow_scripts.data.tokenization import tokenize_shard
+    from workflow_scripts.model.demo_model import build_model, texts_from, train_tokenizer
 
     root = tmp_path_factory.mktemp("assets")
     tokenizer = train_tokenizer(texts_from(str(DEMO_CSV)), 1024)

@@ -155,7 +155,7 @@ def folder_files(folder: Path) -> dict[str, bytes]:
 def tiny_chat_model(folder: Path, data_csv: Path) -> dict[str, bytes]:
     """A tiny demo model built in ``folder`` (its tokenizer trained on ``data_csv``) and its files, as a hub repo
     serves them: save_pretrained's weights, config and tokenizer with its chat template."""
-    from demo_model import build_model, texts_from, train_tokenizer
+    from workflow_scripts.model.demo_model import build_model, texts_from, train_tokenizer
 
     tokenizer = train_tokenizer(texts_from(str(data_csv)), 512)
     build_model(tokenizer, 128, seed=0).save_pretrained(folder)

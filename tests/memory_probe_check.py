@@ -8,11 +8,12 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.distributed as dist  # noqa: E402
-from memory_probe import measure  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
+
+from workflow_scripts.plan.memory_probe import measure  # noqa: E402
 
 
 def main() -> None:

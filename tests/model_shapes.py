@@ -11,9 +11,10 @@ PARAMETERS_B = {"Qwen/Qwen3-32B": 32.8, "Qwen/Qwen3-8B": 8.2, "Qwen/Qwen3-0.6B":
 
 def model_shape(name: str, config: dict):
     """The architecture of an example's base model (from its hub config.json), without downloading it."""
-    from demo_model import preset_config
-    from presets import preset_name
     from transformers import LlamaConfig, Qwen3Config
+
+    from workflow_scripts.model.demo_model import preset_config
+    from workflow_scripts.model.presets import preset_name
 
     qwen3 = dict(num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)
     llama3 = dict(num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)
@@ -37,7 +38,7 @@ def model_shape(name: str, config: dict):
 
 def config_folder(name: str, config: dict, folder: Path) -> str:
     """A folder holding only the model's config.json (bf16, as the hub's), for the planner; a preset as is."""
-    from presets import preset_name
+    from workflow_scripts.model.presets import preset_name
 
     if preset_name(name):
         return name

@@ -12,13 +12,14 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from parallel import build_strategy, load_model  # noqa: E402
-from settings import training_config  # noqa: E402
-from train import init_distributed  # noqa: E402
+
+from workflow_scripts.core.settings import training_config  # noqa: E402
+from workflow_scripts.train.parallel import build_strategy, load_model  # noqa: E402
+from workflow_scripts.train.train import init_distributed  # noqa: E402
 
 
 def main() -> None:

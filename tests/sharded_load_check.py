@@ -9,15 +9,16 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from model_loading import add_lora, is_adapter  # noqa: E402
-from parallel import build_strategy, load_model  # noqa: E402
-from settings import training_config  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
+
+from workflow_scripts.core.settings import training_config  # noqa: E402
+from workflow_scripts.model.model_loading import add_lora, is_adapter  # noqa: E402
+from workflow_scripts.train.parallel import build_strategy, load_model  # noqa: E402
 
 
 def reference(base: str, cfg, inputs) -> tuple[torch.Tensor, dict]:

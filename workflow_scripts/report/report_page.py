@@ -1,0 +1,141 @@
+"""render_page: a table, JSON or text output as a self-contained HTML page, for the report to show in place.
+
+Snakemake's report shows an HTML item in the page, and offers a CSV, JSON or text item as a download only;
+rules/report_pages.smk has each such output rendered here into a page beside it, and the report shows that
+page (the CSV/JSON/TXT stay as they are, for tools). A page holds no script and loads nothing: inline CSS,
+every value escaped, long text wrapped. A CSV's cells are shown as written (no number reformatted); a
+``<model>_correct`` column of samples.csv shows ✓ or ✗.
+"""
+
+import argparse
+import base64
+import csv
+import html
+import json
+from pathlib import Path
+
+from workflow_scripts.core.pipeline_io import UserError, atomic_path, cli
+
+STYLE = """
+body { font-family: system-ui, sans-serif; font-size: 14px; margin: 1em; color: #222; }
+h1 { font-size: 18px; }
+table { border-collapse: collapse; margin: 0.3em 0; }
+th, td { border: 1px solid #ccc; padding: 3px 6px; text-align: left; vertical-align: top;
+         white-space: pre-wrap; overflow-wrap: break-word; max-width: 40em; }
+th { background: #f0f0f0; position: sticky; top: 0; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.yes { color: #137333; font-weight: bold; } td.no { color: #b3261e; font-weight: bold; }
+"""
+WRAPPED = "white-space: pre-wrap; overflow-wrap: break-word; font-size: 13px"  # inline: the first page takes the body
+MARKS = {"True": ("✓", "yes"), "False": ("✗", "no"), "true": ("✓", "yes"), "false": ("✗", "no")}
+
+
+def page(title: str, body: str) -> str:
+    """A whole HTML document: ``body`` (HTML) under ``title`` (text), styled inline."""
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{STYLE}</style></head>\n"
+        f'<body><h1 style="font-size: 18px">{html.escape(title)}</h1>\n{body}\n</body></html>\n'
+    )
+
+
+def is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def cell(value: str, column: str) -> str:
+    """A table cell: ✓/✗ in a ``_correct`` column, numbers right-aligned, everything escaped."""
+    if column.endswith("_correct") and value in MARKS:
+        mark, css = MARKS[value]
+        return f'<td class="{css}" title="{value}">{mark}</td>'
+    css = ' class="num"' if value and is_number(value) else ""
+    return f"<td{css}>{html.escape(value)}</td>"
+
+
+def table_html(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(cell(v, h) for h, v in zip(header, row, strict=False)) + "</tr>\n" for row in rows)
+    return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}</tbody></table>"
+
+
+def csv_body(text: str, source: str = "the CSV") -> str:
+    """A CSV's rows as a table, cells as written (multi-line cells kept, wrapped)."""
+    rows = list(csv.reader(text.splitlines(keepends=True)))
+    if not rows:
+        return "<p>(empty table)</p>"
+    header, rows = rows[0], rows[1:]
+    for i, row in enumerate(rows, start=2):
+        if len(row) != len(header):
+            raise UserError(f"{source}: row {i} has {len(row)} cells, its header {len(header)}")
+    return table_html(header, rows) + f"\n<p>{len(rows)} rows</p>"
+
+
+def scalar(value) -> str:
+    return "" if value is None else json.dumps(value) if isinstance(value, bool) else str(value)
+
+
+def json_html(value) -> str:
+    """JSON as nested tables: an object as key | value rows, a list of objects as one table (a column per key),
+    a list of scalars as one comma-separated line."""
+    if isinstance(value, dict):
+        if not value:
+            return "<i>{}</i>"
+        rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{json_html(v)}</td></tr>\n" for k, v in value.items())
+        return f"<table>\n{rows}</table>"
+    if isinstance(value, list):
+        if value and all(isinstance(v, dict) for v in value):
+            keys = list(dict.fromkeys(k for v in value for k in v))
+            head = "".join(f"<th>{html.escape(str(k))}</th>" for k in keys)
+            body = "".join("<tr>" + "".join(f"<td>{json_html(v.get(k))}</td>" for k in keys) + "</tr>\n" for v in value)
+            return f"<table>\n<thead><tr>{head}</tr></thead>\n{body}</table>"
+        if all(not isinstance(v, dict | list) for v in value):
+            return html.escape(", ".join(scalar(v) for v in value)) or "<i>[]</i>"
+        return "<ol>" + "".join(f"<li>{json_html(v)}</li>" for v in value) + "</ol>"
+    return html.escape(scalar(value))
+
+
+def image_html(path: Path) -> str:
+    """A PNG embedded as a data URI, as wide as the page at most. Its base64 in lines of 76 characters (a URL's
+    line breaks are dropped when it is read): docutils, which renders the report's first page, refuses a line
+    over 10,000 characters."""
+    data = base64.encodebytes(path.read_bytes()).decode().strip()
+    return f'<p><img alt="{html.escape(path.name)}" src="data:image/png;base64,{data}" style="max-width: 100%"></p>'
+
+
+def render(path: Path, title: str, images: list[Path] = ()) -> str:
+    """The page of ``path`` by its suffix: .csv a table, .json nested tables, anything else wrapped text; then
+    ``images`` (PNGs) embedded. The report's first page (report/workflow.rst) shows the body of the
+    leaderboard's page: its text and key plots."""
+    text = path.read_text()
+    if images:
+        return page(title, f'<pre style="{WRAPPED}">{html.escape(text)}</pre>\n' + "\n".join(map(image_html, images)))
+    if path.suffix == ".csv":
+        return page(title, csv_body(text, str(path)))
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}: not JSON ({e})") from None
+        return page(title, json_html(data))
+    return page(title, f'<pre style="{WRAPPED}">{html.escape(text)}</pre>')
+
+
+@cli
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--input", required=True, type=Path, help="a .csv, .json or text file")
+    p.add_argument("--output", required=True, type=Path, help="the .html page")
+    p.add_argument("--title", required=True)
+    p.add_argument("--images", nargs="*", default=[], type=Path, help="PNGs shown under a text file's text")
+    a = p.parse_args(argv)
+    with atomic_path(a.output) as tmp:
+        tmp.write_text(render(a.input, a.title, a.images))
+    print(f"{a.input} -> {a.output}")
+
+
+if __name__ == "__main__":
+    main()
