@@ -20,7 +20,7 @@ from workflow_scripts.data.chat_format import format_list, has_chat_template, no
 from workflow_scripts.core.settings import accumulation, check_grid, job_ranks, validated  # noqa: E402
 from workflow_scripts.core.settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig  # noqa: E402
 from workflow_scripts.core.settings import TEMPLATE_KEYS, DecontaminateConfig, PlanConfig, SplitConfig, TokenizeConfig  # noqa: E402
-from workflow_scripts.report.grid import expand_grid, variant_training  # noqa: E402
+from workflow_scripts.core.variants import expand_grid, variant_training  # noqa: E402
 from workflow_scripts.core.layout import patterns  # noqa: E402
 from workflow_scripts.evals.task_data import check_names as check_task_names  # noqa: E402
 from workflow_scripts.evals.task_index import check_tasks  # noqa: E402

@@ -81,7 +81,9 @@ def test_no_module_over_600_lines():
     assert not long
 
 
-STRATEGY_NAMES = re.compile(r"""(==|!=|\bin)\s*\(?\s*["'](ddp|fsdp|deepspeed|zero\d?)["']|["'](ddp|fsdp|deepspeed)["']\s*(==|!=)""")
+STRATEGY_NAMES = re.compile(
+    r"""(==|!=|\bin)\s*\(?\s*["'](ddp|fsdp|deepspeed|zero\d?)["']|["'](ddp|fsdp|deepspeed)["']\s*(==|!=)"""
+)
 
 
 def test_no_strategy_name_compared_outside_train_parallel():

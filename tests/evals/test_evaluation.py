@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from conftest import BIN, REPO, snakemake, tiny_config, tool_env
 
 from workflow_scripts.core.pipeline_io import UserError
-from workflow_scripts.evals.evaluation import extra_tasks, result_json
+from workflow_scripts.evals.evaluation import result_json
 from workflow_scripts.evals.heldout import evaluate_model, flat_metrics, label_spans, model_class
 from workflow_scripts.evals.metrics import HELDOUT
+from workflow_scripts.evals.tasks import extra_tasks
 
 DEMO_MC = REPO / "resources" / "demo" / "tasks" / "demo_mc.yaml"
 SAMPLES, NEW_TOKENS = 48, 8

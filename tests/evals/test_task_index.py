@@ -119,7 +119,7 @@ def test_snakemake_stops_at_parse_time_on_an_unknown_task(tmp_path):
 def test_evaluation_loads_lm_evals_own_task_by_its_folder_not_every_yaml(fake_lm_eval, tmp_path):
     """evaluate_model and decontaminate load gsm8k from its YAML's folder (the index says where), not by a
     TaskManager over lm-eval's 14,000 YAMLs; the local split files still replace its data."""
-    from workflow_scripts.evals.evaluation import extra_tasks
+    from workflow_scripts.evals.tasks import extra_tasks
 
     write_split_files(tmp_path / "gsm8k", "train", "test")
     (task,), manager = extra_tasks(["gsm8k"], [str(tmp_path / "gsm8k")])

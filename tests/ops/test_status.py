@@ -12,16 +12,12 @@ import yaml
 from conftest import TINY_GRID, tiny_config
 
 from workflow_scripts.core.pipeline_io import UserError, read_metrics
+from workflow_scripts.ops.jobs import Job, job_comment_matches, local_job, parse_sacct, parse_squeue
 from workflow_scripts.ops.status import (
-    Job,
     eta_seconds,
     is_stalled,
-    job_comment_matches,
     last_checkpoint,
-    local_job,
     main,
-    parse_sacct,
-    parse_squeue,
     run_status,
     train_folders,
 )

@@ -10,7 +10,8 @@ from conftest import planned_jobs, snakemake, tiny_config
 
 from workflow_scripts.core.pipeline_io import UserError
 from workflow_scripts.core.settings import check_grid, validated
-from workflow_scripts.report.grid import expand_grid, grid_rows, grid_table, metrics_of, variant_name, variant_training
+from workflow_scripts.core.variants import expand_grid, variant_name, variant_training
+from workflow_scripts.report.grid import grid_rows, grid_table, metrics_of
 
 GRID = {"training.lr": [1.0e-5, 2.0e-5], "training.lora.r": [8, 32]}
 VARIANTS = ["lr-1e-05_lora.r-8", "lr-1e-05_lora.r-32", "lr-2e-05_lora.r-8", "lr-2e-05_lora.r-32"]

@@ -282,7 +282,7 @@ def test_each_variant_s_training_jobs_are_runs_grouped_by_run_and_variant(tmp_pa
 
     from conftest import snakemake, tiny_config
 
-    from workflow_scripts.report.grid import expand_grid
+    from workflow_scripts.core.variants import expand_grid
 
     grid = {"training.lr": [1e-3, 2e-3]}
     config = tiny_config("g") | {"grid": grid, "logging": {"trackers": ["tensorboard", "mlflow"], "project": "p"}}

@@ -132,7 +132,7 @@ def expected_train_dirs(results: Path, config: dict | None) -> list[Path]:
     if config is not None:
         from workflow_scripts.core.pipeline_io import UserError
         from workflow_scripts.core.settings import validated
-        from workflow_scripts.report.grid import expand_grid
+        from workflow_scripts.core.variants import expand_grid
 
         try:
             config = validated(config)

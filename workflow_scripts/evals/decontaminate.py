@@ -87,8 +87,8 @@ def task_sets(tasks: list[str], task_data: list[str]) -> Iterator[tuple[str, Ite
     loads them."""
     if not tasks:
         return
-    from workflow_scripts.evals.evaluation import extra_tasks
     from workflow_scripts.evals.heldout import leaf_tasks
+    from workflow_scripts.evals.tasks import extra_tasks
 
     loaded, _ = extra_tasks(tasks, task_data)
     for task in leaf_tasks(loaded):
