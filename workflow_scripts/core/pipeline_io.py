@@ -265,6 +265,16 @@ class Progress:
         self.emit(self.line(now, final=True).replace(": ", ": done, ", 1))
 
 
+CHECKOUT = Path(__file__).resolve().parents[2]  # the folder holding the package workflow_scripts
+
+
+def module_env(environ=os.environ) -> dict:
+    """``environ`` with this checkout first on PYTHONPATH: a script started as `python -m workflow_scripts.<...>`
+    from another one imports the same package wherever the parent ran from."""
+    paths = [str(CHECKOUT), *filter(None, environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return dict(environ) | {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
 def interpreter_first_on_path(environ=os.environ, executable: str = sys.executable) -> None:
     """Put the folder of the running interpreter first on PATH when it holds the training stack (torchrun),
     so the rules' `python` and `torchrun` are those of the environment Snakemake runs from: `.venv/bin/snakemake`

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from workflow_scripts.core.pipeline_io import UserError, cli, write_json
+from workflow_scripts.core.pipeline_io import UserError, cli, module_env, write_json
 from workflow_scripts.core.settings import EnvironmentConfig
 
 PACKAGES = ["torch", "transformers", "deepspeed", "peft", "accelerate", "pandas", "pyarrow", "evaluate", "tensorboard",
@@ -247,8 +247,8 @@ def run_benchmark(ranks: int, workdir: Path, timeout: float = 600) -> dict:
     out = workdir / "benchmark.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           __file__, "--bench-rank", str(out)]  # fmt: skip
-    env = os.environ | {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // ranks))}
+           "-m", "workflow_scripts.ops.environment", "--bench-rank", str(out)]  # fmt: skip
+    env = module_env() | {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // ranks))}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0 or not out.exists():
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]

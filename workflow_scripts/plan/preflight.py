@@ -90,7 +90,7 @@ import time
 from pathlib import Path
 
 from workflow_scripts.core.fingerprint import model_location
-from workflow_scripts.core.pipeline_io import UserError, cli, write_json
+from workflow_scripts.core.pipeline_io import UserError, cli, module_env, write_json
 from workflow_scripts.core.settings import PlanConfig, accumulation, job_ranks
 from workflow_scripts.plan.plan_terms import GPU_CONSTANTS_GB, load_config
 from workflow_scripts.train.parallel import strategy_for
@@ -217,10 +217,10 @@ def probe_memory(model: str, t: dict, world: int, timeout: float) -> tuple[dict 
         return None, f"{formula}: the fake-tensor probe is off (--probe-timeout 0)"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "probe.json"
-        cmd = [sys.executable, str(Path(__file__).with_name("memory_probe.py")), "--model", model,
+        cmd = [sys.executable, "-m", "workflow_scripts.plan.memory_probe", "--model", model,
                "--config", json.dumps(t), "--world", str(world), "--output", str(out)]  # fmt: skip
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=module_env())
         except subprocess.TimeoutExpired:
             return None, f"{formula}: the fake-tensor probe took over {timeout:.0f} s (--probe-timeout)"
         if proc.returncode != 0 or not out.exists():
