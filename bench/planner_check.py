@@ -151,7 +151,8 @@ def run(base: str, t: dict, device_name: str) -> dict:
     from workflow_scripts.core.host_memory import map_large_allocations
     from workflow_scripts.plan.memory_probe import STEPS, NullMetrics, SyntheticData, train_config
     from workflow_scripts.train.parallel import build_strategy, load_model
-    from workflow_scripts.train.train import init_distributed, train_step
+    from workflow_scripts.train.step import train_step
+    from workflow_scripts.train.train import init_distributed
 
     map_large_allocations()  # as train.py, before any weight exists
     cfg = train_config(t)

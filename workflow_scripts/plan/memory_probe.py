@@ -4,8 +4,8 @@ The planner (preflight) calls this for DDP and FSDP2. The model is built from it
 (no weight is read): the strategy's own load plan (``Strategy.build``: created on the meta device,
 gradient checkpointing, LoRA, FSDP2's ``fully_shard`` and ``to_empty``) runs under
 ``torch._subclasses.fake_tensor.FakeTensorMode`` with stand-in weight files whose reads are fake
-tensors, then the strategy wraps it and makes its optimizer (``parallel.build_strategy``) and
-train.py's ``train_step`` runs two optimizer steps (the second with Adam's states allocated) over
+tensors, then the strategy wraps it and makes its optimizer (``parallel.build_strategy``) and the
+trainer's own ``train_step`` (train/step.py) runs two optimizer steps (the second with Adam's states allocated) over
 synthetic micro-batches of the configured shape: micro_batch_size × max_seq_len, grad_accum of them.
 The process group is torch's fake one (``FakeStore``: any world size, no communication), so one
 process stands for rank 0 of the configured world. torch's ``MemTracker`` (FSDP2: ``FSDPMemTracker``)
@@ -258,7 +258,7 @@ def tracked(base: type) -> type:
 
 def run_steps(strategy, data, steps: int = STEPS) -> dict:
     """train_step ``steps`` times under the strategy's tracker: the peak's bytes by category and in all."""
-    from workflow_scripts.train.train import train_step
+    from workflow_scripts.train.step import train_step
 
     tracker = tracker_for(strategy)
     data.before_micro = tracker.reset_mod_stats  # module-wise stats only: the global peak stays

@@ -6,7 +6,7 @@ and the stop signal each decide for themselves whether to act after it) → fini
 train_state.json). Checkpoints live outside Snakemake's declared outputs, so a failed or
 preempted job keeps them and its retry resumes.
 
-    torchrun --nproc_per_node 2 workflow_scripts/train/train.py --config '{"lr": 1e-4, ...}' ...
+    torchrun --nproc_per_node 2 -m workflow_scripts.train.train --config '{"lr": 1e-4, ...}' ...
 
 --config is the workflow's `training` section as JSON; missing keys take config/schema.yaml's defaults.
 """
@@ -36,6 +36,7 @@ from workflow_scripts.train.evaluator import Evaluator
 from workflow_scripts.train.metrics_logger import MetricsLogger, flops_per_sequence_fn
 from workflow_scripts.train.parallel import build_strategy, load_model, strategy_for
 from workflow_scripts.train.preemption import StopSignal
+from workflow_scripts.train.step import train_step
 from workflow_scripts.train.trackers import TrackerSettings
 from workflow_scripts.train.trainer_lock import one_trainer
 
@@ -121,17 +122,6 @@ def describe_run(cfg, data, sizes, attn, start_step, resumed, resharded) -> dict
 
 
 # ---------------------------------------------------------------- train
-
-
-def train_step(strategy, data: TrainingData, step: int, metrics: MetricsLogger) -> tuple[torch.Tensor, float]:
-    """One optimizer step (0-based ``step``) over grad_accum micro-batches: the summed loss, the grad norm."""
-    loss_sum = torch.zeros((), device=strategy.device)
-    for micro, (batch, lengths) in enumerate(data.micro_batches(step)):
-        metrics.count(lengths)
-        batch = {k: v.to(strategy.device) for k, v in batch.items()}
-        loss = strategy.forward_backward(batch, last_micro=micro == data.cfg.grad_accum - 1)
-        loss_sum += loss.detach()
-    return loss_sum, strategy.step()
 
 
 def held_out_evaluator(strategy, a: argparse.Namespace, data: TrainingData, pad_id: int) -> Evaluator | None:
