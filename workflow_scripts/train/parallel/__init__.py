@@ -6,11 +6,11 @@ A new strategy touches exactly three files:
 1. its module here (parallel/<name>.py): a subclass of parallel.base.Strategy (or of another strategy)
    with the hooks it does not inherit;
 2. its entry in STRATEGIES below (its name -> its class);
-3. its value in training.strategy's ``enum`` in config/schema.yaml (tests/test_strategies.py holds the
-   enum equal to STRATEGIES' names).
+3. its value in training.strategy's ``enum`` in config/schema.yaml (tests/train/test_strategies.py holds
+   the enum equal to STRATEGIES' names).
 
-Nothing outside this package compares a strategy's name (tests/test_strategies.py checks
-workflow_scripts/*.py, rules/ and the Snakefile): train.py, the planner (preflight.py, proposals.py),
+Nothing outside this package compares a strategy's name (tests/train/test_strategies.py checks every
+module of workflow_scripts/ outside it, rules/ and the Snakefile): train.py, the planner (preflight.py, proposals.py),
 the fake-tensor probe (memory_probe.py), consolidation and check_environment ask the class
 ``strategy_for`` returns. parallel/base.py says what a strategy owns: its load plan, wrapping,
 optimizer and step, its process group's backend, its checkpoint, its export reader for consolidation,
