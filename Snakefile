@@ -1,14 +1,13 @@
 """From raw instruction data to evaluated fine-tuned models; see README.md."""
 
-import os
 import sys
 
 # The scripts are the package workflow_scripts of this checkout, wherever it lives: importable by the rules'
-# helpers here, and by every job's python (rules run the scripts by path) through PYTHONPATH, which SLURM jobs
-# inherit and set again when their own Snakemake reads this file.
+# helpers here, and by every job's python (rules run the scripts by path) through PYTHONPATH.
 sys.path.insert(0, workflow.basedir)
-if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != workflow.basedir:
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [workflow.basedir, os.environ.get("PYTHONPATH")]))
+from workflow_scripts.core.pipeline_io import checkout_on_pythonpath
+
+checkout_on_pythonpath()
 
 
 include: "rules/config_files.smk"

@@ -8,23 +8,23 @@ import shlex
 import sys
 from pathlib import Path
 
-SCRIPTS = Path(workflow.basedir) / "workflow_scripts"
+from workflow_scripts.model.presets import preset_name
+from workflow_scripts.core.pipeline_io import UserError, interpreter_first_on_path, log_stop_reason
+from workflow_scripts.data.mappings import check_rows_fill_nodes, resolve_mapping
+from workflow_scripts.data.readers import delimiter_arg, resolve_paths
+from workflow_scripts.core.fingerprint import check_model, is_hub_id, local_model_folder
+from workflow_scripts.core.hub_model import absent_message, cached_snapshot, read_record, resolve_commit
+from workflow_scripts.data.chat_format import format_list, has_chat_template, no_template_message
+from workflow_scripts.core.settings import accumulation, check_grid, job_ranks, validated
+from workflow_scripts.core.settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig
+from workflow_scripts.core.settings import TEMPLATE_KEYS, DecontaminateConfig, PlanConfig, SplitConfig, TokenizeConfig
+from workflow_scripts.core.variants import expand_grid, variant_training
+from workflow_scripts.core.layout import patterns
+from workflow_scripts.evals.task_data import check_names as check_task_names
+from workflow_scripts.evals.task_index import check_tasks
+from workflow_scripts.train.trainer_lock import running_holder
 
-from workflow_scripts.model.presets import preset_name  # noqa: E402
-from workflow_scripts.core.pipeline_io import UserError, interpreter_first_on_path, log_stop_reason  # noqa: E402
-from workflow_scripts.data.mappings import check_rows_fill_nodes, resolve_mapping  # noqa: E402
-from workflow_scripts.data.readers import delimiter_arg, resolve_paths  # noqa: E402
-from workflow_scripts.core.fingerprint import check_model, is_hub_id, local_model_folder  # noqa: E402
-from workflow_scripts.core.hub_model import absent_message, cached_snapshot, read_record, resolve_commit  # noqa: E402
-from workflow_scripts.data.chat_format import format_list, has_chat_template, no_template_message  # noqa: E402
-from workflow_scripts.core.settings import accumulation, check_grid, job_ranks, validated  # noqa: E402
-from workflow_scripts.core.settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig  # noqa: E402
-from workflow_scripts.core.settings import TEMPLATE_KEYS, DecontaminateConfig, PlanConfig, SplitConfig, TokenizeConfig  # noqa: E402
-from workflow_scripts.core.variants import expand_grid, variant_training  # noqa: E402
-from workflow_scripts.core.layout import patterns  # noqa: E402
-from workflow_scripts.evals.task_data import check_names as check_task_names  # noqa: E402
-from workflow_scripts.evals.task_index import check_tasks  # noqa: E402
-from workflow_scripts.train.trainer_lock import running_holder  # noqa: E402
+SCRIPTS = Path(workflow.basedir) / "workflow_scripts"
 
 # The rules call `python` and `torchrun` by name: .venv/bin/snakemake works without activating .venv.
 interpreter_first_on_path()

@@ -275,6 +275,13 @@ def module_env(environ=os.environ) -> dict:
     return dict(environ) | {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
+def checkout_on_pythonpath(environ=os.environ) -> None:
+    """Put this checkout first on ``environ``'s PYTHONPATH (the Snakefile: every job's python imports the package
+    workflow_scripts of the checkout the workflow runs from, wherever it lives; a SLURM job inherits it and its own
+    Snakemake sets it again)."""
+    environ["PYTHONPATH"] = module_env(environ)["PYTHONPATH"]
+
+
 def interpreter_first_on_path(environ=os.environ, executable: str = sys.executable) -> None:
     """Put the folder of the running interpreter first on PATH when it holds the training stack (torchrun),
     so the rules' `python` and `torchrun` are those of the environment Snakemake runs from: `.venv/bin/snakemake`
