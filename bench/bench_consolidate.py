@@ -1,6 +1,6 @@
 """Consolidation benchmark: peak RSS of consolidate.py against the size of the weights it writes, per strategy.
 
-    .venv/bin/python bench/bench_consolidate.py                       # the table in docs/benchmarks.md
+    .venv/bin/python bench/bench_consolidate.py                       # the table in docs/benchmarks/consolidation.md
     .venv/bin/python bench/bench_consolidate.py --presets demo --strategies deepspeed-zero2
     .venv/bin/python bench/bench_consolidate.py --presets 350m --dtypes bf16   # a bf16 base
 

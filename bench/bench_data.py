@@ -1,6 +1,6 @@
 """Data-stage benchmark: our split + tokenize against Hugging Face `datasets` .map on the same work.
 
-    .venv/bin/python bench/bench_data.py --rows 200000            # the table in docs/benchmarks.md
+    .venv/bin/python bench/bench_data.py --rows 200000            # the table in docs/benchmarks/data.md
     .venv/bin/python bench/bench_data.py --rows 2000000 --only-ours  # bounded memory on ~1 GB of CSV
     .venv/bin/python bench/bench_data.py --rows 1000000 --decontaminate  # data.decontaminate's cost
 

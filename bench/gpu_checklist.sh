@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checklist of docs/benchmarks.md in one command, for a machine with one GPU:
+# The GPU checklist of docs/benchmarks/gpu.md in one command, for a machine with one GPU:
 #
 #     bash bench/gpu_checklist.sh OUT_DIR [PLANNER_WORKDIR]
 #

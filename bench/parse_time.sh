@@ -1,5 +1,5 @@
 #!/bin/bash
-# The 256-node dry run of docs/benchmarks.md ("DAG construction"): wall and CPU seconds of
+# The 256-node dry run of docs/benchmarks/parse-time.md ("DAG construction"): wall and CPU seconds of
 # `snakemake -n --quiet --config nodes=NODES`, ROUNDS times (take the best; the machine is shared), and
 # Snakemake's floor: a one-rule workflow, the same command.
 # Each CHECKOUT given is timed in turn, round by round (interleaved: the same conditions for a before/after):

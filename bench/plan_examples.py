@@ -5,7 +5,7 @@ model from its config.json only), against an independent byte count by hand (tes
     .venv/bin/python bench/plan_examples.py --probe-timeout 900 # the fake-tensor probe of the training step
 
 Host memory is checked against the TRAIN_MEM_MB of the example's header (profiles/slurm's 200000 without one).
-Prints a markdown table (docs/benchmarks.md, "Planner at the seeds' sizes").
+Prints a markdown table (docs/benchmarks/planner.md, "Planner at the seeds' sizes").
 """
 
 import argparse

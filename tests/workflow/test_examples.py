@@ -108,7 +108,7 @@ def test_seed_002_variants_are_the_same_job():
 
 def plan(name: str, tmp_path, mem_mb: int | None = None, **training) -> tuple[dict, dict]:
     """plan_training's plan of an example (its model from config.json only, the formula's activations: the
-    probe's own tests cover it, and docs/benchmarks.md has its numbers) against its header's TRAIN_MEM_MB, and
+    probe's own tests cover it, and docs/benchmarks/planner.md has its numbers) against its header's TRAIN_MEM_MB, and
     the count by hand (model_shapes.by_hand)."""
     import dataclasses
 

@@ -297,6 +297,6 @@ def fewer_gc_pauses() -> None:
     """For a stage that streams millions of rows: freeze what exists now (the imported modules, torch's and
     transformers' among them, which each full collection would walk again) and collect the young generation
     every 50,000 allocations instead of 700. The rows' short-lived lists of token ids hold no cycles; a cycle
-    is still collected, later. Measured on tokenize_shard, 20k rows: 4.97 -> 4.37 s (docs/benchmarks.md)."""
+    is still collected, later. Measured on tokenize_shard, 20k rows: 4.97 -> 4.37 s (docs/benchmarks/data.md)."""
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)

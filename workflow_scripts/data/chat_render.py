@@ -67,7 +67,7 @@ def wants_bos(tokenizer) -> bool:
 def load_tokenizer(path: str):
     """``AutoTokenizer.from_pretrained(path)``; in a process that has imported neither torch nor transformers
     (the tokenization and split CLIs), with torch kept out of it: a tokenizer needs none, and transformers
-    imports it through its config classes (1.5 s of CPU and 180 MB a job, measured: docs/benchmarks.md).
+    imports it through its config classes (1.5 s of CPU and 180 MB a job, measured: docs/benchmarks/data.md).
     ``sys.modules["torch"] = None`` is Python's way to make a module unimportable, and transformers'
     availability check reads it; its advice that PyTorch was not found is silenced for that import."""
     if "torch" not in sys.modules and "transformers" not in sys.modules:

@@ -169,8 +169,8 @@ def main(argv=None) -> None:
     # Before any weights exist: every allocation over 1 MiB gets its own mapping, returned to the kernel
     # when freed. glibc otherwise raises its mmap threshold after the first large free (up to 32 MiB) and
     # keeps freed partitions in its heap: ZeRO-3 kept 1.43-1.52x its by-design host state after
-    # deepspeed.initialize at 2 ranks (docs/benchmarks.md, bench_scale.py --part zero3-host). mallopt is
-    # what MALLOC_MMAP_THRESHOLD_ sets at process start, without depending on how the job was launched.
+    # deepspeed.initialize at 2 ranks (docs/benchmarks/training-and-memory.md, bench_scale.py --part zero3-host).
+    # mallopt is what MALLOC_MMAP_THRESHOLD_ sets at process start, without depending on how the job was launched.
     map_large_allocations()
     cfg = TrainConfig.from_json(a.config)
     stop = StopSignal(a.log_dir / "preempted.json")  # first: a signal during start-up is not lost

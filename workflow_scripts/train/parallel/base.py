@@ -142,7 +142,7 @@ class Strategy:
     hard_exit = False  # end the process with os._exit once everything is on disk
     offloads = True  # training.offload applies
     # The planner's allocator headroom: what the CUDA caching allocator reserves above the live tensor peak
-    # (fragmentation, block rounding), a fraction of that peak. DDP measured 6% on an H200 (docs/benchmarks.md,
+    # (fragmentation, block rounding), a fraction of that peak. DDP measured 6% on an H200 (docs/benchmarks/gpu.md,
     # "GPU checklist"); ZeRO has not been measured on a GPU.
     allocator_headroom = 0.10
 

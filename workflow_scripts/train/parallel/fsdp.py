@@ -57,7 +57,7 @@ def shard_fsdp(model, cfg, device) -> None:
 
 
 class FSDPStrategy(Strategy):
-    # Measured on an H200 (docs/benchmarks.md, "GPU checklist"): max_memory_reserved 27.5% above
+    # Measured on an H200 (docs/benchmarks/gpu.md, "GPU checklist"): max_memory_reserved 27.5% above
     # max_memory_allocated at grad_accum 1, 12.3% at 2, 10.4% with LoRA: FSDP2 frees and re-allocates every
     # unit's gathered parameters and reduce-scatter buffers on its own streams, which the allocator keeps apart.
     allocator_headroom = 0.30

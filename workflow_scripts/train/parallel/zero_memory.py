@@ -83,7 +83,7 @@ def zero_buffer_sizes(stage: int, config) -> dict:
     """ZeRO's buffer sizes (in elements) scaled to the model, as transformers fills DeepSpeed's "auto"
     values, plus ZeRO-3's sub-group and reuse window. DeepSpeed's defaults are sized for big GPUs, not
     for one layer, and on the CPU accelerator each is host memory. Per rank, h the hidden size, n the
-    parameters, N the ranks (docs/benchmarks.md measures them on a 0.6B model, 2 ranks, bf16):
+    parameters, N the ranks (docs/benchmarks/training-and-memory.md measures them on a 0.6B model, 2 ranks, bf16):
 
     - ``reduce_bucket_size`` h² (default 5e8): gradients are copied into a bucket of this many
       elements in the compute dtype, all-reduced whole, and this rank's slices added to its gradient
