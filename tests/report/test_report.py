@@ -103,6 +103,7 @@ def test_leaderboard_names_the_best_model_per_metric_against_base():
     assert only_base[1].split()[:2] == ["eval_loss", "base"]
 
 
+@pytest.mark.e2e  # a real Snakemake run (--cores 1) and its --report
 def test_landing_page_shows_the_leaderboard_and_the_plots(tmp_path):
     """Snakemake's report renders report/workflow.rst with the leaderboard page's body in it: the text (wrapped,
     not in a fixed box) and the plots embedded."""

@@ -121,6 +121,7 @@ def test_a_stale_preemption_marker_is_cleared_at_the_start(tmp_path, demo_assets
     assert not marker.exists(), proc.stderr[-3000:]
 
 
+@pytest.mark.e2e  # a real (not -n) Snakemake run, refused at onstart
 def test_a_rerun_beside_an_orphaned_trainer_touches_nothing(tmp_path):
     """Snakemake killed alone leaves its trainer running; a rerun (after --unlock) would delete the job's outputs
     and log before the trainer's own lock refuses it. The workflow refuses first (onstart): one line naming the

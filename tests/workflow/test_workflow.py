@@ -309,6 +309,7 @@ def test_checkout_with_a_space_and_a_model_named_like_a_command_run(tmp_path, de
     assert "host " in log.read_text().splitlines()[0] and "nothing to train" in log.read_text()
 
 
+@pytest.mark.e2e  # runs split_dataset for real, which fails
 def test_a_failed_jobs_reason_reaches_the_console(tmp_path, demo_assets):
     """A stage that stops with a one-line reason in its log (here the split: every row rejected) says it on
     Snakemake's console too, naming the rule and its log, not only `Error in rule ...`."""
