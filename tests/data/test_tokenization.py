@@ -91,21 +91,34 @@ def test_best_fit_decreasing_packs_tightly():
     assert stats["pad_to_longest_efficiency"] < stats["packing_efficiency"]
 
 
-def tokenize_cli(tmp_path, shard, tok_dir, cache, name, **config) -> subprocess.CompletedProcess:
-    """tokenization.py on one shard, its outputs named ``name`` in tmp_path; fails the test if it fails."""
-    cmd = [
-        sys.executable, "-m", "workflow_scripts.data.tokenization", "--shard", str(shard),
+def tokenize_argv(tmp_path, shard, tok_dir, cache, name, **config) -> list[str]:
+    """tokenization.py's arguments for one shard, its outputs named ``name`` in tmp_path."""
+    return [
+        "--shard", str(shard),
         "--tokenizer", str(tok_dir), "--config", tokenize_config(max_seq_len=64, cache_dir=str(cache), **config),
         "--output", str(tmp_path / f"{name}.parquet"), "--packing", str(tmp_path / f"{name}.packing.parquet"),
         "--stats", str(tmp_path / f"{name}.json"),
     ]  # fmt: skip
+
+
+def tokenize_cli(tmp_path, shard, tok_dir, cache, name, **config) -> subprocess.CompletedProcess:
+    """tokenization.py on one shard, its command line in a process of its own; fails the test if it fails."""
+    cmd = [sys.executable, "-m", "workflow_scripts.data.tokenization", *tokenize_argv(tmp_path, shard, tok_dir, cache,
+                                                                                         name, **config)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
 
 
 def run_tokenize(tmp_path, shard, tok_dir, cache, name, **config):
-    tokenize_cli(tmp_path, shard, tok_dir, cache, name, **config)
+    """tokenization.py's main on one shard in this process (conftest.run_main: a new process would import
+    transformers again, seconds on 2 cores, for a test of the cache, not of the command line)."""
+    from conftest import run_main
+
+    from workflow_scripts.data.tokenization import main
+
+    proc = run_main(main, tokenize_argv(tmp_path, shard, tok_dir, cache, name, **config))
+    assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads((tmp_path / f"{name}.json").read_text())
 
 

@@ -21,7 +21,7 @@ from workflow_scripts.evals.metrics import HELDOUT
 from workflow_scripts.evals.tasks import extra_tasks
 
 DEMO_MC = REPO / "resources" / "demo" / "tasks" / "demo_mc.yaml"
-SAMPLES, NEW_TOKENS = 48, 8
+SAMPLES, NEW_TOKENS = 24, 8  # two batches of 16, the second partial
 
 
 # --- the oracle: evaluation.py before lm-eval (commit f208e47), a plain forward pass and a generate() loop ---

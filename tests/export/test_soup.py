@@ -44,7 +44,18 @@ def test_mean_source_equals_the_stacked_mean_bit_for_bit(tmp_path):
     source.close()
 
 
-def test_soups_of_node_models(tmp_path, demo_assets):
+@pytest.fixture(scope="module")
+def eval_rows(demo_assets, tmp_path_factory):
+    """The first rows of the tokenized eval set: greedy's held-out losses are of no consequence here (the
+    node results' losses are far below any of these untrained models'), only their forward passes' cost."""
+    import pandas as pd
+
+    path = tmp_path_factory.mktemp("soup") / "eval.parquet"
+    pd.read_parquet(demo_assets["eval"]).head(4).to_parquet(path)
+    return path
+
+
+def test_soups_of_node_models(tmp_path, demo_assets, eval_rows):
     tokenizer = AutoTokenizer.from_pretrained(demo_assets["base"])
     paths, results = [], []
     for i, loss in enumerate([2.0, 1.0, 3.0]):
@@ -56,7 +67,7 @@ def test_soups_of_node_models(tmp_path, demo_assets):
         result.write_text(json.dumps({"model": f"node{i}", "eval_loss": loss}))
         results.append(result)
     soup_main(
-        ["--models", *map(str, paths), "--results", *map(str, results), "--eval", str(demo_assets["eval"]),
+        ["--models", *map(str, paths), "--results", *map(str, results), "--eval", str(eval_rows),
          "--uniform", str(tmp_path / "uniform"), "--greedy", str(tmp_path / "greedy")]
     )  # fmt: skip
     nodes = [AutoModelForCausalLM.from_pretrained(p).state_dict() for p in paths]
@@ -68,7 +79,7 @@ def test_soups_of_node_models(tmp_path, demo_assets):
     assert [t.get("tried") for t in greedy["trail"][1:]] == ["node0", "node2"]
 
 
-def test_soups_of_bf16_models_average_in_fp32_and_are_saved_in_bf16(tmp_path, demo_assets):
+def test_soups_of_bf16_models_average_in_fp32_and_are_saved_in_bf16(tmp_path, demo_assets, eval_rows):
     """Node models consolidated in bf16 (a bf16 base): the soup is the fp32 mean, rounded once to bf16."""
     tokenizer = AutoTokenizer.from_pretrained(demo_assets["base"])
     paths, results = [], []
@@ -80,7 +91,7 @@ def test_soups_of_bf16_models_average_in_fp32_and_are_saved_in_bf16(tmp_path, de
         results.append(tmp_path / f"node{i}.json")
         results[-1].write_text(json.dumps({"model": f"node{i}", "eval_loss": loss}))
     soup_main(
-        ["--models", *map(str, paths), "--results", *map(str, results), "--eval", str(demo_assets["eval"]),
+        ["--models", *map(str, paths), "--results", *map(str, results), "--eval", str(eval_rows),
          "--uniform", str(tmp_path / "uniform"), "--greedy", str(tmp_path / "greedy")]
     )  # fmt: skip
     nodes = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).state_dict() for p in paths]

@@ -1,7 +1,9 @@
 """The planner's memory probe (workflow_scripts/plan/memory_probe.py): the workflow's own training step on fake
 tensors gives a rank's peak by category; held against the same step on real tensors under torchrun."""
 
+import copy
 import dataclasses
+import functools
 import json
 import subprocess
 
@@ -33,7 +35,14 @@ CASES = {
 
 
 def tiny_probe(t: dict, world: int = 2) -> dict:
-    return probe(Qwen3Config(**SHAPE), t, world)
+    """The probe of the tiny model for ``t`` at ``world`` ranks, once per session (seconds each on 2 cores; the
+    tests and the torchrun check ask for some of the same)."""
+    return copy.deepcopy(_probed(json.dumps(t, sort_keys=True), world))
+
+
+@functools.cache
+def _probed(t: str, world: int) -> dict:
+    return probe(Qwen3Config(**SHAPE), json.loads(t), world)
 
 
 def test_probe_reports_the_peak_by_component():
