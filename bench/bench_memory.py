@@ -46,12 +46,10 @@ ACCUM_ROWS = {
 }
 
 
-def plan_keys(**keys) -> dict:
-    import dataclasses
-
+def plan_keys(**keys):
     from workflow_scripts.core.settings import PlanConfig
 
-    return dataclasses.asdict(PlanConfig.build({"strategy": "fsdp", "max_seq_len": 128, "micro_batch_size": 1} | keys))
+    return PlanConfig.build({"strategy": "fsdp", "max_seq_len": 128, "micro_batch_size": 1} | keys)
 
 
 def worker(shape: dict, out: Path) -> None:

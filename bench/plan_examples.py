@@ -22,8 +22,6 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 def plan_example(name: str, timeout: float, **training) -> tuple[dict, dict, float]:
     """(the planner's plan, the count by hand, seconds) of config/examples/<name>, with ``training`` keys changed."""
-    import dataclasses
-
     from model_shapes import by_hand, config_folder
     from test_examples import header_command, load, with_defaults
 
@@ -35,7 +33,7 @@ def plan_example(name: str, timeout: float, **training) -> tuple[dict, dict, flo
     mem_mb = int(header_command(name)[0].get("TRAIN_MEM_MB", 200000))
     with tempfile.TemporaryDirectory() as tmp:
         model = config_folder(config["model"]["name_or_path"], config, Path(tmp))
-        t = dataclasses.asdict(PlanConfig.from_json(PlanConfig.to_json(config)))
+        t = PlanConfig.from_json(PlanConfig.to_json(config))
         start = time.perf_counter()
         planner = Planner(model, t, timeout, mem_mb)
         plan = planner.plan(t)

@@ -143,7 +143,7 @@ def allocator_peak(prof) -> dict:
             "peak_in": phase}  # fmt: skip
 
 
-def run(base: str, t: dict, device_name: str) -> dict:
+def run(base: str, t, device_name: str) -> dict:
     import torch
     import torch.distributed as dist
     from transformers import AutoConfig
@@ -160,7 +160,7 @@ def run(base: str, t: dict, device_name: str) -> dict:
     if device.type != device_name:
         raise SystemExit(f"--device {device_name} but the rank's device is {device.type}")
     torch.manual_seed(cfg.seed)
-    data = SyntheticData(cfg, t["max_seq_len"], AutoConfig.from_pretrained(base).vocab_size)
+    data = SyntheticData(cfg, t.max_seq_len, AutoConfig.from_pretrained(base).vocab_size)
     dist.barrier()
     record = {"rank": dist.get_rank()}
     start = time.perf_counter()
@@ -211,7 +211,9 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    base, t, out = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
+    from workflow_scripts.core.settings import PlanConfig
+
+    base, t, out = sys.argv[1], PlanConfig.from_json(sys.argv[2]), Path(sys.argv[3])
     device = sys.argv[4] if len(sys.argv) > 4 else "cpu"
     result = run(base, t, device)
     if dist.get_rank() == 0:

@@ -22,8 +22,8 @@ ONE_LAYER = SHAPE | {"num_hidden_layers": 1}
 LORA = {"peft": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}}
 
 
-def plan(**keys) -> dict:
-    return dataclasses.asdict(PlanConfig.build({"max_seq_len": 64, "micro_batch_size": 2} | keys))
+def plan(**keys) -> PlanConfig:
+    return PlanConfig.build({"max_seq_len": 64, "micro_batch_size": 2} | keys)
 
 
 CASES = {
@@ -37,15 +37,16 @@ CASES = {
 }
 
 
-def tiny_probe(t: dict, world: int = 2, shape: dict = ONE_LAYER) -> dict:
+def tiny_probe(t: PlanConfig, world: int = 2, shape: dict = ONE_LAYER) -> dict:
     """The probe of the tiny model (``shape``) for ``t`` at ``world`` ranks, once per session (seconds each on
     2 cores; several tests ask for the same)."""
-    return copy.deepcopy(_probed(json.dumps(t, sort_keys=True), world, json.dumps(shape, sort_keys=True)))
+    key = json.dumps(dataclasses.asdict(t), sort_keys=True)
+    return copy.deepcopy(_probed(key, world, json.dumps(shape, sort_keys=True)))
 
 
 @functools.cache
 def _probed(t: str, world: int, shape: str) -> dict:
-    return probe(Qwen3Config(**json.loads(shape)), json.loads(t), world)
+    return probe(Qwen3Config(**json.loads(shape)), PlanConfig.from_json(t), world)
 
 
 def test_probe_reports_the_peak_by_component():
@@ -95,7 +96,7 @@ def test_fake_probe_matches_the_real_step_within_one_percent(tmp_path):
         assert abs(fake - real["Total"]) <= 0.01 * real["Total"], (name, fake, real)
 
 
-def run_plan(tmp_path, t: dict, *extra):
+def run_plan(tmp_path, t: PlanConfig, *extra):
     """preflight.py on a folder holding only the tiny model's config.json (its command line, in this process:
     conftest.run_main; the probe runs in its own process either way)."""
     from conftest import run_main
@@ -105,7 +106,7 @@ def run_plan(tmp_path, t: dict, *extra):
     folder = tmp_path / "model"
     if not folder.exists():
         Qwen3Config(**ONE_LAYER).save_pretrained(folder)
-    argv = ["--model", str(folder), "--config", json.dumps(t | {"procs_per_node": 2}),
+    argv = ["--model", str(folder), "--config", json.dumps(dataclasses.asdict(t) | {"procs_per_node": 2}),
             "--output", str(tmp_path / "m.json"), "--table", str(tmp_path / "m.csv"), *extra]  # fmt: skip
     proc = run_main(main, argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -164,7 +165,7 @@ def test_formula_prices_fsdp_no_sync():
     t = plan(strategy="fsdp", grad_accum=2)
     n = 1_000_000
     default = estimate(config, n, t, 2, 64)["per_gpu_gb"]
-    no_sync = estimate(config, n, t | {"fsdp_no_sync": True}, 2, 64)["per_gpu_gb"]
+    no_sync = estimate(config, n, dataclasses.replace(t, fsdp_no_sync=True), 2, 64)["per_gpu_gb"]
     assert default["unsharded_gradients"] == 0 and no_sync["unsharded_gradients"] == pytest.approx(4 * n / GB)
 
 

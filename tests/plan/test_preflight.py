@@ -1,11 +1,14 @@
 """plan_training's host side: RAM per node at load and in training against the training job's mem_mb,
 DeepSpeed's own estimators as the reference, and the mem_mb Snakemake will submit read at parse time."""
 
+import dataclasses
 import json
 import math
 
 import pytest
 from conftest import REPO, copy_of_run, planned_jobs, run_main, snakemake, tiny_config, tool_env
+
+from workflow_scripts.core.settings import PlanConfig
 
 GB = 2**30
 
@@ -15,7 +18,7 @@ def training(**kw):
             "peft": "none", "lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}, "procs_per_node": 4,
             "precision": "bf16", "micro_batch_size": 1, "gradient_checkpointing": True,
             "gpu_memory_gb": 80}  # fmt: skip
-    return base | kw
+    return PlanConfig.build(base | kw)  # the planner's typed config
 
 
 N, LARGEST = 1_000_000_000, 50_000_000  # parameters of the model and of its largest module
@@ -52,7 +55,7 @@ def test_zero2_offload_on_one_node_is_deepspeeds_estimate(procs):
 def host(t, world=None, trainable=N, largest_file=4 * 10**9):
     from workflow_scripts.plan.preflight import host_estimate
 
-    return host_estimate(N, trainable, LARGEST, t, world or t["procs_per_node"], largest_file)
+    return host_estimate(N, trainable, LARGEST, t, world or t.procs_per_node, largest_file)
 
 
 def test_host_at_load_follows_how_each_strategy_builds_the_model():
@@ -103,11 +106,11 @@ def test_fp16_weighs_like_bf16_on_the_gpu():
     t = training(strategy="ddp", offload="none", gradient_checkpointing=False)
 
     def total(precision):
-        return estimate(config, N, t | {"precision": precision}, 4, 2048)["total_gb"]
+        return estimate(config, N, dataclasses.replace(t, precision=precision), 4, 2048)["total_gb"]
 
     assert total("fp16") == total("bf16") < total("fp32")
     # full fine-tuning in 16-bit: 2 (weights) + 4 (fp32 master) + 8 (Adam) + 2 (gradients) per parameter
-    gb = estimate(config, N, t | {"precision": "fp16"}, 4, 2048)["per_gpu_gb"]
+    gb = estimate(config, N, dataclasses.replace(t, precision="fp16"), 4, 2048)["per_gpu_gb"]
     assert gb["weights"] + gb["optimizer_states"] + gb["gradients"] == pytest.approx(16 * N / GB)
 
 
@@ -117,7 +120,7 @@ def preflight(tmp_path, t, *extra):
 
     argv = [
         "--model", "preset:1b",
-        "--config", json.dumps(t | {"max_seq_len": 2048, "demo_vocab_size": 32000}),
+        "--config", json.dumps(dataclasses.asdict(t) | {"max_seq_len": 2048, "demo_vocab_size": 32000}),
         "--output", str(tmp_path / "m.json"), "--table", str(tmp_path / "m.csv"),
         "--probe-timeout", "0", *extra,  # the host plan is the formula's; the probe has its own tests
     ]  # fmt: skip
@@ -204,7 +207,7 @@ def test_proposals_share_one_probe_timeout():
 
     from workflow_scripts.plan.preflight import Planner
 
-    t = training(strategy="ddp", offload="none") | {"max_seq_len": 2048, "demo_vocab_size": 32000}
+    t = training(strategy="ddp", offload="none", max_seq_len=2048, demo_vocab_size=32000)
     planner = Planner("preset:1b", t, 600, None)
     planner.set_budget()
     assert 590 < planner.deadline - time.monotonic() <= 600

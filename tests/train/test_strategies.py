@@ -7,7 +7,7 @@ import re
 import pytest
 from conftest import REPO
 
-from workflow_scripts.core.settings import schema, training_config
+from workflow_scripts.core.settings import PlanConfig, schema, training_config
 from workflow_scripts.train.parallel import STRATEGIES
 from workflow_scripts.train.parallel.base import Strategy
 
@@ -38,7 +38,7 @@ def test_each_strategy_answers_every_hook(name):
     assert isinstance(strategy.fake_probe, bool)
     if strategy.fake_probe:
         assert all(callable(wrap) for wrap in strategy.probe_shims().values())
-    t = {"strategy": name, "zero_stage": 2, "offload": "none", "fsdp_no_sync": False, "grad_accum": 1}
+    t = PlanConfig.build({"strategy": name, "zero_stage": 2, "offload": "none", "fsdp_no_sync": False, "grad_accum": 1})
     assert strategy.unsharded_gradient_bytes(t, 10) >= 0
     assert len(strategy.shards(t)) == 3
 

@@ -1,5 +1,6 @@
 """train_node and consolidate_node: data plan, schedule, and every strategy with LoRA under torchrun."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import torch
 from conftest import REPO, run_trainer, tool_env
 
 from workflow_scripts.core.pipeline_io import UserError
-from workflow_scripts.core.settings import training_config
+from workflow_scripts.core.settings import PlanConfig, training_config
 from workflow_scripts.train.batching import DataPlan, micro_batch_indices
 from workflow_scripts.train.parallel.base import lr_lambda
 from workflow_scripts.train.parallel.zero import deepspeed_config, hidden_size, layer_parameters
@@ -286,7 +287,7 @@ def memory_config(**kw):
     base = {"strategy": "ddp", "zero_stage": 2, "offload": "none", "peft": "none",
             "lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}, "procs_per_node": 8, "precision": "bf16",
             "micro_batch_size": 1, "gradient_checkpointing": False, "gpu_memory_gb": 80}  # fmt: skip
-    return base | kw
+    return PlanConfig.build(base | kw)  # the planner's typed config
 
 
 def test_preflight_estimate_orders_the_strategies():
@@ -318,9 +319,10 @@ def test_preflight_fails_with_advice(tmp_path):
 
     from workflow_scripts.plan.preflight import main
 
+    t = memory_config(procs_per_node=1, max_seq_len=4096, demo_vocab_size=32000)
     argv = [
         "--model", "preset:7b",
-        "--config", json.dumps(memory_config(procs_per_node=1, max_seq_len=4096, demo_vocab_size=32000)),
+        "--config", json.dumps(dataclasses.asdict(t)),
         "--output", str(tmp_path / "m.json"), "--table", str(tmp_path / "m.csv"), "--probe-timeout", "0",
     ]  # fmt: skip
     proc = run_main(main, argv)  # its command line, in this process

@@ -15,7 +15,12 @@ def lay(numels, hidden=64, frozen=()):
 
 
 def t(**kw):
-    return {"precision": "bf16", "offload": "all", "offload_ratio": 1.0, "zero_stage": 3, "peft": "none"} | kw
+    """The planner's typed config (settings.PlanConfig): these keys, the rest the schema's defaults."""
+    from workflow_scripts.core.settings import PlanConfig
+
+    return PlanConfig.build(
+        {"precision": "bf16", "offload": "all", "offload_ratio": 1.0, "zero_stage": 3, "peft": "none"} | kw
+    )
 
 
 def test_sub_groups_are_deepspeeds():

@@ -12,6 +12,7 @@ is submitted once, through the plugin's real sbatch command line.
 
 import copy
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -110,8 +111,6 @@ def plan(name: str, tmp_path, mem_mb: int | None = None, **training) -> tuple[di
     """plan_training's plan of an example (its model from config.json only, the formula's activations: the
     probe's own tests cover it, and docs/benchmarks/planner.md has its numbers) against its header's TRAIN_MEM_MB, and
     the count by hand (model_shapes.by_hand)."""
-    import dataclasses
-
     from model_shapes import by_hand, config_folder
 
     from workflow_scripts.plan.preflight import Planner
@@ -121,7 +120,7 @@ def plan(name: str, tmp_path, mem_mb: int | None = None, **training) -> tuple[di
     config["training"] |= training
     mem_mb = mem_mb or int(header_command(name)[0].get("TRAIN_MEM_MB", 200000))  # profiles/slurm's default
     model = config_folder(config["model"]["name_or_path"], config, tmp_path / "model")
-    t = dataclasses.asdict(PlanConfig.from_json(PlanConfig.to_json(config)))
+    t = PlanConfig.from_json(PlanConfig.to_json(config))
     est = Planner(model, t, 0, mem_mb).plan(t)
     return est, by_hand(config, est["parameters"])
 
@@ -159,20 +158,16 @@ def test_planner_refuses_what_does_not_fit_and_re_plans_its_proposals(tmp_path):
     config["training"]["gradient_checkpointing"] = False
     from model_shapes import config_folder
 
-    t = dataclasses_asdict(config)
+    t = PlanConfig.from_json(PlanConfig.to_json(config))
     planner = Planner(config_folder(config["model"]["name_or_path"], config, tmp_path / "c"), t, 0, None)
     proposals = propose(t, planner.plan)
     chosen = best(proposals)
     assert chosen["change"] == {"gradient_checkpointing": True}, proposals
-    assert planner.plan(t | chosen["change"])["total_gb"] == pytest.approx(chosen["gpu_gb"], abs=0.01)
+    assert planner.plan(dataclasses.replace(t, **chosen["change"]))["total_gb"] == pytest.approx(
+        chosen["gpu_gb"], abs=0.01
+    )
     assert {"micro_batch_size", "grad_accum"} <= set(proposals[1]["change"]), proposals[1]
     assert all(p["gpu_gb"] is not None for p in proposals)
-
-
-def dataclasses_asdict(config: dict) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(PlanConfig.from_json(PlanConfig.to_json(config)))
 
 
 def test_seed_000_fits_500_gb_per_node_with_its_stated_choice(tmp_path):

@@ -261,7 +261,7 @@ class StageConfig:
     @classmethod
     def keys(cls) -> dict[str, str]:
         """field name -> dotted config key"""
-        return {f.name: f.metadata["key"] for f in dataclasses.fields(cls)}
+        return {f.name: f.metadata["key"] for f in dataclasses.fields(cls) if "key" in f.metadata}
 
     @classmethod
     def values(cls, config: dict) -> dict:
@@ -405,3 +405,11 @@ PlanConfig = stage_config(
     "training.gpu_memory_gb", "nodes", "data.max_seq_len",
     "model.demo_vocab_size",
 )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedConfig(PlanConfig):
+    """A PlanConfig as the planner varies it (plan/proposals.py): plus where ZeRO keeps the optimizer states,
+    "cpu" or the NVMe proposal's "nvme" (no config key of its own: training.deepspeed_config sets it)."""
+
+    optimizer_device: str = "cpu"

@@ -36,7 +36,6 @@ allocator's headroom (a fraction of the peak: fragmentation and rounding), the s
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from workflow_scripts.core.settings import PlanConfig
 from workflow_scripts.plan.plan_terms import GPU_CONSTANTS_GB, load_config  # noqa: F401 (GPU_CONSTANTS_GB: the planner's, for tests)
 
 GB = 2**30
@@ -119,12 +119,12 @@ class NullMetrics:
         pass
 
 
-def train_config(t: dict):
+def train_config(t: PlanConfig):
     """The trainer's TrainConfig from the planner's keys (settings.PlanConfig's), the rest at defaults."""
     from workflow_scripts.core.settings import TrainConfig, schema, training_config
 
     keys = set(schema()["properties"]["training"]["properties"]) & {f.name for f in dataclasses.fields(TrainConfig)}
-    return training_config({k: v for k, v in t.items() if k in keys or k == "lora"})
+    return training_config({k: v for k, v in dataclasses.asdict(t).items() if k in keys or k == "lora"})
 
 
 @contextlib.contextmanager
@@ -286,7 +286,7 @@ def categories(peak: dict) -> dict:
     return out
 
 
-def measure(config, t: dict, steps: int = STEPS, mode=None) -> dict:
+def measure(config, t: PlanConfig, steps: int = STEPS, mode=None) -> dict:
     """The tracker's peak by category (bytes) over ``steps`` optimizer steps of the planner's config ``t``,
     in the process group that is up: on fake tensors under ``mode`` (a FakeTensorMode), else on real ones
     (the weights zeros: memory does not depend on them)."""
@@ -299,26 +299,26 @@ def measure(config, t: dict, steps: int = STEPS, mode=None) -> dict:
     if mode is None:
         model = strategy_class.build(config, cfg, "sdpa", files, device)
         strategy = build_strategy(cfg, model, device, total_steps=steps)
-        return run_steps(strategy, SyntheticData(cfg, t["max_seq_len"], config.vocab_size), steps)
+        return run_steps(strategy, SyntheticData(cfg, t.max_seq_len, config.vocab_size), steps)
     model = placed_on_fake(strategy_class, mode).build(config, cfg, "sdpa", files, device)
     # DDP moves the model to its device, where it is: a fake parameter would be swapped for itself
     model.to = lambda *args, **kwargs: model
     with mode, FakeScalars():
         strategy = build_strategy(cfg, model, device, total_steps=steps)
         strategy.probe_prepare()  # DDP: its all-reduce in place, its first buckets kept
-        return run_steps(strategy, SyntheticData(cfg, t["max_seq_len"], config.vocab_size), steps)
+        return run_steps(strategy, SyntheticData(cfg, t.max_seq_len, config.vocab_size), steps)
 
 
-def probe(config, t: dict, world: int, steps: int = STEPS) -> dict:
+def probe(config, t: PlanConfig, world: int, steps: int = STEPS) -> dict:
     """Rank 0's peak in training for the planner's config ``t`` at ``world`` ranks, on fake tensors (bytes)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from workflow_scripts.train.parallel import STRATEGIES, strategy_for
 
-    strategy = strategy_for(t["strategy"])
+    strategy = strategy_for(t.strategy)
     if not strategy.fake_probe:
         runs = ", ".join(name for name, s in STRATEGIES.items() if s.fake_probe)
-        raise ValueError(f"training.strategy {t['strategy']}: no fake-tensor path (only {runs})")
+        raise ValueError(f"training.strategy {t.strategy}: no fake-tensor path (only {runs})")
     start = time.perf_counter()
     with fake_world(world, strategy):
         peak = measure(config, t, steps, FakeTensorMode(allow_non_fake_inputs=True))
@@ -343,7 +343,7 @@ def main(argv=None) -> None:
     p.add_argument("--world", required=True, type=int)
     p.add_argument("--output", required=True, type=Path)
     a = p.parse_args(argv)
-    t = json.loads(a.config)
+    t = PlanConfig.from_json(a.config)  # the planner's, serialised by dataclasses.asdict
     config = load_config(a.model, t)
     result = probe(config, t, a.world)
     result["peak_gb"] = result["peak_bytes"] / GB

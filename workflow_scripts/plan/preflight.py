@@ -144,9 +144,9 @@ def lora_parameters(config, r: int, targets: list[str]) -> int:
     return layers * sum(r * (i + o) for name, (i, o) in shapes.items() if name in targets)
 
 
-def trainable_parameters(config, n_params: int, t: dict) -> int:
-    if t["peft"] == "lora":
-        return lora_parameters(config, t["lora"]["r"], t["lora"]["target_modules"])
+def trainable_parameters(config, n_params: int, t: PlanConfig) -> int:
+    if t.peft == "lora":
+        return lora_parameters(config, t.lora["r"], t.lora["target_modules"])
     return n_params
 
 
@@ -155,21 +155,21 @@ def live_gb(plan: dict) -> float:
     return plan["total_gb"] - sum(v for k, v in plan["per_gpu_gb"].items() if k in GPU_ONLY_TERMS)
 
 
-def logit_tokens(config, t: dict, tokens: int) -> int:
+def logit_tokens(config, t: PlanConfig, tokens: int) -> int:
     """The tokens whose logits exist at once: one slice with training.chunked_loss, else the micro-batch's."""
     from workflow_scripts.train.chunked_loss import slice_tokens, supported
 
-    if t.get("chunked_loss", True) and supported(config) is None:
+    if t.chunked_loss and supported(config) is None:
         return min(tokens, slice_tokens(config.vocab_size))
     return tokens
 
 
-def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
+def estimate(config, n_params: int, t: PlanConfig, world: int, seq_len: int) -> dict:
     """Per-GPU memory in GB, by component, for the training config ``t``."""
     half = compute_bytes(t) == 2
-    offload = t["offload"]
+    offload = t.offload
     trainable = trainable_parameters(config, n_params, t)
-    strategy = strategy_for(t["strategy"])
+    strategy = strategy_for(t.strategy)
     shard_params, shard_grads, shard_optim = strategy.shards(t)
     w = compute_bytes(t)
     weights = n_params * w / (world if shard_params else 1) * (0 if offload == "all" else 1)
@@ -177,10 +177,10 @@ def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
     optim = (trainable * 8 + master) / (world if shard_optim else 1) * (0 if offload != "none" else 1)
     grads = trainable * w / (world if shard_grads else 1)
     unsharded_grads = strategy.unsharded_gradient_bytes(t, trainable)  # FSDP2's with training.fsdp_no_sync
-    tokens = t["micro_batch_size"] * seq_len
+    tokens = t.micro_batch_size * seq_len
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     per_layer = ACTIVATION_BYTES * h * tokens * (w / 2)
-    if t["gradient_checkpointing"]:
+    if t.gradient_checkpointing:
         activations = layers * 2 * h * tokens * (w / 2) + per_layer
     else:
         activations = layers * per_layer
@@ -207,18 +207,18 @@ def estimate(config, n_params: int, t: dict, world: int, seq_len: int) -> dict:
     }
 
 
-def probe_memory(model: str, t: dict, world: int, timeout: float) -> tuple[dict | None, str]:
+def probe_memory(model: str, t: PlanConfig, world: int, timeout: float) -> tuple[dict | None, str]:
     """memory_probe.py's run of the training step on fake tensors, in a subprocess (its own fake process
     group, bounded in time): its result and how the GPU memory was estimated, or None and why not."""
     formula = "by the formula (module docstring)"
-    if not strategy_for(t["strategy"]).fake_probe:
-        return None, f"{formula}: no fake-tensor path for {t['strategy']}"
+    if not strategy_for(t.strategy).fake_probe:
+        return None, f"{formula}: no fake-tensor path for {t.strategy}"
     if timeout <= 0:
         return None, f"{formula}: the fake-tensor probe is off (--probe-timeout 0)"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "probe.json"
         cmd = [sys.executable, "-m", "workflow_scripts.plan.memory_probe", "--model", model,
-               "--config", json.dumps(t), "--world", str(world), "--output", str(out)]  # fmt: skip
+               "--config", json.dumps(dataclasses.asdict(t)), "--world", str(world), "--output", str(out)]  # fmt: skip
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=module_env())
         except subprocess.TimeoutExpired:
@@ -230,14 +230,14 @@ def probe_memory(model: str, t: dict, world: int, timeout: float) -> tuple[dict 
     return result, f"by the fake-tensor probe of the training step ({result['seconds']:.0f} s), plus stated constants"
 
 
-def planned(est: dict, probed: dict | None, note: str, t: dict) -> dict:
+def planned(est: dict, probed: dict | None, note: str, t: PlanConfig) -> dict:
     """The plan's GPU memory: the probe's components where it ran (the formula's as the cross-check),
     else the formula's, with how it was estimated."""
     formula = {k: est.pop(k) for k in ("per_gpu_gb", "total_gb", "without_checkpointing_gb")}
     est |= {"method": note, "formula": formula, "probe": probed}
     if probed is None:
         return est | {"per_gpu_gb": formula["per_gpu_gb"], "total_gb": formula["total_gb"]}
-    strategy = strategy_for(t["strategy"])
+    strategy = strategy_for(t.strategy)
     parts, on_host = strategy.probed_components(t, probed)  # FSDP2's offload: the shards live on the host
     est["method"] += on_host
     gb = {k: v / GB for k, v in parts.items()}
@@ -262,21 +262,21 @@ def with_states(est: dict, states: dict, probed: dict | None, note: str, headroo
     return est | {"per_gpu_gb": parts, "total_gb": sum(parts.values())}
 
 
-def footprint(n_params: int, trainable: int, largest_layer: int, t: dict, world: int) -> Footprint:
-    return Footprint(n_params, trainable, largest_layer, compute_bytes(t), t["procs_per_node"], world)
+def footprint(n_params: int, trainable: int, largest_layer: int, t: PlanConfig, world: int) -> Footprint:
+    return Footprint(n_params, trainable, largest_layer, compute_bytes(t), t.procs_per_node, world)
 
 
-def offloaded_bytes(n_params: int, trainable: int, largest_layer: int, t: dict, world: int) -> float:
+def offloaded_bytes(n_params: int, trainable: int, largest_layer: int, t: PlanConfig, world: int) -> float:
     """Host bytes per node that CPU offload holds in training (see the module docstring)."""
-    return strategy_for(t["strategy"]).offloaded_bytes(t, footprint(n_params, trainable, largest_layer, t, world))
+    return strategy_for(t.strategy).offloaded_bytes(t, footprint(n_params, trainable, largest_layer, t, world))
 
 
 def host_estimate(
-    n_params: int, trainable: int, largest_layer: int, t: dict, world: int, largest_file: int, states=None
+    n_params: int, trainable: int, largest_layer: int, t: PlanConfig, world: int, largest_file: int, states=None
 ) -> dict:
     """Host RAM per node in GB at load and in training, for the training config ``t`` (module docstring);
     ``states``: the strategy's own per-rank model states (ZeRO's), whose ``host`` part is what offload keeps."""
-    strategy, f = strategy_for(t["strategy"]), footprint(n_params, trainable, largest_layer, t, world)
+    strategy, f = strategy_for(t.strategy), footprint(n_params, trainable, largest_layer, t, world)
     overhead = f.procs * HOST_OVERHEAD_GB
     at_load = strategy.host_load_bytes(t, f, largest_file) / GB + overhead
     offloaded = f.procs * sum(states["host"].values()) if states else strategy.offloaded_bytes(t, f)
@@ -322,7 +322,7 @@ class Planner:
     """One model's plans: ``plan(t)`` for any training config ``t`` (the job's, or a proposal's), with the
     model's shape, checkpoint file and fake-tensor probes computed once (probes cached by their config)."""
 
-    def __init__(self, model: str, t: dict, timeout: float, host_memory_mb: int | None):
+    def __init__(self, model: str, t: PlanConfig, timeout: float, host_memory_mb: int | None):
         from workflow_scripts.model.presets import preset_name
 
         self.model, self.timeout, self.host_memory_mb = model, timeout, host_memory_mb
@@ -338,8 +338,8 @@ class Planner:
         """From now on the probes together take at most one --probe-timeout; past it, the formula."""
         self.deadline = time.monotonic() + self.timeout
 
-    def probe(self, t: dict, world: int) -> tuple[dict | None, str]:
-        key = json.dumps([t, world], sort_keys=True)
+    def probe(self, t: PlanConfig, world: int) -> tuple[dict | None, str]:
+        key = json.dumps([dataclasses.asdict(t), world], sort_keys=True)
         if key not in self.probes:
             left = self.timeout if self.deadline is None else self.deadline - time.monotonic()
             if self.timeout > 0 and left <= 0:
@@ -347,28 +347,29 @@ class Planner:
             self.probes[key] = probe_memory(self.model, t, world, left)
         return self.probes[key]
 
-    def layout(self, t: dict):
+    def layout(self, t: PlanConfig):
         from workflow_scripts.train.parallel.zero_memory import base_parameters, layout
 
         self.base = self.base or base_parameters(self.config)
         return layout(self.config, self.base, t)
 
-    def plan(self, t: dict) -> dict:
+    def plan(self, t: PlanConfig) -> dict:
         """GPU memory per GPU and host memory per node of the training config ``t`` (module docstring)."""
-        strategy = strategy_for(t["strategy"])
+        strategy = strategy_for(t.strategy)
         if error := strategy.unsupported(t):
             raise UserError(error)
-        t = dict(t)
-        if t["gpu_memory_gb"] is None:  # a caller without check_environment's report (main resolves it first)
-            t["gpu_memory_gb"] = gpu_memory(None, None)[0]
-        world, seq_len = job_ranks(t, t["nodes"]), t["max_seq_len"]  # joint: every node's ranks
-        t["grad_accum"] = accumulation(t["micro_batch_size"], t["grad_accum"], t["global_batch_size"], world)
+        if t.gpu_memory_gb is None:  # a caller without check_environment's report (main resolves it first)
+            t = dataclasses.replace(t, gpu_memory_gb=gpu_memory(None, None)[0])
+        world, seq_len = job_ranks(vars(t), t.nodes), t.max_seq_len  # joint: every node's ranks
+        t = dataclasses.replace(
+            t, grad_accum=accumulation(t.micro_batch_size, t.grad_accum, t.global_batch_size, world)
+        )
         est = estimate(self.config, self.n, t, world, seq_len)
-        no_ckpt = t | {"gradient_checkpointing": False}
+        no_ckpt = dataclasses.replace(t, gradient_checkpointing=False)
         est["without_checkpointing_gb"] = estimate(self.config, self.n, no_ckpt, world, seq_len)["total_gb"]
         states = strategy.model_states(t, lambda: self.layout(t), world)
         probed, note = self.probe(strategy.probe_config(t), world)
-        headroom = strategy_for(t["strategy"]).allocator_headroom
+        headroom = strategy_for(t.strategy).allocator_headroom
         est = with_states(est, states, probed, note, headroom) if states else planned(est, probed, note, t)
         host = host_estimate(
             self.n, est["trainable_parameters"], self.largest_layer, t, world, self.largest_file, states
@@ -380,10 +381,10 @@ class Planner:
             "memory_gb": limit_gb,
             "fits": None if limit_gb is None else host["peak_gb"] <= limit_gb,
         }
-        gpu_fits = est["total_gb"] <= t["gpu_memory_gb"]
+        gpu_fits = est["total_gb"] <= t.gpu_memory_gb
         return est | {
-            "grad_accum": t["grad_accum"],
-            "gpu_memory_gb": t["gpu_memory_gb"],
+            "grad_accum": t.grad_accum,
+            "gpu_memory_gb": t.gpu_memory_gb,
             "gpu_fits": gpu_fits,
             "host": host,
             "fits": gpu_fits and host["fits"] is not False,
@@ -438,8 +439,9 @@ def main(argv=None) -> None:
     )
     a = p.parse_args(argv)
     a.model = model_location(a.model)  # a fetch record: its snapshot folder
-    t = dataclasses.asdict(PlanConfig.from_json(a.config))
-    t["gpu_memory_gb"], source = gpu_memory(t["gpu_memory_gb"], a.environment)
+    t = PlanConfig.from_json(a.config)
+    capacity, source = gpu_memory(t.gpu_memory_gb, a.environment)
+    t = dataclasses.replace(t, gpu_memory_gb=capacity)
     planner = Planner(a.model, t, a.probe_timeout, a.host_memory_mb)
     est = planner.plan(t) | {"gpu_memory_source": source}
     if not est["fits"]:
@@ -447,8 +449,8 @@ def main(argv=None) -> None:
         est["proposals"] = propose(t, planner.plan)
     write_json(a.output, est)
     a.table.write_text("".join(f"{k},{v}\n" for k, v in table_rows(est, a.host_memory_mb)))
-    host, n, capacity = est["host"], est["parameters"], t["gpu_memory_gb"]
-    what = f"{n / 1e9:.2f}B parameters, {t['strategy']}, world size {est['world_size']}"
+    host, n = est["host"], est["parameters"]
+    what = f"{n / 1e9:.2f}B parameters, {t.strategy}, world size {est['world_size']}"
     if not est["gpu_fits"]:
         has = (
             f"training.gpu_memory_gb is {capacity:.1f}"
@@ -465,7 +467,7 @@ def main(argv=None) -> None:
         raise UserError(
             f"training needs about {host['peak_gb']:.0f} GB of host memory per node ({moment}) but the training job "
             f"has {host['memory_gb']:.0f} GB (mem_mb {a.host_memory_mb}: TRAIN_MEM_MB in profiles/slurm; {what}, "
-            f"offload {t['offload']}, {host['ranks_per_node']} ranks per node); "
+            f"offload {t.offload}, {host['ranks_per_node']} ranks per node); "
             f"{said(best(est['proposals']), est['proposals'])}; or {more}"
         )
     print(f"preflight: GPU memory {est['method']}")

@@ -13,15 +13,25 @@ the first that fits. With the fake-tensor probe on, the proposals' probes share 
 says so.
 """
 
+import dataclasses
+
 from workflow_scripts.core.pipeline_io import UserError
+from workflow_scripts.core.settings import PlanConfig, PlannedConfig
 from workflow_scripts.train.parallel.base import change_keys
 
 MAX_NODES = 16  # more nodes: tried up to this many on one model
 
 
-def _try(label: str, change: dict, t: dict, plan) -> dict:
+def varied(t: PlanConfig, change: dict) -> PlanConfig:
+    """``t`` with ``change``'s keys: a PlannedConfig where the change says where ZeRO's optimizer states go."""
+    if "optimizer_device" in change and not isinstance(t, PlannedConfig):
+        t = PlannedConfig(**vars(t))
+    return dataclasses.replace(t, **change)
+
+
+def _try(label: str, change: dict, t: PlanConfig, plan) -> dict:
     try:
-        est = plan(t | change)
+        est = plan(varied(t, change))
     except UserError as e:  # e.g. a global batch the new world size does not divide
         return {"proposal": label, "change": change, "gpu_gb": None, "host_gb": None, "fits": False, "why": str(e)}
     return {
@@ -41,39 +51,39 @@ def keys(change: dict) -> str:
     return change_keys(change)
 
 
-def checkpointing(t: dict, plan) -> list[dict]:
-    if t["gradient_checkpointing"]:
+def checkpointing(t: PlanConfig, plan) -> list[dict]:
+    if t.gradient_checkpointing:
         return []
     change = {"gradient_checkpointing": True}
     return [_try(keys(change), change, t, plan)]
 
 
-def smaller_micro_batch(t: dict, plan) -> list[dict]:
+def smaller_micro_batch(t: PlanConfig, plan) -> list[dict]:
     """Halving the micro-batch, accumulation doubled (or grad_accum derived from global_batch_size), down
     to the first that fits (or 1)."""
-    mb, out = t["micro_batch_size"], []
+    mb, out = t.micro_batch_size, []
     while mb > 1 and mb % 2 == 0:
         mb //= 2
         change = {"micro_batch_size": mb}
-        if t["global_batch_size"] is None:
-            change["grad_accum"] = t["grad_accum"] * (t["micro_batch_size"] // mb)
+        if t.global_batch_size is None:
+            change["grad_accum"] = t.grad_accum * (t.micro_batch_size // mb)
         out = [_try(keys(change) + " (the same global batch)", change, t, plan)]
         if out[0]["fits"]:
             break
     return out
 
 
-def sharded(t: dict, plan) -> list[dict]:
+def sharded(t: PlanConfig, plan) -> list[dict]:
     """The strategy's sharded alternative (DDP, ZeRO-1/2: ZeRO-3), which loads partitions, not a replica per rank."""
     from workflow_scripts.train.parallel import strategy_for
 
-    change = strategy_for(t["strategy"]).sharded_alternative(t)
+    change = strategy_for(t.strategy).sharded_alternative(t)
     if change is None:
         return []
     return [_try(f"{keys(change)} (weights, gradients and optimizer states sharded over the ranks)", change, t, plan)]
 
 
-def offered(t: dict, plan) -> list[dict]:
+def offered(t: PlanConfig, plan) -> list[dict]:
     """Each strategy's own proposals (``Strategy.proposals``: DeepSpeed's ZeRO-3 partial and NVMe offload), in
     STRATEGIES' order; a strategy that inherits its parent's offers them once."""
     from workflow_scripts.train.parallel import STRATEGIES
@@ -86,30 +96,30 @@ def offered(t: dict, plan) -> list[dict]:
     return out
 
 
-def more_nodes(t: dict, plan) -> list[dict]:
+def more_nodes(t: PlanConfig, plan) -> list[dict]:
     """One model over more nodes (joint mode), doubling up to MAX_NODES: the first that fits."""
-    now = t["nodes"] if t["mode"] == "joint" else 1
+    now = t.nodes if t.mode == "joint" else 1
     out, nodes = [], 2 * now
     while nodes <= MAX_NODES:
         change = {"mode": "joint", "nodes": nodes}
-        out = [_try(f"{keys(change)} (one model over {nodes * t['procs_per_node']} GPUs)", change, t, plan)]
+        out = [_try(f"{keys(change)} (one model over {nodes * t.procs_per_node} GPUs)", change, t, plan)]
         if out[0]["fits"]:
             break
         nodes *= 2
     return out
 
 
-def lora(t: dict, plan) -> list[dict]:
-    if t["peft"] == "lora":
+def lora(t: PlanConfig, plan) -> list[dict]:
+    if t.peft == "lora":
         return []
     change = {"peft": "lora"}
-    return [_try(keys(change) + f" (r {t['lora']['r']} on {', '.join(t['lora']['target_modules'])})", change, t, plan)]
+    return [_try(keys(change) + f" (r {t.lora['r']} on {', '.join(t.lora['target_modules'])})", change, t, plan)]
 
 
 PROPOSALS = (checkpointing, smaller_micro_batch, sharded, offered, more_nodes, lora)
 
 
-def propose(t: dict, plan) -> list[dict]:
+def propose(t: PlanConfig, plan) -> list[dict]:
     """Every proposal for the config ``t``, each re-planned by ``plan``, in PROPOSALS' order."""
     return [p for make in PROPOSALS for p in make(t, plan)]
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from workflow_scripts.core.settings import PlanConfig
 from workflow_scripts.model.model_loading import add_lora, attention_implementation, materialize
 from workflow_scripts.model.weights import DTYPES, CheckpointFiles
 from workflow_scripts.train import chunked_loss
@@ -42,9 +43,9 @@ def compute_dtype(cfg) -> torch.dtype:
     return DTYPES[cfg.precision]
 
 
-def compute_bytes(t: dict) -> int:
+def compute_bytes(t: PlanConfig) -> int:
     """Bytes per weight in the compute dtype (training.precision): 2 in bf16 and fp16, 4 in fp32."""
-    return DTYPES[t["precision"]].itemsize
+    return DTYPES[t.precision].itemsize
 
 
 def loss_scaler(cfg, device, sharded: bool):
@@ -315,12 +316,12 @@ class Strategy:
     # ------------------------------------------------------------ memory terms (preflight)
 
     @classmethod
-    def shards(cls, t: dict) -> tuple[bool, bool, bool]:
+    def shards(cls, t: PlanConfig) -> tuple[bool, bool, bool]:
         """Whether the weights, the gradients and the optimizer states are sharded over the world."""
         return False, False, False
 
     @classmethod
-    def host_load_bytes(cls, t: dict, f: Footprint, largest_file: int) -> float:
+    def host_load_bytes(cls, t: PlanConfig, f: Footprint, largest_file: int) -> float:
         """Host bytes per node as the trainer builds the model: by default one full replica passes
         through host memory per rank (the trainable weights in fp32, the frozen ones in c)."""
         return f.procs * cls.replica_bytes(f)
@@ -330,38 +331,38 @@ class Strategy:
         return f.frozen * f.c + f.trainable * 4
 
     @classmethod
-    def offloaded_bytes(cls, t: dict, f: Footprint) -> float:
+    def offloaded_bytes(cls, t: PlanConfig, f: Footprint) -> float:
         """Host bytes per node that CPU offload holds in training."""
         return 0.0
 
     @classmethod
-    def unsupported(cls, t: dict) -> str | None:
+    def unsupported(cls, t: PlanConfig) -> str | None:
         """A planner key this strategy cannot apply, as a one-line error, or None."""
-        if t.get("offload_ratio", 1.0) < 1:
-            ratio, name = t["offload_ratio"], t["strategy"]
+        if t.offload_ratio < 1:
+            ratio, name = t.offload_ratio, t.strategy
             return f"training.offload_ratio {ratio} applies to DeepSpeed ZeRO-3 with offload, not {name}"
         return None
 
     @classmethod
-    def model_states(cls, t: dict, layout, world: int) -> dict | None:
+    def model_states(cls, t: PlanConfig, layout, world: int) -> dict | None:
         """Per-rank bytes of what this strategy keeps by its own arithmetic (``gpu`` and ``host`` components),
         for a strategy the fake-tensor probe cannot run; None where the probe runs the real step. ``layout()``
         gives the model's parameters (parallel/zero_memory.Layout)."""
         return None
 
     @classmethod
-    def unsharded_gradient_bytes(cls, t: dict, trainable: int) -> int:
+    def unsharded_gradient_bytes(cls, t: PlanConfig, trainable: int) -> int:
         """The formula's per-GPU bytes of gradients held unsharded beside ``shards``' (none by default)."""
         return 0
 
     @classmethod
-    def probed_components(cls, t: dict, probed: dict) -> tuple[dict, str]:
+    def probed_components(cls, t: PlanConfig, probed: dict) -> tuple[dict, str]:
         """The GPU's share of the probe's components (bytes), and what the plan's ``method`` adds about it:
         all of them by default (what the probe tracked is on the GPU)."""
         return dict(probed["components_bytes"]), ""
 
     @classmethod
-    def proposals(cls, t: dict, attempt) -> list[dict]:
+    def proposals(cls, t: PlanConfig, attempt) -> list[dict]:
         """The changes to this strategy it offers a config ``t`` (of any strategy) that does not fit, each
         re-planned by ``attempt(label, change)`` (proposals.py: in STRATEGIES' order, after the sharded
         alternative). None by default."""
@@ -394,12 +395,12 @@ class Strategy:
         return tracker
 
     @classmethod
-    def probe_config(cls, t: dict) -> dict:
+    def probe_config(cls, t: PlanConfig) -> PlanConfig:
         """The planner keys the fake-tensor probe runs: this config itself, where the probe runs it."""
         return t
 
     @classmethod
-    def sharded_alternative(cls, t: dict) -> dict | None:
+    def sharded_alternative(cls, t: PlanConfig) -> dict | None:
         """The training keys of a strategy that loads partitions instead of this one's replica per rank
         (None: this one already does)."""
         return None

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from workflow_scripts.core.host_memory import page_out
 from workflow_scripts.core.pipeline_io import UserError
+from workflow_scripts.core.settings import PlanConfig
 from workflow_scripts.train.parallel.base import SHARDED_LOAD, Strategy, compute_dtype, loss_scaler, skipped
 
 
@@ -72,7 +73,7 @@ class DDPStrategy(Strategy):
         return DDPSource(folder)
 
     @classmethod
-    def sharded_alternative(cls, t: dict) -> dict | None:
+    def sharded_alternative(cls, t: PlanConfig) -> dict | None:
         return SHARDED_LOAD
 
     # ------------------------------------------------------------ the fake-tensor probe

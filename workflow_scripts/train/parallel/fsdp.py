@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from workflow_scripts.core.pipeline_io import UserError
+from workflow_scripts.core.settings import PlanConfig
 from workflow_scripts.model.model_loading import materialize
 from workflow_scripts.train.parallel.base import Footprint, Strategy, compute_dtype, loss_scaler, on_real_tensors
 
@@ -149,33 +150,33 @@ class FSDPStrategy(Strategy):
     # ------------------------------------------------------------ memory terms
 
     @classmethod
-    def shards(cls, t: dict) -> tuple[bool, bool, bool]:
+    def shards(cls, t: PlanConfig) -> tuple[bool, bool, bool]:
         return True, True, True
 
     @classmethod
-    def host_load_bytes(cls, t: dict, f: Footprint, largest_file: int) -> float:
+    def host_load_bytes(cls, t: PlanConfig, f: Footprint, largest_file: int) -> float:
         """The largest checkpoint file (its pages are shared by the node's ranks) plus every rank's shard."""
         shard = (f.trainable * 4 + f.frozen * f.c) / f.world
         return largest_file + f.procs * shard
 
     @classmethod
-    def offloaded_bytes(cls, t: dict, f: Footprint) -> float:
+    def offloaded_bytes(cls, t: PlanConfig, f: Footprint) -> float:
         """CPUOffloadPolicy: each rank's shard of parameters, gradients and Adam's states, 4 + 4 + 8."""
-        if t["offload"] != "none":
+        if t.offload != "none":
             return (f.trainable * 16 + f.frozen * f.c) / f.nodes
         return 0.0
 
     @classmethod
-    def unsharded_gradient_bytes(cls, t: dict, trainable: int) -> int:
+    def unsharded_gradient_bytes(cls, t: PlanConfig, trainable: int) -> int:
         """training.fsdp_no_sync with grad_accum > 1: every rank holds the unsharded fp32 gradient until the
         last micro-batch."""
-        return trainable * 4 if t.get("fsdp_no_sync") and t.get("grad_accum", 1) > 1 else 0
+        return trainable * 4 if t.fsdp_no_sync and t.grad_accum > 1 else 0
 
     @classmethod
-    def probed_components(cls, t: dict, probed: dict) -> tuple[dict, str]:
+    def probed_components(cls, t: PlanConfig, probed: dict) -> tuple[dict, str]:
         """CPUOffloadPolicy: the sharded parameters, gradients and optimizer states live on the host."""
         parts = dict(probed["components_bytes"])
-        if t["offload"] == "none":
+        if t.offload == "none":
             return parts, ""
         cats = probed["tracker_categories_bytes"]
         parts["params"] -= cats.get("Sharded Param", 0)

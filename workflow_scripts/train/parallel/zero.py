@@ -13,6 +13,7 @@
 """
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -31,6 +32,7 @@ import torch.distributed as dist
 
 from workflow_scripts.core.host_memory import page_out, trim
 from workflow_scripts.core.pipeline_io import UserError
+from workflow_scripts.core.settings import PlanConfig
 from workflow_scripts.model.model_loading import source_key
 from workflow_scripts.model.weights import READ_BYTES
 from workflow_scripts.train.checkpoint import agree, commit, step_of, verify_shared
@@ -221,8 +223,8 @@ class DeepSpeedStrategy(Strategy):
     # ------------------------------------------------------------ memory terms
 
     @classmethod
-    def shards(cls, t: dict) -> tuple[bool, bool, bool]:
-        stage = t.get("zero_stage", 0)
+    def shards(cls, t: PlanConfig) -> tuple[bool, bool, bool]:
+        stage = t.zero_stage
         return stage == 3, stage >= 2, True
 
     @classmethod
@@ -230,20 +232,20 @@ class DeepSpeedStrategy(Strategy):
         return f.frozen * f.c + f.trainable * f.c  # the fp32 master copy is made later, partitioned
 
     @classmethod
-    def host_load_bytes(cls, t: dict, f: Footprint, largest_file: int) -> float:
+    def host_load_bytes(cls, t: PlanConfig, f: Footprint, largest_file: int) -> float:
         """ZeRO-3: transformers reads one safetensors file at a time, plus the node's partitions when
         ``offload: all`` keeps them on the host; ZeRO-1/2: a replica per rank."""
-        if t.get("zero_stage", 0) == 3:
-            return largest_file + (f.params * f.c / f.nodes if t["offload"] == "all" else 0)
+        if t.zero_stage == 3:
+            return largest_file + (f.params * f.c / f.nodes if t.offload == "all" else 0)
         return super().host_load_bytes(t, f, largest_file)
 
     @classmethod
-    def offloaded_bytes(cls, t: dict, f: Footprint) -> float:
+    def offloaded_bytes(cls, t: PlanConfig, f: Footprint) -> float:
         """DeepSpeed's own estimate_zero3_model_states_mem_needs (zero_init=True) and
         estimate_zero2_model_states_mem_needs, over the trainable parameters: the plan's cross-check
         (plan/memory.json's host.deepspeed_estimator_gb); the plan itself counts ``model_states``."""
-        offload = t["offload"]
-        if t.get("zero_stage", 0) == 3:
+        offload = t.offload
+        if t.zero_stage == 3:
             if offload == "none":
                 return f.largest_layer * 4 * f.procs * DS_BUFFER
             params = offload == "all"  # offload_param: the parameters' partitions live on the host too
@@ -251,35 +253,32 @@ class DeepSpeedStrategy(Strategy):
         return f.trainable * 16 / f.nodes * DS_BUFFER if offload != "none" else 0.0
 
     @classmethod
-    def unsupported(cls, t: dict) -> str | None:
-        return offload_ratio_error(t.get("zero_stage", 0), t["offload"], t.get("offload_ratio", 1.0))
+    def unsupported(cls, t: PlanConfig) -> str | None:
+        return offload_ratio_error(t.zero_stage, t.offload, t.offload_ratio)
 
     @classmethod
-    def model_states(cls, t: dict, layout, world: int) -> dict | None:
+    def model_states(cls, t: PlanConfig, layout, world: int) -> dict | None:
         """ZeRO's model states from DeepSpeed's source (parallel/zero_memory.py)."""
         from workflow_scripts.train.parallel.zero_memory import model_states
 
-        return model_states(t, layout(), world, t.get("optimizer_device", "cpu"))
+        return model_states(t, layout(), world, getattr(t, "optimizer_device", "cpu"))
 
     @classmethod
-    def probe_config(cls, t: dict) -> dict:
+    def probe_config(cls, t: PlanConfig) -> PlanConfig:
         """DeepSpeed has no fake-tensor path: the probe runs the same micro-batch, sequence, checkpointing
-        and LoRA under FSDP2, for the activations (and logits) alone."""
-        probed = {k: v for k, v in t.items() if k != "optimizer_device"}  # optimizer_device: the planner's NVMe
-        return probed | {
-            "strategy": "fsdp",
-            "zero_stage": 3,
-            "offload": "none",
-            "fsdp_no_sync": False,
-            "offload_ratio": 1.0,
-        }
+        and LoRA under FSDP2, for the activations (and logits) alone (a PlanConfig: never the planner's NVMe
+        optimizer_device, settings.PlannedConfig)."""
+        probed = PlanConfig(**{f.name: getattr(t, f.name) for f in dataclasses.fields(PlanConfig)})
+        return dataclasses.replace(
+            probed, strategy="fsdp", zero_stage=3, offload="none", fsdp_no_sync=False, offload_ratio=1.0
+        )
 
     @classmethod
-    def sharded_alternative(cls, t: dict) -> dict | None:
-        return SHARDED_LOAD if t.get("zero_stage", 0) < 3 else None
+    def sharded_alternative(cls, t: PlanConfig) -> dict | None:
+        return SHARDED_LOAD if t.zero_stage < 3 else None
 
     @classmethod
-    def proposals(cls, t: dict, attempt) -> list[dict]:
+    def proposals(cls, t: PlanConfig, attempt) -> list[dict]:
         """ZeRO-3's partial optimizer offload (with the parameters too where ``t`` is ZeRO-3 offloading
         them, and without), each at the smallest offload_ratio that fits; unpinned where none does; then
         ZeRO-3 with the optimizer on NVMe."""
@@ -290,7 +289,7 @@ class DeepSpeedStrategy(Strategy):
             label = f"{change_keys(change)} (ZeRO-3 partial offload: {split} optimizer sub-groups per rank on the host)"
             return result | {"proposal": label, "change": change}
 
-        offloads = ["all", "optimizer"] if t["strategy"] == "deepspeed" and t["offload"] == "all" else ["optimizer"]
+        offloads = ["all", "optimizer"] if t.strategy == "deepspeed" and t.offload == "all" else ["optimizer"]
         out = [partial({"offload": offload}) for offload in offloads]
         if not any(p["fits"] for p in out):  # unpinned: no power-of-two rounding of the optimizer's host blocks
             out += [partial({"offload": offload, "offload_pin_memory": False}) for offload in offloads]

@@ -49,6 +49,8 @@ parameters' offload_param blocks stay pinned).
 import dataclasses
 import math
 
+from workflow_scripts.core.settings import PlanConfig
+
 GB = 2**30
 ADAM = 8  # Adam's two fp32 moments, bytes per element
 MASTER = 4  # the fp32 master weight
@@ -171,9 +173,9 @@ def lora_adapters(config, r: int, targets: list[str]) -> list[tuple[int, int]]:
     return one * config.num_hidden_layers
 
 
-def layout(config, base: list[tuple[str, int, int]], t: dict) -> Layout:
-    if t["peft"] == "lora":
-        trainable = tuple(lora_adapters(config, t["lora"]["r"], t["lora"]["target_modules"]))
+def layout(config, base: list[tuple[str, int, int]], t: PlanConfig) -> Layout:
+    if t.peft == "lora":
+        trainable = tuple(lora_adapters(config, t.lora["r"], t.lora["target_modules"]))
         frozen = tuple(n for _, n, _ in base)
     else:
         trainable, frozen = tuple((n, d) for _, n, d in base), ()
@@ -196,11 +198,11 @@ def sub_groups(group: list[int], size: int) -> list[int]:
     return out
 
 
-def zero3(t: dict, lay: Layout, world: int, device: str = "cpu") -> dict:
+def zero3(t: PlanConfig, lay: Layout, world: int, device: str = "cpu") -> dict:
     """ZeRO-3's bytes per rank on the GPU and on the host, by component (module docstring). ``device`` is
     offload_optimizer's device when the optimizer is offloaded (cpu or nvme)."""
-    c, h = 2 if t["precision"] in ("bf16", "fp16") else 4, lay.hidden
-    offload, ratio = t["offload"], t.get("offload_ratio", 1.0) if t["offload"] != "none" else 1.0
+    c, h = 2 if t.precision in ("bf16", "fp16") else 4, lay.hidden
+    offload, ratio = t.offload, t.offload_ratio if t.offload != "none" else 1.0
     part = lambda n: -(-n // world)  # noqa: E731  (ceil(n / N), a partition's elements)
     groups = [[part(n) for n in g] for g in lay.groups]
     size = 10 * h * h  # zero_buffer_sizes' sub_group_size
@@ -225,7 +227,7 @@ def zero3(t: dict, lay: Layout, world: int, device: str = "cpu") -> dict:
     def pin(nbytes, optimizer: bool = True):
         """A pinned block's bytes, its rounding counted apart (the optimizer's blocks unless pin_memory is off)."""
         nonlocal rounding
-        if not optimizer or t.get("offload_pin_memory", True):
+        if not optimizer or t.offload_pin_memory:
             rounding += pinned(nbytes) - int(math.ceil(nbytes))
         return int(math.ceil(nbytes))
 
@@ -237,7 +239,7 @@ def zero3(t: dict, lay: Layout, world: int, device: str = "cpu") -> dict:
             largest = max(subs, default=0)
             host["optimizer"] = SWAP_BUFFERS * pin(4 * largest) + 4 * largest
         else:
-            pinning = t.get("offload_pin_memory", True)  # a GPU sub-group's pinned block, kept in torch's cache
+            pinning = t.offload_pin_memory  # a GPU sub-group's pinned block, kept in torch's cache
             cached = pin(4 * max(gpu_subs)) if gpu_subs and pinning else 0
             host["optimizer"] = sum((MASTER + ADAM) * s + pin(4 * s) for s in host_subs) + cached
     host["pinned_rounding"] = rounding
@@ -250,9 +252,9 @@ def zero3(t: dict, lay: Layout, world: int, device: str = "cpu") -> dict:
     }
 
 
-def zero12(t: dict, lay: Layout, world: int) -> dict:
+def zero12(t: PlanConfig, lay: Layout, world: int) -> dict:
     """ZeRO-1/2's bytes per rank on the GPU and on the host, by component (module docstring)."""
-    c, h, stage, offload = 2 if t["precision"] in ("bf16", "fp16") else 4, lay.hidden, t["zero_stage"], t["offload"]
+    c, h, stage, offload = 2 if t.precision in ("bf16", "fp16") else 4, lay.hidden, t.zero_stage, t.offload
     trainable = sum(n for n, _ in lay.trainable)
     parts = [-(-sum(g) // world) for g in lay.groups if g]
     partition = sum(parts)
@@ -265,16 +267,16 @@ def zero12(t: dict, lay: Layout, world: int) -> dict:
     host, rounding = {}, 0
     if offload != "none":
         blocks = [b for p in parts for b in (4 * p, c * p, 4 * p)] + [c * lay.largest]
-        rounding = sum(pinned(b) - b for b in blocks) if t.get("offload_pin_memory", True) else 0
+        rounding = sum(pinned(b) - b for b in blocks) if t.offload_pin_memory else 0
         host["optimizer"] = sum(blocks) + ADAM * partition
-        host["grads"] = c * partition if t.get("grad_accum", 1) > 1 else 0  # accumulated_grads_in_cpu
+        host["grads"] = c * partition if t.grad_accum > 1 else 0  # accumulated_grads_in_cpu
     host["pinned_rounding"] = rounding
     return {"gpu": gpu, "host": host}
 
 
-def model_states(t: dict, lay: Layout, world: int, device: str = "cpu") -> dict:
+def model_states(t: PlanConfig, lay: Layout, world: int, device: str = "cpu") -> dict:
     """ZeRO's model states per rank (bytes): ``gpu`` and ``host`` components, for the stage of ``t``."""
-    return zero3(t, lay, world, device) if t["zero_stage"] == 3 else zero12(t, lay, world)
+    return zero3(t, lay, world, device) if t.zero_stage == 3 else zero12(t, lay, world)
 
 
 def best_ratio(slack) -> float | None:
@@ -286,7 +288,7 @@ def best_ratio(slack) -> float | None:
     return max(fitting, key=lambda r: (fitting[r], r)) if fitting else None  # ties: the same split, the plainer ratio
 
 
-def ratio_for(t: dict, attempt, keys: dict) -> tuple[dict, dict, str]:
+def ratio_for(t: PlanConfig, attempt, keys: dict) -> tuple[dict, dict, str]:
     """ZeRO-3 with ``keys`` at the offload_ratio of best_ratio, re-planned by ``attempt(label, change)`` (1.0,
     all offloaded, where none fits): that plan, its change, and how many optimizer sub-groups are on the host."""
     base = {"strategy": "deepspeed", "zero_stage": 3} | keys
@@ -297,7 +299,7 @@ def ratio_for(t: dict, attempt, keys: dict) -> tuple[dict, dict, str]:
         if not p["fits"]:
             return None
         host = 1 - p["host_gb"] / limit if (limit := p.get("host_limit_gb")) else 1.0
-        return min(1 - p["gpu_gb"] / t["gpu_memory_gb"], host)
+        return min(1 - p["gpu_gb"] / t.gpu_memory_gb, host)
 
     ratio = best_ratio(slack) or 1.0
     result = found.get(ratio) or attempt("", base | {"offload_ratio": ratio})
