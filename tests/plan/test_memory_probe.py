@@ -88,7 +88,7 @@ def test_fake_probe_matches_the_real_step_within_one_percent(tmp_path):
     out = tmp_path / "real.json"
     script = REPO / "tests" / "memory_probe_check.py"
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(script), json.dumps(SHAPE),
-           json.dumps(list(CASES.values())), str(out)]  # fmt: skip
+           json.dumps([dataclasses.asdict(t) for t in CASES.values()]), str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=trainer_env(), timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for (name, t), real in zip(CASES.items(), json.loads(out.read_text()), strict=True):
