@@ -22,6 +22,11 @@ LORA_CONFIG := config/demo_lora.yaml
 LORA_RUN := demo-lora
 # Snakemake from the venv, not activated: the rules find the venv's python and torchrun beside it
 SNAKEMAKE := $(VENV)/bin/snakemake
+# the suite on TEST_WORKERS pytest-xdist workers, a test file (or the shared runs' tests, tests/conftest.py) at a time
+# on one: its tests start processes and wait on Snakemake and SLURM, so two keep 2 cores busy. TEST_WORKERS=0: one
+# process, as plain pytest
+TEST_WORKERS ?= 2
+PYTEST_WORKERS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
@@ -82,11 +87,11 @@ status: install ## where each job of a run is (RUN=<run>, CONFIG=my.yaml, ARGS=-
 	  --config $(or $(CONFIG),config/config.yaml) $(ARGS)
 
 test: install install-trackers ## the whole test suite, as CI runs it
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_WORKERS)
 
 # the markers are declared in pyproject.toml
 test-fast: install ## the tests without torchrun, real Snakemake runs or SLURM (< 3 min)
-	$(PY) -m pytest -m "not e2e and not slurm and not torchrun"
+	$(PY) -m pytest $(PYTEST_WORKERS) -m "not e2e and not slurm and not torchrun"
 
 lint: install ## snakemake --lint, snakefmt --check, ruff check
 	$(SNAKEMAKE) --lint

@@ -225,11 +225,25 @@ def tokenize_config(**values) -> str:
 FIXTURE_TIERS = {"ddp_run": "e2e", "slurm_cluster": "slurm", "two_hosts": "slurm"}
 
 
+# Under `pytest -n N --dist loadgroup` (make test): a worker takes one group at a time. A group is a test file
+# (its module fixtures are made once), but every test of the finished shared runs and the throwaway SLURM
+# clusters is one group "shared-runs": those fixtures are made once, and no two clusters start side by side.
+SHARED_RUNS = "shared-runs"
+
+
+def xdist_group(item) -> str:
+    """The group ``item`` runs in under --dist loadgroup."""
+    if set(FIXTURE_TIERS) & set(getattr(item, "fixturenames", ())):
+        return SHARED_RUNS
+    return item.nodeid.split("::", 1)[0]
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for fixture, marker in FIXTURE_TIERS.items():
             if fixture in getattr(item, "fixturenames", ()) and not item.get_closest_marker(marker):
                 raise pytest.UsageError(f"{item.nodeid} takes the {fixture} fixture: mark it @pytest.mark.{marker}")
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
 
 
 @pytest.fixture(scope="session")

@@ -418,6 +418,7 @@ def test_make_status_at_80_columns(tmp_path, capsys, monkeypatch):
         plan = prefix / "train" / node / "plan.json"
         resumed = {"step": 4, "signal": "SIGTERM", "slurm_job_id": "12345000"}
         plan.write_text(json.dumps(json.loads(plan.read_text()) | {"start_step": 4, "resumed_after": resumed}))
+    monkeypatch.delenv("COLUMNS", raising=False)  # as from a shell (a pytest-xdist worker has it set)
     main(["-d", str(tmp_path), "--run", "r", "--plain"])  # to a pipe: any width
     assert max(len(line) for line in capsys.readouterr().out.splitlines()[1:4]) > 80
     monkeypatch.setenv("COLUMNS", "80")
