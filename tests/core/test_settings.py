@@ -8,7 +8,7 @@ import yaml
 from conftest import REPO
 
 from workflow_scripts.core.pipeline_io import UserError
-from workflow_scripts.core.settings import TrainConfig, flat_training, schema, training_config, validated
+from workflow_scripts.core.settings import PlanConfig, TrainConfig, flat_training, schema, training_config, validated
 
 
 def schema_defaults(properties: dict) -> dict:
@@ -54,6 +54,25 @@ def test_the_workflow_and_the_trainer_read_the_same_config():
 def test_partial_configs_are_completed_not_replaced():
     cfg = training_config({"lr": 1e-3, "lora": {"r": 32}})
     assert (cfg.lr, cfg.lora_r, cfg.lora_alpha) == (1e-3, 32, 16)
+
+
+def test_stage_configs_fill_nested_defaults_of_hand_written_values():
+    """The planner's typed config from a hand-written section (no lora, or a partial one) gets lora's defaults,
+    as the workflow's validation fills them: its LoRA proposal names r and the target modules."""
+    from workflow_scripts.plan.proposals import lora
+
+    assert PlanConfig.build({}).lora == schema_defaults_of_lora()
+    t = PlanConfig.build({"lora": {"target_modules": ["q_proj"]}})
+    assert t.lora == schema_defaults_of_lora() | {"target_modules": ["q_proj"]}
+    est = {"total_gb": 1.0, "host": {"peak_gb": 1.0, "memory_gb": 8.0}, "fits": True, "grad_accum": 1,
+           "world_size": 2, "method": "formula"}  # fmt: skip
+    [proposal] = lora(PlanConfig.build({}), lambda t: est)
+    assert "(r 8 on q_proj, k_proj, v_proj, o_proj)" in proposal["proposal"], proposal
+
+
+def schema_defaults_of_lora() -> dict:
+    props = schema()["properties"]["training"]["properties"]["lora"]["properties"]
+    return {k: p["default"] for k, p in props.items()}
 
 
 @pytest.mark.parametrize(

@@ -251,6 +251,20 @@ def schema_property(key: str) -> dict:
     return prop
 
 
+def with_defaults(prop: dict, value):
+    """``value`` with the defaults of an object schema's properties it leaves out, nested (as the workflow's
+    validation fills them): a hand-written {"lora": {"target_modules": [...]}} gets lora's r, alpha, dropout."""
+    if prop.get("type") != "object" or not isinstance(value, dict):
+        return value
+    out = dict(value)
+    for key, sub in prop.get("properties", {}).items():
+        if key in out:
+            out[key] = with_defaults(sub, out[key])
+        elif "default" in sub:
+            out[key] = copy.deepcopy(sub["default"])
+    return out
+
+
 class StageConfig:
     """Base of a stage's typed config: a frozen dataclass whose fields are the config keys that stage
     depends on, each named by ``key_field("section.key")``. It has no defaults of its own: a key
@@ -296,6 +310,7 @@ class StageConfig:
                 values[name] = copy.deepcopy(prop.get("default"))
             if values[name] is None and "default" in prop and prop["default"] is None:
                 continue
+            values[name] = with_defaults(prop, values[name])
             error = next(iter(Draft202012Validator(prop).iter_errors(values[name])), None)
             if error is not None:
                 raise UserError(f"config key {key}: {error.message}")
