@@ -40,6 +40,7 @@ from workflow_scripts.data.chat_format import SpecialText, special_texts
 from workflow_scripts.data.chat_render import ChatRenderer, encode_messages, load_tokenizer, use_template
 from workflow_scripts.data.packing import write_packing
 from workflow_scripts.data.token_cache import cache_key, cached, tokenizer_fingerprint
+from workflow_scripts.data.tool_calls import check_template, is_tool_conversation, renders_tools
 
 log = logging.getLogger("tokenize")
 SHOWN_REJECTS = 100  # rejected rows listed in the stats and the log (all are in the rejects file)
@@ -88,6 +89,7 @@ def tokenize_shard(
     template_kwargs: dict | None = None,
     rejects_out: Path | None = None,
     special: SpecialText | None = None,
+    template: str = "the chat template",
 ):
     """Stream the shard through special text → render → tokenize → mask → fit, writing as it goes.
 
@@ -95,10 +97,13 @@ def tokenize_shard(
     template cannot render them into a training example, too long,
     no trained token left) are counted in the stats (``rejected`` by reason, ``rejects``:
     the first ones with file, row and detail) and, all of them, written to ``rejects_out``.
-    Returns the examples' lengths (for the packing plan) and the stats.
+    Returns the examples' lengths (for the packing plan) and the stats. A tool-call conversation under a
+    template that cannot render tools (called ``template`` in the message) stops the stage with one line
+    naming the template and the row (tool_calls.check_template).
     """
     file = pq.ParquetFile(shard)
     render = ChatRenderer(tokenizer, template_kwargs)
+    tools_ok = renders_tools(tokenizer.chat_template)
     present = set(file.schema_arrow.names)
     columns = [c for c in ("messages", "content_hash", "category", "source_file", "source_row") if c in present]
     lengths, dropped, truncated, full = [], 0, 0, Counter()
@@ -112,6 +117,11 @@ def tokenize_shard(
             conversations, rows = [], []  # the conversations to encode, as data.special_text leaves them
             for i, text in enumerate(cols["messages"]):
                 messages, why = special(json.loads(text)) if special else (json.loads(text), None)
+                if not tools_ok and is_tool_conversation(messages):
+                    row = row_at(cols, i)
+                    check_template(
+                        tokenizer.chat_template, template, f"{row.get('source_file')}: row {row.get('source_row')}"
+                    )
                 if why:
                     rejected.add(row_at(cols, i), *why)
                 else:
@@ -286,6 +296,13 @@ def check_units(stats: dict, shard: Path, min_examples: int, min_bins: int) -> N
     )
 
 
+def template_name(cfg: TokenizeConfig, tokenizer: str) -> str:
+    """The template tokenization renders with, as a message names it."""
+    if cfg.format_template:
+        return "data.format_template (a plain prompt format)"
+    return f"data.chat_template {cfg.chat_template}" if cfg.chat_template else f"{tokenizer}'s own chat template"
+
+
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -322,6 +339,7 @@ def main(argv=None) -> None:
             template_kwargs=cfg.template_kwargs,
             rejects_out=folder / "rejects.parquet",
             special=SpecialText(special_texts(tokenizer), cfg.special_text),
+            template=template_name(cfg, a.tokenizer),
         )
         return stats | write_packing(lengths, pack_len, folder / "packing.parquet") | {"key": key, "settings": settings}
 
