@@ -23,7 +23,7 @@ from workflow_scripts.data.identity import content_hash
 from workflow_scripts.data.mappings import column_names, to_examples
 from workflow_scripts.data.split import REASONS
 from workflow_scripts.data.tokenization import tokenize_shard
-from workflow_scripts.data.tool_calls import load_tools, renders_tools, template_inputs
+from workflow_scripts.data.tool_calls import check_tools_config, load_tools, renders_tools, template_inputs
 
 TEMPLATES = Path(__file__).resolve().parents[3] / "shared" / "templates"
 QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -435,3 +435,19 @@ def test_a_bad_tools_file_is_one_line(tmp_path):
         assert str(e.value).startswith("data.tools: ") and "\n" not in str(e.value)
     with pytest.raises(UserError, match="cannot read"):
         load_tools(str(tmp_path / "absent.json"))
+
+
+def test_parse_time_check_of_data_tools(tmp_path):
+    """At parse time (rules/common.smk): data.tools read, and a template known without the tokenizer checked."""
+    specs = tmp_path / "specs.json"
+    specs.write_text(json.dumps(SPECS))
+    check_tools_config(None, None, "### Q:\n{question}\n### A:\n")  # no data.tools: nothing to check
+    check_tools_config(str(specs), str(TEMPLATES / "qwen3.jinja"), None)
+    check_tools_config(str(specs), None, None)  # the tokenizer's own: tokenization checks it at the first tool row
+    for chat, fmt, name in ((None, "### Q:\n{question}\n### A:\n", "data.format_template (a plain prompt format)"),
+                            (str(TEMPLATES / "llama3_instruct.jinja"), None, "data.chat_template")):  # fmt: skip
+        if chat:
+            template(Path(chat).name)
+        with pytest.raises(UserError) as e:
+            check_tools_config(str(specs), chat, fmt)
+        assert str(e.value).startswith(name) and f"data.tools ({specs})" in str(e.value)

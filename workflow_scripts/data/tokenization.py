@@ -40,7 +40,7 @@ from workflow_scripts.data.chat_format import SpecialText, special_texts
 from workflow_scripts.data.chat_render import ChatRenderer, encode_messages, load_tokenizer, use_template
 from workflow_scripts.data.packing import write_packing
 from workflow_scripts.data.token_cache import cache_key, cached, tokenizer_fingerprint
-from workflow_scripts.data.tool_calls import check_template, is_tool_conversation, renders_tools
+from workflow_scripts.data.tool_calls import check_template, is_tool_conversation, renders_tools, row_where
 
 log = logging.getLogger("tokenize")
 SHOWN_REJECTS = 100  # rejected rows listed in the stats and the log (all are in the rejects file)
@@ -119,9 +119,7 @@ def tokenize_shard(
                 messages, why = special(json.loads(text)) if special else (json.loads(text), None)
                 if not tools_ok and is_tool_conversation(messages):
                     row = row_at(cols, i)
-                    check_template(
-                        tokenizer.chat_template, template, f"{row.get('source_file')}: row {row.get('source_row')}"
-                    )
+                    check_template(tokenizer.chat_template, template, row_where(row["source_file"], row["source_row"]))
                 if why:
                     rejected.add(row_at(cols, i), *why)
                 else:

@@ -211,11 +211,28 @@ def renders_tools(template: str | None) -> bool:
 
 
 def check_template(template: str | None, name: str, where: str) -> None:
-    """A one-line UserError when ``template`` (called ``name``) cannot render tools, naming the first tool row."""
+    """A one-line UserError when ``template`` (called ``name``) cannot render tools; ``where`` says which data
+    has them (the first tool row, or data.tools)."""
     if renders_tools(template):
         return
     raise UserError(
-        f"{name} cannot render tools (its Jinja never reads `tools`), and {where} is a tool-call conversation: set"
-        " data.chat_template to a template that renders tools and tool calls (the model family's own), or leave the"
-        " tool rows out"
+        f"{name} cannot render tools (its Jinja never reads `tools`), and {where}: set data.chat_template to a"
+        " template that renders tools and tool calls (the model family's own), or leave the tool rows out"
     )
+
+
+def row_where(source_file, source_row) -> str:
+    return f"{source_file}: row {source_row} is a tool-call conversation"
+
+
+def check_tools_config(tools: str | None, chat_template: str | None, format_template) -> None:
+    """At parse time: data.tools read and checked (``load_tools``), and, where the template is known without the
+    tokenizer (data.format_template, a data.chat_template file), that it renders tools; one line each."""
+    if not tools:
+        return
+    load_tools(tools)
+    where = f"data.tools ({tools}) gives every conversation function specs"
+    if format_template:
+        check_template(None, "data.format_template (a plain prompt format)", where)
+    elif chat_template and Path(chat_template).is_file():
+        check_template(Path(chat_template).read_text(), f"data.chat_template {chat_template}", where)
