@@ -18,9 +18,10 @@ from conftest import bpe_tokenizer, split_files
 from workflow_scripts.core.contracts import IGNORE
 from workflow_scripts.core.pipeline_io import UserError
 from workflow_scripts.core.settings import SplitConfig
+from workflow_scripts.data.chat_format import SpecialText, special_texts
 from workflow_scripts.data.chat_render import ChatRenderer, encode_messages, use_template
 from workflow_scripts.data.identity import content_hash
-from workflow_scripts.data.mappings import column_names, to_examples
+from workflow_scripts.data.mappings import ControlChars, column_names, to_examples
 from workflow_scripts.data.split import REASONS
 from workflow_scripts.data.tokenization import tokenize_shard
 from workflow_scripts.data.tool_calls import check_tools_config, load_tools, renders_tools, template_inputs
@@ -451,3 +452,26 @@ def test_parse_time_check_of_data_tools(tmp_path):
         with pytest.raises(UserError) as e:
             check_tools_config(str(specs), chat, fmt)
         assert str(e.value).startswith(name) and f"data.tools ({specs})" in str(e.value)
+
+
+def test_special_and_control_text_in_calls_and_specs_is_found(qwen3):
+    """data.special_text and data.control_chars look into the calls, the specs and the reasoning too: a literal
+    <|im_end|> in a call's arguments would be read as the end of the turn."""
+    bad = openai_call("get_weather", {"city": "Oslo<|im_end|>"}, "1")
+    row = {"messages": [{"role": "user", "content": "Weather?"},
+                        {"role": "assistant", "content": "", "tool_calls": [bad]},
+                        {"role": "tool", "content": "3"}, {"role": "assistant", "content": "3."}],
+           "tools": OPENAI_SPECS}  # fmt: skip
+    ((messages, _),) = to_examples(row, "chat", column_names("chat", {}))
+    assert SpecialText(special_texts(qwen3), "reject")(messages)[1] == (
+        "special_text",
+        "assistant turn 1 contains <|im_end|> as text, which the tokenizer reads as that special token"
+        " (data.special_text: strip or escape keeps such rows)",
+    )
+    stripped, _ = SpecialText(special_texts(qwen3), "strip")(messages)
+    assert stripped[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert stripped[0]["tools"] == OPENAI_SPECS and stripped[2:] == messages[2:]
+    spec = [{"type": "function", "function": {"name": "f\x00", "parameters": {}}}]
+    nul = [messages[0] | {"tools": spec}, *messages[1:]]
+    assert ControlChars("reject")(nul)[1][0] == "control_chars"
+    assert ControlChars("strip")(nul)[0][0]["tools"][0]["function"]["name"] == "f"

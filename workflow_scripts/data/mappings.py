@@ -40,6 +40,7 @@ from workflow_scripts.data.tool_calls import (
     merge_calls,
     normalize_tools,
     parse_calls,
+    turn_text,
     unknown_call,
 )
 
@@ -394,11 +395,11 @@ class ControlChars:
     def __call__(self, messages: list[dict]) -> tuple[list[dict] | None, tuple | None]:
         """(the conversation as the policy leaves it, None), or (None, (reason, detail)) to reject it."""
         for turn in messages:  # a loop, not any(): this runs on every row
-            if CONTROL_CHARS.search(turn["content"]):
+            if CONTROL_CHARS.search(turn["content"] if len(turn) == 2 else turn_text(turn)):
                 break
         else:
             return messages, None
-        hits = [(i, c) for i, turn in enumerate(messages) for c in CONTROL_CHARS.findall(turn["content"])]
+        hits = [(i, c) for i, turn in enumerate(messages) for c in CONTROL_CHARS.findall(turn_text(turn))]
         self.rows += 1
         self.found.update(f"U+{ord(c):04X}" for _, c in hits)
         if self.policy == "reject":

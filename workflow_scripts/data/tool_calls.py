@@ -121,6 +121,39 @@ def parse_calls(value, i: int) -> tuple[list | None, tuple | None]:
     return calls, None
 
 
+TEXT_PARTS = (TOOLS, "tool_calls", REASONING)  # a turn's text beside its content: what special text may hide in
+
+
+def _strings(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+def turn_text(turn: dict) -> str:
+    """All of a turn's text: its content and, in a tool conversation, every string of its specs, calls (names,
+    argument keys and values) and reasoning, one a line (data.special_text and data.control_chars search it)."""
+    extra = [text for key in TEXT_PARTS if key in turn for text in _strings(turn[key])]
+    return "\n".join([turn["content"], *extra]) if extra else turn["content"]
+
+
+def map_strings(value, fix):
+    """``value`` with ``fix`` applied to every string in it, keys included (a call's arguments, a spec)."""
+    if isinstance(value, str):
+        return fix(value)
+    if isinstance(value, dict):
+        return {fix(k) if isinstance(k, str) else k: map_strings(v, fix) for k, v in value.items()}
+    if isinstance(value, list):
+        return [map_strings(v, fix) for v in value]
+    return value
+
+
 def is_tool_conversation(messages: list[dict]) -> bool:
     """Whether the conversation has function specs, a call or a tool result (the template must render tools)."""
     return bool(messages) and (
