@@ -24,7 +24,13 @@ from workflow_scripts.data.identity import content_hash
 from workflow_scripts.data.mappings import ControlChars, column_names, to_examples
 from workflow_scripts.data.split import REASONS
 from workflow_scripts.data.tokenization import tokenize_shard
-from workflow_scripts.data.tool_calls import check_tools_config, load_tools, renders_tools, template_inputs
+from workflow_scripts.data.tool_calls import (
+    calls_in_text,
+    check_tools_config,
+    load_tools,
+    renders_tools,
+    template_inputs,
+)
 
 TEMPLATES = Path(__file__).resolve().parents[3] / "shared" / "templates"
 QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -348,6 +354,9 @@ def test_tool_rows_are_split_and_tokenized_as_qwen3_renders_them(qwen3, tmp_path
             assert all(y == IGNORE for y in ex["labels"][: system_end + 1])  # the specs' turn
         if messages[0].get("tools"):
             assert qwen3("<tools>", add_special_tokens=False)["input_ids"][0] in ex["input_ids"]
+        last = messages[-1]  # the held-out reference: a calling turn's calls, as the template renders them
+        expected = [(c["function"]["name"], c["function"]["arguments"]) for c in last.get("tool_calls", ())]
+        assert calls_in_text(ex["response"]) == expected and (expected or ex["response"] == last["content"])
     by_row = {r["source_row"]: json.loads(r["messages"]) for r in kept}
     plain = {"chat": [{"role": "user", "content": "Say bye."}, {"role": "assistant", "content": "Bye!"}],
              "sharegpt": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]}  # fmt: skip

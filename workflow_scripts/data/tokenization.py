@@ -62,6 +62,15 @@ def fit_length(example: dict, max_len: int, policy: str, row: dict | None = None
     return {k: v[:max_len] if isinstance(v, list) else v for k, v in example.items()}
 
 
+def response_text(tokenizer, last: dict, example: dict) -> str:
+    """The reference evaluation compares answers with: the last answer's text; for a turn that calls tools, that
+    turn as the template renders it, its calls included (the held-out tool_call score parses them), decoded from
+    its ids without special tokens, as the model's generated answers are."""
+    if not last.get("tool_calls"):
+        return last["content"]
+    return tokenizer.decode(example["input_ids"][example["prompt_length"] :], skip_special_tokens=True)
+
+
 def length_reject(example: dict, fitted: dict | None, max_len: int, policy: str) -> tuple[str, str] | None:
     """Why ``fit_length`` left an example out, or emptied it: (reason, detail); None when it is trained."""
     n, p = len(example["input_ids"]), example["prompt_length"]
@@ -142,7 +151,7 @@ def tokenize_shard(
                 for key in ("input_ids", "labels", "prompt_length"):
                     out[key].append(fitted[key])
                 out["length"].append(len(fitted["input_ids"]))
-                out["response"].append(messages[-1]["content"])
+                out["response"].append(response_text(tokenizer, messages[-1], fitted))
                 out["content_hash"].append(cols["content_hash"][i])
                 out["category"].append(cols["category"][i] or "")
             lengths += out["length"]

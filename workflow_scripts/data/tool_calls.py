@@ -17,6 +17,7 @@ the row, where a conversation with tools meets a template that cannot render the
 data.format_template).
 """
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -269,3 +270,57 @@ def check_tools_config(tools: str | None, chat_template: str | None, format_temp
         check_template(None, "data.format_template (a plain prompt format)", where)
     elif chat_template and Path(chat_template).is_file():
         check_template(Path(chat_template).read_text(), f"data.chat_template {chat_template}", where)
+
+
+# ---------------------------------------------------------------- calls in generated text (the tool_call score)
+
+JSON_DECODER = json.JSONDecoder()
+
+
+def calls_in_text(text: str) -> list[tuple[str, object]]:
+    """The tool calls a text makes, whatever the template's layout: each outermost JSON object in it with a string
+    ``name`` and an ``arguments`` (Qwen3's ``<tool_call>`` blocks, Hermes') or ``parameters`` (Llama 3.1's) value,
+    as (name, arguments), the arguments parsed where they are a JSON string; a text with none gives []."""
+    calls, at = [], text.find("{")
+    while at >= 0:
+        try:
+            value, end = JSON_DECODER.raw_decode(text, at)
+        except ValueError:
+            at = text.find("{", at + 1)
+            continue
+        if isinstance(value, dict) and isinstance(value.get("name"), str):
+            arguments = value.get("arguments", value.get("parameters"))
+            if isinstance(arguments, str):
+                with contextlib.suppress(ValueError):  # not JSON: kept as text, which equals no reference's
+                    arguments = json.loads(arguments)
+            if arguments is not None:
+                calls.append((value["name"], arguments))
+        at = text.find("{", end)
+    return calls
+
+
+def json_equal(a, b) -> bool:
+    """Equal as JSON values: numbers by value (1 and 1.0), but true is no 1; objects by their keys, lists in order."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def same_calls(answer: list[tuple[str, object]], reference: list[tuple[str, object]]) -> bool:
+    """The answer makes the reference's calls, no more and no fewer: names equal and arguments equal as JSON values
+    (``json_equal``), in any order (parallel calls)."""
+    left = list(answer)
+    if len(left) != len(reference):
+        return False
+    for name, arguments in reference:
+        match = next((k for k, (n, a) in enumerate(left) if n == name and json_equal(a, arguments)), None)
+        if match is None:
+            return False
+        left.pop(match)
+    return True
