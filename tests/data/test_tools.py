@@ -484,3 +484,30 @@ def test_special_and_control_text_in_calls_and_specs_is_found(qwen3):
     nul = [messages[0] | {"tools": spec}, *messages[1:]]
     assert ControlChars("reject")(nul)[1][0] == "control_chars"
     assert ControlChars("strip")(nul)[0][0]["tools"][0]["function"]["name"] == "f"
+
+
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+
+
+@pytest.mark.parametrize(
+    ("roles", "detail"),
+    [
+        (["assistant"], "assistant turn 0 opens the conversation: a user turn comes first"),
+        (
+            ["user", "calls", "user"],
+            "user turn 2 follows a call with no tool result, which the assistant has not answered",
+        ),
+        (["user", "calls", "tool", "tool", "assistant"], "tool turn 3 has no call before it to answer"),
+        (["user", "calls", "tool"], "the conversation does not end with an assistant turn"),
+        (["user", "assistant", "assistant"], "assistant turn 2 follows an answer"),
+        (["system", "user", "system"], "system turn 2: only the first turn may be a system turn"),
+        (["system", "user", "calls"], None),  # a conversation may end with a call
+        (["user", "calls", "assistant"], "assistant turn 2 follows a call with no tool result"),
+    ],
+)
+def test_turn_order_of_tool_conversations(roles, detail):
+    from workflow_scripts.data.tool_calls import check_order
+
+    turns = [{"role": "assistant", "content": "", "tool_calls": [CALL]} if r == "calls" else {"role": r, "content": "x"}
+             for r in roles]  # fmt: skip
+    assert check_order(turns) == (detail and ("bad_turn_order", detail))

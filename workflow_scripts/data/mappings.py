@@ -14,6 +14,8 @@ tests/test_split.py holds them equal):
 - ``sharegpt``: a ``conversations`` list of ``{from, value}`` turns, ``from`` human/user, gpt/assistant
   or system. Each mapping reads both turn forms, and, when its column is absent, the other's
   (``messages`` <-> ``conversations``): a ShareGPT file read with ``chat`` works.
+- Both read tool-call conversations (tool_calls.py): an assistant turn's ``tool_calls`` and a ``tool`` turn,
+  ShareGPT's ``function_call`` and ``observation`` turns, and the row's function specs (a ``tools`` column).
 - ``nested``: one ``instruction`` with a list of ``instances`` ``{input, output}``,
   one example per instance (the self-instruct format of ../shared/data).
 

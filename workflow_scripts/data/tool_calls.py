@@ -175,6 +175,9 @@ def merge_calls(turns: list[dict]) -> list[dict]:
     return out
 
 
+AFTER = {"user": "a user turn", "answer": "an answer", "calls": "a call with no tool result", "tool": "a tool result"}
+
+
 def check_order(turns: list[dict]) -> tuple | None:
     """A tool conversation's turn order: an optional system turn, a user turn, then the assistant answering each
     user turn or tool result; a turn that calls is followed by one result per call at most (a result with no call
@@ -188,14 +191,15 @@ def check_order(turns: list[dict]) -> tuple | None:
                 return "bad_turn_order", f"tool turn {k} has no call before it to answer"
             state, pending = "tool", pending - 1
         elif role == "assistant":
+            if state == "start":
+                return "bad_turn_order", f"assistant turn {k} opens the conversation: a user turn comes first"
             if state not in ("user", "tool"):
-                after = "a call with no tool result" if state == "calls" else f"a {state} turn"
-                return "bad_turn_order", f"assistant turn {k} follows {after}"
+                return "bad_turn_order", f"assistant turn {k} follows {AFTER[state]}"
             calls = len(turn.get("tool_calls") or ())
             state, pending = ("calls", calls) if calls else ("answer", 0)
         elif role == "user":
             if state not in ("start", "answer"):
-                return "bad_turn_order", f"user turn {k} follows a {state} turn, which the assistant has not answered"
+                return "bad_turn_order", f"user turn {k} follows {AFTER[state]}, which the assistant has not answered"
             state = "user"
         else:
             return "bad_turn_order", f"{role} turn {k}: only the first turn may be a system turn"
