@@ -392,7 +392,7 @@ def test_a_template_without_tools_stops_with_one_line(qwen3, tmp_path, which):
     tok = bpe_tokenizer(CORPUS, QWEN3_SPECIAL, None, eos_token="<|im_end|>")
     if which == "format_template":
         use_template(tok, "m", format_template="### Question:\n{question}\n### Answer:\n")
-        name = "data.format_template (a plain prompt format)"
+        name = "data.format_template"
     else:
         use_template(tok, "m", chat_template=str(TEMPLATES / "llama3_instruct.jinja"))
         name = "data.chat_template llama3_instruct.jinja"
@@ -454,7 +454,7 @@ def test_parse_time_check_of_data_tools(tmp_path):
     check_tools_config(None, None, "### Q:\n{question}\n### A:\n")  # no data.tools: nothing to check
     check_tools_config(str(specs), str(TEMPLATES / "qwen3.jinja"), None)
     check_tools_config(str(specs), None, None)  # the tokenizer's own: tokenization checks it at the first tool row
-    for chat, fmt, name in ((None, "### Q:\n{question}\n### A:\n", "data.format_template (a plain prompt format)"),
+    for chat, fmt, name in ((None, "### Q:\n{question}\n### A:\n", "data.format_template"),
                             (str(TEMPLATES / "llama3_instruct.jinja"), None, "data.chat_template")):  # fmt: skip
         if chat:
             template(Path(chat).name)
@@ -511,3 +511,23 @@ def test_turn_order_of_tool_conversations(roles, detail):
     turns = [{"role": "assistant", "content": "", "tool_calls": [CALL]} if r == "calls" else {"role": r, "content": "x"}
              for r in roles]  # fmt: skip
     assert check_order(turns) == (detail and ("bad_turn_order", detail))
+
+
+@pytest.mark.parametrize("key", ["format_template", "chat_template"])
+def test_the_stop_from_the_command_line_is_one_line(qwen3, tmp_path, key):
+    """tokenization.py's main (as the rule runs it) names the template by its config key: exit 2, one line."""
+    from conftest import run_main, tokenize_config
+
+    from workflow_scripts.data.tokenization import main
+
+    out = split_files(tmp_path / "split", write_jsonl(tmp_path / "glaive.jsonl", GLAIVE), nodes=1, eval_fraction=0.01)
+    qwen3.save_pretrained(tmp_path / "tok")
+    value = "### Q:\n{question}\n### A:\n" if key == "format_template" else str(TEMPLATES / "llama3_instruct.jinja")
+    argv = ["--shard", str(out["splits"][0]), "--tokenizer", str(tmp_path / "tok"),
+            "--config", tokenize_config(**{key: value}), "--output", str(tmp_path / "t.parquet"),
+            "--packing", str(tmp_path / "p.parquet"), "--stats", str(tmp_path / "s.json")]  # fmt: skip
+    proc = run_main(main, argv)
+    name = "data.format_template" if key == "format_template" else f"data.chat_template {value}"
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert f"{name} cannot render tools" in lines[0] and "is a tool-call conversation" in lines[0]

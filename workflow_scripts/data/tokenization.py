@@ -306,7 +306,7 @@ def check_units(stats: dict, shard: Path, min_examples: int, min_bins: int) -> N
 def template_name(cfg: TokenizeConfig, tokenizer: str) -> str:
     """The template tokenization renders with, as a message names it."""
     if cfg.format_template:
-        return "data.format_template (a plain prompt format)"
+        return "data.format_template"
     return f"data.chat_template {cfg.chat_template}" if cfg.chat_template else f"{tokenizer}'s own chat template"
 
 

@@ -253,9 +253,11 @@ def check_template(template: str | None, name: str, where: str) -> None:
     has them (the first tool row, or data.tools)."""
     if renders_tools(template):
         return
+    plain = name.startswith("data.format_template")
+    why = "a plain prompt format has no place for specs, calls or results" if plain else "its Jinja never reads `tools`"
     raise UserError(
-        f"{name} cannot render tools (its Jinja never reads `tools`), and {where}: set data.chat_template to a"
-        " template that renders tools and tool calls (the model family's own), or leave the tool rows out"
+        f"{name} cannot render tools ({why}), and {where}: set data.chat_template to a template that renders tools"
+        " and tool calls (the model family's own), or leave the tool rows out"
     )
 
 
@@ -271,7 +273,7 @@ def check_tools_config(tools: str | None, chat_template: str | None, format_temp
     load_tools(tools)
     where = f"data.tools ({tools}) gives every conversation function specs"
     if format_template:
-        check_template(None, "data.format_template (a plain prompt format)", where)
+        check_template(None, "data.format_template", where)
     elif chat_template and Path(chat_template).is_file():
         check_template(Path(chat_template).read_text(), f"data.chat_template {chat_template}", where)
 
