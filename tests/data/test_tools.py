@@ -224,13 +224,19 @@ def expected_labels(tokenizer, text: str, spans: list[tuple[int, int]]) -> list[
     return labels
 
 
-def check_example(tokenizer, messages: list[dict], ex: dict, turn: tuple[str, str], train_on: str) -> None:
-    """ids: apply_chat_template(messages, tools=tools); labels: the assistant turns train_on selects, token by token."""
+def check_example(tokenizer, messages: list[dict], ex: dict, turn: tuple[str, str], train_on: str, **kwargs) -> None:
+    """ids: apply_chat_template(messages, tools=tools); labels: the assistant turns train_on selects, token by token
+    (the last from the end of its generation prompt: Qwen3's empty think block under enable_thinking false is the
+    prompt's)."""
     turns, tools = template_inputs(messages)
-    assert ex["input_ids"] == tokenizer.apply_chat_template(turns, tools=tools)["input_ids"]
-    text = tokenizer.apply_chat_template(turns, tools=tools, tokenize=False)
-    assert ex["labels"] == expected_labels(tokenizer, text, assistant_spans(text, turn, train_on))
-    prompt = tokenizer.apply_chat_template(turns[:-1], tools=tools, add_generation_prompt=True)["input_ids"]
+    assert ex["input_ids"] == tokenizer.apply_chat_template(turns, tools=tools, **kwargs)["input_ids"]
+    text = tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, **kwargs)
+    prompt_text = tokenizer.apply_chat_template(turns[:-1], tools=tools, add_generation_prompt=True, tokenize=False,
+                                                **kwargs)  # fmt: skip
+    *spans, (start, end) = assistant_spans(text, turn, train_on)
+    assert text.startswith(prompt_text) and start <= len(prompt_text)
+    assert ex["labels"] == expected_labels(tokenizer, text, [*spans, (len(prompt_text), end)])
+    prompt = tokenizer.apply_chat_template(turns[:-1], tools=tools, add_generation_prompt=True, **kwargs)["input_ids"]
     assert ex["prompt_length"] == len(prompt) and ex["input_ids"][: len(prompt)] == prompt
 
 
@@ -531,3 +537,17 @@ def test_the_stop_from_the_command_line_is_one_line(qwen3, tmp_path, key):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert f"{name} cannot render tools" in lines[0] and "is a tool-call conversation" in lines[0]
+
+
+def test_a_tool_chain_without_thinking(qwen3):
+    """enable_thinking false: each turn's generation prompt ends in an empty think block the whole render gives no
+    earlier turn, and an earlier chain's reasoning is dropped once the user speaks again; every turn is still found
+    where the conversation renders it (after its header), the last after its generation prompt."""
+    row = json.loads(json.dumps(OPENAI[1]))
+    for turn in row["messages"][6:]:
+        turn.pop("reasoning_content", None)  # reasoning in the last query's turns: a prompt_mismatch without thinking
+    ((messages, problem),) = to_examples(row, "chat", column_names("chat", {}))
+    assert problem is None and messages[1]["reasoning_content"]
+    for train_on in ("last", "all"):
+        (ex,) = encode_messages(qwen3, [messages], ChatRenderer(qwen3, {"enable_thinking": False}), train_on)
+        check_example(qwen3, messages, ex, QWEN3_TURN, train_on, enable_thinking=False)

@@ -209,8 +209,8 @@ def render_conversation(render: ChatRenderer, messages: list[dict], train_on: st
                 f"the conversation does not render with the last answer's generation prompt as its start "
                 f"(they differ at character {start}: {text[start : start + 30]!r} vs {prompt[start : start + 30]!r})",
             )
-        if tools and i != last:
-            start = tool_turn_start(render, messages, i, text, prompt, start, done)
+        if tools and i != last and start < done:
+            start = tool_turn_start(render, messages, i, text, prompt, done)
         if start < done:
             raise Reject("turn_not_found", f"assistant turn {i}: its generation prompt differs before turn {i} starts")
         stops = [(at, t) for t in render.end_of_turn if (at := text.find(t, start)) >= 0]
@@ -224,21 +224,26 @@ def render_conversation(render: ChatRenderer, messages: list[dict], train_on: st
     return Rendered(text, prompt, spans)
 
 
-def tool_turn_start(render: ChatRenderer, messages: list[dict], i: int, text: str, prompt: str, start: int, done: int):
-    """Where assistant turn ``i`` of a tool conversation starts in its render, under ``train_on: all``: where its
-    generation prompt stops agreeing, when that is just past the assistant header (what ``add_generation_prompt``
-    adds); else just past the first header after the turn before it (``done``). A template may render history
-    otherwise once later turns come (Qwen3 drops a tool chain's reasoning once the user speaks again): the turn is
-    trained as the whole conversation renders it."""
+def tool_turn_start(render: ChatRenderer, messages: list[dict], i: int, text: str, prompt: str, done: int) -> int:
+    """Where assistant turn ``i`` of a tool conversation starts in its render when its generation prompt differs
+    before the turn before it ends (``done``), under ``train_on: all``: just past the first assistant header after
+    ``done`` (what ``add_generation_prompt`` adds, or its first line alone where the turn is rendered without the
+    rest: Qwen3's empty think block under enable_thinking false); -1 (a turn_not_found) where there is none.
+    A template may render history otherwise once later turns come (Qwen3 drops a tool chain's reasoning once the
+    user speaks again): the turn is trained as the whole conversation renders it."""
     try:
         before = render(messages[:i])
     except Exception as e:
         raise Reject("template_error", f"the chat template raised {type(e).__name__}: {e}") from None
     header = prompt[len(before) :] if prompt.startswith(before) else ""
-    if not header or (start >= done and text.startswith(header, start - len(header))):
-        return start
-    at = text.find(header, done)
-    return at + len(header) if at >= 0 else start
+    if not header.strip():
+        return -1
+    first = header[: header.index("\n") + 1] if "\n" in header.rstrip("\n") else header
+    found = [(at, -len(h)) for h in dict.fromkeys((header, first)) if (at := text.find(h, done)) >= 0]
+    if not found:
+        return -1
+    at, minus = min(found)  # the earliest; at one place, the whole header
+    return at - minus
 
 
 class Offsets:
