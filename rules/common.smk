@@ -12,6 +12,7 @@ from workflow_scripts.model.presets import preset_name
 from workflow_scripts.core.pipeline_io import UserError, interpreter_first_on_path, log_stop_reason
 from workflow_scripts.data.mappings import check_rows_fill_nodes, resolve_mapping
 from workflow_scripts.data.readers import delimiter_arg, resolve_paths
+from workflow_scripts.data.tool_calls import check_tools_config
 from workflow_scripts.core.fingerprint import check_model, is_hub_id, local_model_folder
 from workflow_scripts.core.hub_model import absent_message, cached_snapshot, read_record, resolve_commit
 from workflow_scripts.data.chat_format import format_list, has_chat_template, no_template_message
@@ -188,8 +189,11 @@ try:
     if DATA["path"]:
         check_rows_fill_nodes(DATA["path"], DATA["format"], DATA_MAPPINGS[0], config["nodes"], bool(DATA["eval_path"]))
     DATA_FILES = [str(p) for spec in DATA_SPECS for p in resolve_paths(spec)]  # every input data file
+    # data.tools: its specs read, and a template known here (a format, a file) checked to render tools
+    check_tools_config(DATA["tools"], DATA["chat_template"], DATA["format_template"])
 except UserError as e:
     fail(e)
+DATA_TOOLS = [DATA["tools"]] if DATA["tools"] else []  # the split's input: a changed specs file reruns it
 
 
 # eval.tasks run offline: a task's local YAML or data file that is not there, a task neither lm-eval's nor a
@@ -263,7 +267,9 @@ TOKENIZER = verbatim(BASE_MODEL)  # what tokenization loads the tokenizer from (
 # The split reads the tokenizer and the template only to balance nodes by tokens: otherwise a new base
 # model or template leaves it be.
 BY_TOKENS = config["data"]["balance"] == "tokens"
-SPLIT_CONFIG = verbatim(SplitConfig.to_json(config, without=() if BY_TOKENS else TEMPLATE_KEYS))
+# data.tools unset: left out, so a config without it gives the split the params it had before the key existed
+SPLIT_WITHOUT = (() if BY_TOKENS else TEMPLATE_KEYS) + (() if DATA["tools"] else ("data.tools",))
+SPLIT_CONFIG = verbatim(SplitConfig.to_json(config, without=SPLIT_WITHOUT))
 SPLIT_TOKENIZER_INPUT = BASE_MODEL_INPUT if BY_TOKENS else []
 SPLIT_TOKENIZER = verbatim(cli_args(tokenizer=BASE_MODEL if BY_TOKENS else None))
 TOKENIZE_CONFIG = verbatim(TokenizeConfig.to_json(config))

@@ -1,6 +1,7 @@
 rule split_dataset:
     input:
         data=DATA_FILES,
+        tools=DATA_TOOLS,
         tokenizer=SPLIT_TOKENIZER_INPUT,
     output:
         splits=expand(SPLIT, shard=NODES),

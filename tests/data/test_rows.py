@@ -273,7 +273,8 @@ def test_openai_content_parts_are_joined_and_other_parts_rejected(tmp_path):
 
 def test_sharegpt_read_named_or_detected_and_unknown_from_rejected(tmp_path):
     """ShareGPT `conversations` of {from, value}: human/gpt/system (and user/assistant) mapped to roles, by
-    data.mapping: sharegpt or detected under chat; tool turns and an unknown `from` rejected, naming it."""
+    data.mapping: sharegpt or detected under chat; an unknown `from` rejected, naming it, and a tool result (an
+    observation turn) with no call before it as bad_turn_order (well-formed tool turns: tests/data/test_tools.py)."""
     rows, roles = [], {}
     for i, (instruction, extra, answer) in enumerate(tasks()):
         user, bot = ("human", "gpt") if i % 2 else ("user", "assistant")
@@ -287,7 +288,7 @@ def test_sharegpt_read_named_or_detected_and_unknown_from_rejected(tmp_path):
         if i % 7 == 2:
             turns[-1]["from"] = "bing"
         if i % 7 == 4:
-            turns[-2:-1] = [{"from": "function_call", "value": '{"name": "f"}'}, {"from": "observation", "value": "1"}]
+            turns[-1:-1] = [{"from": "observation", "value": "1"}]
         rows.append({"id": f"r{i}", "conversations": turns})
         roles[i] = [{"system": "system", "human": "user", "gpt": "assistant"}.get(t["from"], t["from"]) for t in turns]
     data = tmp_path / "sharegpt.jsonl"
@@ -303,7 +304,10 @@ def test_sharegpt_read_named_or_detected_and_unknown_from_rejected(tmp_path):
         if row % 7 == 2:
             assert r["reason"] == "unknown_role" and f"turn {last} is from 'bing'" in r["detail"], r
         else:
-            assert r["reason"] == "unsupported_content" and "'function_call', a tool turn" in r["detail"], r
+            assert (r["reason"], r["detail"]) == (
+                "bad_turn_order",
+                f"tool turn {last - 1} has no call before it to answer",
+            )
     # the same file under data.mapping: chat (the default column, messages, absent): the same outputs
     detected = split_files(tmp_path / "detected", data, mapping="chat")
     for a, b in zip([*named["splits"], named["eval"], named["rejects"]],

@@ -132,6 +132,7 @@ def test_result_keeps_every_key(heldout_run):
     assert {"model", "path", "examples", "label_tokens", "eval_loss", "perplexity", "exact_match", "rouge_l", "bleu",
             "chrf", "exact_match_by_category", "samples", "tasks"} <= set(result)  # fmt: skip
     assert result["tasks"] == {}  # the held-out set stays in the top-level keys
+    assert "tool_call" not in result and "tool_call" not in result["intervals"]  # no tool-call turn: no score
 
 
 def test_lm_eval_names_lose_the_none_filter():

@@ -42,9 +42,11 @@ def test_heldout_intervals_bracket_every_held_out_score():
     from workflow_scripts.evals.intervals import heldout_intervals
     from workflow_scripts.evals.metrics import token_loss
 
-    pairs = [("the cat sat", "the cat sat on"), ("a b c d e", "a b c d e"), ("x", "y z"), ("one two", "one three")]
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'  # tool_call: over these two only
+    pairs = [("the cat sat", "the cat sat on"), ("a b c d e", "a b c d e"), ("x", "y z"), ("one two", "one three"),
+             (call, call), (call.replace("1", "2"), call)]  # fmt: skip
     pairs *= 10
-    losses = np.array([[2.0, 3], [1.0, 1], [4.0, 2], [0.5, 1]] * 10)
+    losses = np.array([[2.0, 3], [1.0, 1], [4.0, 2], [0.5, 1], [1.0, 2], [2.0, 2]] * 10)
     out = heldout_intervals(pairs, losses)
     points = {k: f(pairs) for k, f in GENERATION_METRICS.items()} | {"eval_loss": token_loss(losses)}
     points["perplexity"] = math.exp(points["eval_loss"])

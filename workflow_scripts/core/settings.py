@@ -349,7 +349,7 @@ SplitConfig = stage_config(
     "SplitConfig",
     "split_dataset's keys: reading, validating and assigning rows (never the length policy: tokenization's).",
     *SOURCE_KEYS, *TEMPLATE_KEYS, "data.eval_path", "data.delimiter", "data.category_column", "nodes",
-    "data.eval_fraction", "data.seed", "data.balance", "data.control_chars", "data.max_reject_fraction",
+    "data.eval_fraction", "data.seed", "data.balance", "data.control_chars", "data.max_reject_fraction", "data.tools",
 )  # fmt: skip
 TokenizeConfig = stage_config(
     "TokenizeConfig",

@@ -35,6 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 from workflow_scripts.core.pipeline_io import UserError
+from workflow_scripts.data.tool_calls import TEXT_PARTS, map_strings, turn_text
 
 FORMAT_FIELDS = ("system", "question", "instruction", "input")
 SPECIAL_TEXT_POLICIES = ("reject", "strip", "escape")
@@ -197,10 +198,13 @@ def remove_special_text(text: str, tokens) -> str:
 def with_text(turn: dict, fix) -> dict:
     """``turn`` with ``fix`` applied to its text: the content and, where the mapping keeps them, the record's
     own fields (the format template's {instruction} and {input}: parts of the content, so a search of the
-    content finds what is in them)."""
+    content finds what is in them), and a tool conversation's specs, calls and reasoning (tool_calls.turn_text)."""
     out = turn | {"content": fix(turn["content"])}
     if turn.get("fields"):
         out["fields"] = {k: fix(v) for k, v in turn["fields"].items()}
+    for key in TEXT_PARTS if len(turn) > 2 else ():
+        if key in turn:
+            out[key] = map_strings(turn[key], fix)
     return out
 
 
@@ -218,9 +222,11 @@ class SpecialText:
 
     def __call__(self, messages: list[dict]) -> tuple[list[dict] | None, tuple | None]:
         """(the conversation as the policy leaves it, None), or (None, (reason, detail)) to reject it."""
-        if self.pattern is None or not any(self.pattern.search(turn["content"]) for turn in messages):
+        if self.pattern is None or not any(
+            self.pattern.search(turn["content"] if len(turn) == 2 else turn_text(turn)) for turn in messages
+        ):
             return messages, None
-        hits = [(i, m.group()) for i, turn in enumerate(messages) for m in self.pattern.finditer(turn["content"])]
+        hits = [(i, m.group()) for i, turn in enumerate(messages) for m in self.pattern.finditer(turn_text(turn))]
         self.rows += 1
         self.found.update(token for _, token in hits)
         if self.policy == "reject":
@@ -233,7 +239,7 @@ class SpecialText:
         new = ZERO_WIDTH_SPACE if self.policy == "escape" else ""
         fix = (lambda m: m.group()[0] + new + m.group()[1:]) if new else ""
         fixed = [with_text(turn, lambda text: self.pattern.sub(fix, text)) for turn in messages]
-        if not fixed[-1]["content"].strip():
+        if not fixed[-1]["content"].strip() and not fixed[-1].get("tool_calls"):
             return None, ("empty_response", "the answer is only special-token text (data.special_text: strip)")
         return fixed, None
 

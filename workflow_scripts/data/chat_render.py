@@ -27,6 +27,7 @@ from pathlib import Path
 from workflow_scripts.core.contracts import IGNORE
 from workflow_scripts.core.pipeline_io import UserError
 from workflow_scripts.data.chat_format import format_chat_template, no_template_message
+from workflow_scripts.data.tool_calls import is_tool_conversation, template_inputs
 
 TRAIN_ON = ("last", "all")
 # Tokens that close a turn in the common chat formats (ChatML/Qwen, Llama 3, Gemma, Phi-3): those the
@@ -136,12 +137,18 @@ class ChatRenderer:
         self.bos = tokenizer.bos_token if wants_bos(tokenizer) else None
 
     def __call__(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The render of ``apply_chat_template(messages, tools=tools, ...)``, a tool conversation's ``tools`` the
+        specs on its first turn (tool_calls.template_inputs)."""
+        tools = None
+        if any(len(turn) > 2 for turn in messages):  # a turn with more than role and content: maybe a tool one
+            messages, tools = template_inputs(messages)
         if self.compiled is None:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **self.template_kwargs
-            )
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
+                **self.template_kwargs,
+            )  # fmt: skip
         t = self.compiled
-        parent = self.base | {"messages": messages, "tools": None, "documents": None}
+        parent = self.base | {"messages": messages, "tools": tools, "documents": None}
         parent["add_generation_prompt"] = add_generation_prompt
         context = t.environment.context_class(t.environment, parent, t.name, t.blocks, globals=self.globals)
         return t.environment.concat(t.root_render_func(context))
@@ -186,6 +193,7 @@ def render_conversation(render: ChatRenderer, messages: list[dict], train_on: st
     if not answers or answers[-1] != last:
         raise Reject("template_error", "the conversation does not end with an assistant turn")
     spans, prompt, done = [], "", 0
+    tools = train_on == "all" and is_tool_conversation(messages)
     for i in answers if train_on == "all" else answers[-1:]:
         content = messages[i]["content"]
         if marker := next((t for t in render.end_of_turn if t in content), None):
@@ -201,6 +209,8 @@ def render_conversation(render: ChatRenderer, messages: list[dict], train_on: st
                 f"the conversation does not render with the last answer's generation prompt as its start "
                 f"(they differ at character {start}: {text[start : start + 30]!r} vs {prompt[start : start + 30]!r})",
             )
+        if tools and i != last and start < done:
+            start = tool_turn_start(render, messages, i, text, prompt, done)
         if start < done:
             raise Reject("turn_not_found", f"assistant turn {i}: its generation prompt differs before turn {i} starts")
         stops = [(at, t) for t in render.end_of_turn if (at := text.find(t, start)) >= 0]
@@ -212,6 +222,28 @@ def render_conversation(render: ChatRenderer, messages: list[dict], train_on: st
         done = at + len(stop)
         spans.append((start, done))
     return Rendered(text, prompt, spans)
+
+
+def tool_turn_start(render: ChatRenderer, messages: list[dict], i: int, text: str, prompt: str, done: int) -> int:
+    """Where assistant turn ``i`` of a tool conversation starts in its render when its generation prompt differs
+    before the turn before it ends (``done``), under ``train_on: all``: just past the first assistant header after
+    ``done`` (what ``add_generation_prompt`` adds, or its first line alone where the turn is rendered without the
+    rest: Qwen3's empty think block under enable_thinking false); -1 (a turn_not_found) where there is none.
+    A template may render history otherwise once later turns come (Qwen3 drops a tool chain's reasoning once the
+    user speaks again): the turn is trained as the whole conversation renders it."""
+    try:
+        before = render(messages[:i])
+    except Exception as e:
+        raise Reject("template_error", f"the chat template raised {type(e).__name__}: {e}") from None
+    header = prompt[len(before) :] if prompt.startswith(before) else ""
+    if not header.strip():
+        return -1
+    first = header[: header.index("\n") + 1] if "\n" in header.rstrip("\n") else header
+    found = [(at, -len(h)) for h in dict.fromkeys((header, first)) if (at := text.find(h, done)) >= 0]
+    if not found:
+        return -1
+    at, minus = min(found)  # the earliest; at one place, the whole header
+    return at - minus
 
 
 class Offsets:

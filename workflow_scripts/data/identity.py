@@ -20,8 +20,27 @@ def normalize(text: str) -> str:
 
 
 def turn_texts(messages: list[dict]) -> list[str]:
-    """Each turn's [role, normalized content] as JSON (what json.dumps writes for the pair)."""
-    return [f"[{json_string(t['role'])}, {json_string(normalize(t['content']))}]" for t in messages]
+    """Each turn's [role, normalized content] as JSON (what json.dumps writes for the pair); a turn of a tool
+    conversation with its calls, specs, reasoning or result name as a third item (``tool_parts``)."""
+    return [
+        f"[{json_string(t['role'])}, {json_string(normalize(t['content']))}]"
+        if len(t) == 2 or not (extra := tool_parts(t))
+        else f"[{json_string(t['role'])}, {json_string(normalize(t['content']))}, {extra}]"
+        for t in messages
+    ]
+
+
+TOOL_PARTS = ("tools", "tool_calls", "reasoning_content", "name")  # what a tool conversation's turn adds (ids: not)
+
+
+def tool_parts(turn: dict) -> str:
+    """The tool conversation's parts of a turn as sorted JSON (its calls without their ids), "" when it has none."""
+    parts = {k: turn[k] for k in TOOL_PARTS if k in turn}
+    if "tool_calls" in parts:
+        parts["tool_calls"] = [call["function"] for call in parts["tool_calls"]]
+    if "reasoning_content" in parts:
+        parts["reasoning_content"] = normalize(parts["reasoning_content"])
+    return json.dumps(parts, ensure_ascii=False, sort_keys=True) if parts else ""
 
 
 def normalized_hash(turns: list[str]) -> str:

@@ -14,6 +14,8 @@ tests/test_split.py holds them equal):
 - ``sharegpt``: a ``conversations`` list of ``{from, value}`` turns, ``from`` human/user, gpt/assistant
   or system. Each mapping reads both turn forms, and, when its column is absent, the other's
   (``messages`` <-> ``conversations``): a ShareGPT file read with ``chat`` works.
+- Both read tool-call conversations (tool_calls.py): an assistant turn's ``tool_calls`` and a ``tool`` turn,
+  ShareGPT's ``function_call`` and ``observation`` turns, and the row's function specs (a ``tools`` column).
 - ``nested``: one ``instruction`` with a list of ``instances`` ``{input, output}``,
   one example per instance (the self-instruct format of ../shared/data).
 
@@ -32,6 +34,17 @@ from dataclasses import dataclass, field
 from workflow_scripts.core.pipeline_io import UserError
 from workflow_scripts.data.chat_format import with_text
 from workflow_scripts.data.readers import delimiter_hint, peek_columns, rows_at_most
+from workflow_scripts.data.tool_calls import (
+    REASONING,
+    TOOL_ROLE,
+    TOOLS,
+    check_order,
+    merge_calls,
+    normalize_tools,
+    parse_calls,
+    turn_text,
+    unknown_call,
+)
 
 CHAT_COLUMNS = {"messages": "conversations", "conversations": "messages"}  # chat and sharegpt read either
 
@@ -76,13 +89,15 @@ def _alpaca(fields: dict, names: dict, get) -> list:
 
 
 def _conversation(key: str) -> Callable:
-    """The chat (``messages``) or sharegpt (``conversations``) mapping: either reads the other's column too."""
+    """The chat (``messages``) or sharegpt (``conversations``) mapping: either reads the other's column too, and
+    the row's function specs (``tools``: a list, or a JSON string of one) where it has them."""
 
     def mapping(fields: dict, names: dict, get) -> list:
         column = names[key]
         if column not in fields and CHAT_COLUMNS.get(column) in fields:
             column = CHAT_COLUMNS[column]  # a ShareGPT file read with chat, or the reverse
-        return [_chat(fields.get(column), column)]
+        tools = fields.get(names["tools"]) if names.get("tools") else None
+        return [_chat(fields.get(column), column, tools, names.get("tools"))]
 
     return mapping
 
@@ -126,9 +141,10 @@ MAPPINGS = {
                        _columns),
     "alpaca": Mapping({"instruction": "instruction", "input": "input", "output": "output", "system": None},
                       ("instruction", "output"), _alpaca),
-    "chat": Mapping({"messages": "messages"}, ("messages",), _conversation("messages"), alternates=CHAT_COLUMNS),
-    "sharegpt": Mapping({"conversations": "conversations"}, ("conversations",), _conversation("conversations"),
-                        alternates=CHAT_COLUMNS),
+    "chat": Mapping({"messages": "messages", "tools": "tools"}, ("messages",), _conversation("messages"),
+                    alternates=CHAT_COLUMNS),
+    "sharegpt": Mapping({"conversations": "conversations", "tools": "tools"}, ("conversations",),
+                        _conversation("conversations"), alternates=CHAT_COLUMNS),
     "nested": Mapping({"instruction": "instruction", "instances": "instances", "input": "input", "output": "output"},
                       ("instruction", "instances"), _nested, inner=("input", "output"), one_per_row=False),
 }  # fmt: skip
@@ -245,7 +261,7 @@ def to_examples(fields: dict, mapping: str, names: dict) -> list[tuple[list[dict
     return MAPPINGS[mapping].examples(fields, names, get)
 
 
-def _chat(messages, column: str):
+def _chat(messages, column: str, tools=None, tools_column: str | None = None):
     if isinstance(messages, str):
         try:
             messages = json.loads(messages)
@@ -259,6 +275,30 @@ def _chat(messages, column: str):
         if problem:
             return None, problem
         turns.append(turn)
+    tools, problem = normalize_tools(tools, tools_column or "tools")
+    if problem:
+        return None, problem
+    if tools or any(len(t) > 2 or t["role"] == TOOL_ROLE for t in turns):  # a call, a result, reasoning kept
+        return _tool_chat(turns, tools)
+    return _chat_order(turns)
+
+
+def _tool_chat(turns: list[dict], tools: list | None):
+    """A conversation with function specs, calls or tool results: its calls joined to their assistant turns, its
+    order and its calls checked, the specs on its first turn (tool_calls.py)."""
+    if not any(t.get("tool_calls") or t["role"] == TOOL_ROLE for t in turns) and not tools:
+        turns = [{"role": t["role"], "content": t["content"]} for t in turns]  # reasoning alone: as it always was
+        return _chat_order(turns)
+    turns = merge_calls(turns)
+    problem = check_order(turns) or unknown_call(turns, tools)
+    if problem:
+        return None, problem
+    if tools:
+        turns[0] = turns[0] | {TOOLS: tools}
+    return turns, None
+
+
+def _chat_order(turns: list[dict]):
     roles = [t["role"] for t in turns]
     body = roles[1:] if roles[0] == "system" else roles
     expected = ["user", "assistant"] * (len(body) // 2)
@@ -267,27 +307,49 @@ def _chat(messages, column: str):
     return turns, None
 
 
-# ShareGPT's `from` values, and the role each is trained as; function_call and observation (LLaMA-Factory's
-# tool call and result) are turns the chat mapping does not train
+# ShareGPT's `from` values, and the role each is trained as; function_call (a call: the assistant's) and
+# observation (its result) are LLaMA-Factory's tool turns (tool_calls.py)
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-TOOL_TURNS = ("function_call", "observation", "tool", "function")
+CALL_TURNS = ("function_call",)
+RESULT_TURNS = ("observation", "tool", "function", "function_response")
 
 
 def _turn(m, i: int) -> tuple[dict | None, tuple | None]:
     """Turn ``i`` of a conversation as ``{role, content}``: an OpenAI ``{role, content}`` (content a string or a
-    list of parts) or a ShareGPT ``{from, value}``; or (None, (reason, detail))."""
+    list of parts; an assistant's ``tool_calls`` and ``reasoning_content``, a tool result's ``name`` and
+    ``tool_call_id`` kept) or a ShareGPT ``{from, value}`` (function_call and observation turns as a call and a
+    tool result); or (None, (reason, detail))."""
     if not isinstance(m, dict):
         return None, ("missing_field", f"turn {i} is not an object")
+    extra = {}
     if "role" in m or "from" not in m:
         role, content = _text(m.get("role")), m.get("content")
+        if role == "assistant" and m.get("tool_calls"):
+            calls, problem = parse_calls(m["tool_calls"], i)
+            if problem:
+                return None, problem
+            extra, content = {"tool_calls": calls}, "" if content is None else content
+        elif role in RESULT_TURNS:
+            role = TOOL_ROLE
+            extra = {k: m[k] for k in ("name", "tool_call_id") if isinstance(m.get(k), str)}
+        if role == "assistant" and isinstance(m.get(REASONING), str):
+            extra[REASONING] = m[REASONING]
     else:
         source = _text(m.get("from"))
-        if source in TOOL_TURNS:
-            return None, ("unsupported_content", f"turn {i} is from {source!r}, a tool turn, which is not trained")
-        if source not in SHAREGPT_ROLES:
-            known = ", ".join(SHAREGPT_ROLES)
+        if source in CALL_TURNS:
+            calls, problem = parse_calls(m.get("value"), i)
+            if problem:
+                return None, problem
+            return {"role": "assistant", "content": "", "tool_calls": calls}, None
+        if source in RESULT_TURNS:
+            role, content = TOOL_ROLE, m.get("value")
+        elif source not in SHAREGPT_ROLES:
+            known = ", ".join([*SHAREGPT_ROLES, *CALL_TURNS, *RESULT_TURNS])
             return None, ("unknown_role", f"turn {i} is from {source!r}; a ShareGPT turn is from {known}")
-        role, content = SHAREGPT_ROLES[source], m.get("value")
+        else:
+            role, content = SHAREGPT_ROLES[source], m.get("value")
+    if role == TOOL_ROLE and isinstance(content, list | dict) and not _is_parts(content):
+        content = json.dumps(content, ensure_ascii=False)  # a result given as JSON, not as OpenAI parts
     if isinstance(content, list):
         content, problem = _parts(content, i, role)
         if problem:
@@ -296,7 +358,11 @@ def _turn(m, i: int) -> tuple[dict | None, tuple | None]:
         content = _text(content)
     if role is None or content is None:
         return None, ("missing_field", f"turn {i} lacks {'role' if role is None else 'content'}")
-    return {"role": role, "content": content}, None
+    return {"role": role, "content": content, **extra}, None
+
+
+def _is_parts(content) -> bool:
+    return isinstance(content, list) and all(isinstance(p, dict) and "type" in p for p in content)
 
 
 def _parts(parts: list, i: int, role) -> tuple[str | None, tuple | None]:
@@ -331,11 +397,11 @@ class ControlChars:
     def __call__(self, messages: list[dict]) -> tuple[list[dict] | None, tuple | None]:
         """(the conversation as the policy leaves it, None), or (None, (reason, detail)) to reject it."""
         for turn in messages:  # a loop, not any(): this runs on every row
-            if CONTROL_CHARS.search(turn["content"]):
+            if CONTROL_CHARS.search(turn["content"] if len(turn) == 2 else turn_text(turn)):
                 break
         else:
             return messages, None
-        hits = [(i, c) for i, turn in enumerate(messages) for c in CONTROL_CHARS.findall(turn["content"])]
+        hits = [(i, c) for i, turn in enumerate(messages) for c in CONTROL_CHARS.findall(turn_text(turn))]
         self.rows += 1
         self.found.update(f"U+{ord(c):04X}" for _, c in hits)
         if self.policy == "reject":

@@ -48,6 +48,7 @@ from workflow_scripts.data.chat_render import ChatRenderer, load_tokenizer, rend
 from workflow_scripts.data.identity import JSON_TEXT, conversation_hashes, is_eval, node_by_hash, prompt_hash
 from workflow_scripts.data.mappings import ControlChars, check_columns, resolve_mapping, to_examples
 from workflow_scripts.data.readers import delimiter_arg, estimate_rows, iter_records, resolve_paths
+from workflow_scripts.data.tool_calls import load_tools, with_tools
 
 log = logging.getLogger("split")
 
@@ -59,6 +60,8 @@ REASONS = (
     "bad_turn_order",
     "unsupported_content",
     "unknown_role",
+    "bad_tool_arguments",
+    "unknown_tool",
     "control_chars",
     "duplicate",
     "eval_overlap",
@@ -76,6 +79,7 @@ class Splitter:
     lengths: object = None  # balance: tokens: callable(list of conversations) -> their lengths in tokens
     eval_prompts: set | None = None  # prompt hashes of a separate eval file
     control: object = None  # ControlChars: data.control_chars on each conversation
+    tools: list | None = None  # data.tools: the function specs of every conversation without its own
     seen: set = field(default_factory=set)
     node_tokens: list = field(default_factory=list)
 
@@ -98,9 +102,11 @@ class Splitter:
             for messages, problem in examples:
                 if not problem and self.control is not None:
                     messages, problem = self.control(messages)
+                if not problem and self.tools:
+                    messages, problem = with_tools(messages, self.tools)
                 if problem:
                     rejects.append(reject(rec, *problem))
-                elif not messages[-1]["content"].strip():
+                elif not messages[-1]["content"].strip() and not messages[-1].get("tool_calls"):
                     rejects.append(reject(rec, "empty_response", "the answer is blank", messages))
                 elif not all(t["content"].strip() for t in messages if t["role"] == "user"):
                     rejects.append(reject(rec, "missing_field", "a user turn is blank", messages))
@@ -237,6 +243,7 @@ def run_split(
         log.info("data.mapping auto: %s read as %s, columns %s", cfg.path, mapping, names)
     splitter = Splitter(cfg.nodes, cfg.eval_fraction, cfg.seed, cfg.balance, length_counter(tokenizer, cfg))
     splitter.control = ControlChars(cfg.control_chars)
+    splitter.tools = load_tools(cfg.tools) if cfg.tools else None
     fewer_gc_pauses()
     outputs = Outputs(splits, eval_path, rejects)
     reasons, rows_in, ok = Counter(), 0, False

@@ -40,6 +40,7 @@ from workflow_scripts.data.chat_format import SpecialText, special_texts
 from workflow_scripts.data.chat_render import ChatRenderer, encode_messages, load_tokenizer, use_template
 from workflow_scripts.data.packing import write_packing
 from workflow_scripts.data.token_cache import cache_key, cached, tokenizer_fingerprint
+from workflow_scripts.data.tool_calls import check_template, is_tool_conversation, renders_tools, row_where
 
 log = logging.getLogger("tokenize")
 SHOWN_REJECTS = 100  # rejected rows listed in the stats and the log (all are in the rejects file)
@@ -59,6 +60,15 @@ def fit_length(example: dict, max_len: int, policy: str, row: dict | None = None
     if policy == "drop" or example["prompt_length"] >= max_len:
         return None
     return {k: v[:max_len] if isinstance(v, list) else v for k, v in example.items()}
+
+
+def response_text(tokenizer, last: dict, example: dict) -> str:
+    """The reference evaluation compares answers with: the last answer's text; for a turn that calls tools, that
+    turn as the template renders it, its calls included (the held-out tool_call score parses them), decoded from
+    its ids without special tokens, as the model's generated answers are."""
+    if not last.get("tool_calls"):
+        return last["content"]
+    return tokenizer.decode(example["input_ids"][example["prompt_length"] :], skip_special_tokens=True)
 
 
 def length_reject(example: dict, fitted: dict | None, max_len: int, policy: str) -> tuple[str, str] | None:
@@ -88,6 +98,7 @@ def tokenize_shard(
     template_kwargs: dict | None = None,
     rejects_out: Path | None = None,
     special: SpecialText | None = None,
+    template: str = "the chat template",
 ):
     """Stream the shard through special text → render → tokenize → mask → fit, writing as it goes.
 
@@ -95,10 +106,13 @@ def tokenize_shard(
     template cannot render them into a training example, too long,
     no trained token left) are counted in the stats (``rejected`` by reason, ``rejects``:
     the first ones with file, row and detail) and, all of them, written to ``rejects_out``.
-    Returns the examples' lengths (for the packing plan) and the stats.
+    Returns the examples' lengths (for the packing plan) and the stats. A tool-call conversation under a
+    template that cannot render tools (called ``template`` in the message) stops the stage with one line
+    naming the template and the row (tool_calls.check_template).
     """
     file = pq.ParquetFile(shard)
     render = ChatRenderer(tokenizer, template_kwargs)
+    tools_ok = renders_tools(tokenizer.chat_template)
     present = set(file.schema_arrow.names)
     columns = [c for c in ("messages", "content_hash", "category", "source_file", "source_row") if c in present]
     lengths, dropped, truncated, full = [], 0, 0, Counter()
@@ -112,6 +126,9 @@ def tokenize_shard(
             conversations, rows = [], []  # the conversations to encode, as data.special_text leaves them
             for i, text in enumerate(cols["messages"]):
                 messages, why = special(json.loads(text)) if special else (json.loads(text), None)
+                if not tools_ok and is_tool_conversation(messages):
+                    row = row_at(cols, i)
+                    check_template(tokenizer.chat_template, template, row_where(row["source_file"], row["source_row"]))
                 if why:
                     rejected.add(row_at(cols, i), *why)
                 else:
@@ -134,7 +151,7 @@ def tokenize_shard(
                 for key in ("input_ids", "labels", "prompt_length"):
                     out[key].append(fitted[key])
                 out["length"].append(len(fitted["input_ids"]))
-                out["response"].append(messages[-1]["content"])
+                out["response"].append(response_text(tokenizer, messages[-1], fitted))
                 out["content_hash"].append(cols["content_hash"][i])
                 out["category"].append(cols["category"][i] or "")
             lengths += out["length"]
@@ -286,6 +303,13 @@ def check_units(stats: dict, shard: Path, min_examples: int, min_bins: int) -> N
     )
 
 
+def template_name(cfg: TokenizeConfig, tokenizer: str) -> str:
+    """The template tokenization renders with, as a message names it."""
+    if cfg.format_template:
+        return "data.format_template"
+    return f"data.chat_template {cfg.chat_template}" if cfg.chat_template else f"{tokenizer}'s own chat template"
+
+
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -322,6 +346,7 @@ def main(argv=None) -> None:
             template_kwargs=cfg.template_kwargs,
             rejects_out=folder / "rejects.parquet",
             special=SpecialText(special_texts(tokenizer), cfg.special_text),
+            template=template_name(cfg, a.tokenizer),
         )
         return stats | write_packing(lengths, pack_len, folder / "packing.parquet") | {"key": key, "settings": settings}
 

@@ -4,6 +4,7 @@ tasks of eval.tasks, loaded offline from eval.task_data; our result JSON and lm-
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 
@@ -42,12 +43,15 @@ def result_json(name: str, path: str, frame: pd.DataFrame, out: dict, tokenizer)
     predictions, references = map(list, zip(*(s["exact_match"] for s in samples), strict=True))
     loss, tokens = scores[HELDOUT_LOSS]["eval_loss"], int(scores[HELDOUT_LOSS]["label_tokens"])
     result = {"model": name, "path": path, "examples": len(frame), "label_tokens": tokens}
-    result |= {k: METRICS[k].score(loss) for k in LOSSES} | {k: scores[HELDOUT][k] for k in SCORES}
+    held = {k: scores[HELDOUT][k] for k in SCORES}
+    absent = {k for k, v in held.items() if math.isnan(v)}  # a score over no example: tool_call without tool turns
+    result |= {k: METRICS[k].score(loss) for k in LOSSES} | {k: v for k, v in held.items() if k not in absent}
     if frame["category"].astype(bool).any():
         categories = frame["category"].tolist()
         result["exact_match_by_category"] = exact_match_by_category(predictions, references, categories)
     pairs = list(zip(predictions, references, strict=True))
-    result["intervals"] = heldout_intervals(pairs, scored_losses(frame, out["samples"][HELDOUT_LOSS]))
+    intervals = heldout_intervals(pairs, scored_losses(frame, out["samples"][HELDOUT_LOSS]))
+    result["intervals"] = {k: v for k, v in intervals.items() if k not in absent}
     result["intervals"] |= {"resamples": RESAMPLES, "level": LEVEL, "seed": SEED}
     result |= {f"{k}_stderr": v["stderr"] for k, v in result["intervals"].items() if isinstance(v, dict)}
     correct = exact_matches(pairs)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from workflow_scripts.data.tool_calls import calls_in_text, same_calls
+
 HELDOUT, HELDOUT_LOSS = "heldout", "heldout_loss"  # the held-out set's lm-eval tasks: generation, loss
 NOT_METRICS = {"examples", "label_tokens"}  # numeric keys of a result that describe the eval set, not the model
 LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte")  # other metric names containing these: lower is better
@@ -131,6 +133,28 @@ def sacrebleu_corpus(name: str) -> Callable:
     return corpus
 
 
+def tool_call_matches(pairs) -> list[float]:
+    """Per pair: NaN where the reference makes no tool call (a plain answer); else 1 when the answer's calls parse
+    and equal the reference's, names and arguments as JSON values (tool_calls.same_calls), 0 otherwise."""
+    out = []
+    for answer, reference in pairs:
+        expected = calls_in_text(reference)
+        out.append(float(same_calls(calls_in_text(answer), expected)) if expected else math.nan)
+    return out
+
+
+def share_of_calls(rows) -> float:
+    """The mean of the rows that are tool-call turns (not NaN); NaN when there is none."""
+    rows = np.asarray(rows, dtype=float)
+    rows = rows[~np.isnan(rows)]
+    return float(rows.mean()) if len(rows) else math.nan
+
+
+def tool_call(pairs) -> float:
+    """The share of held-out tool-call turns whose generated calls equal the reference's (tool_call_matches)."""
+    return share_of_calls(tool_call_matches(pairs))
+
+
 def as_floats(per_pair: Callable) -> Callable[[list], np.ndarray]:
     return lambda pairs: np.asarray(per_pair(pairs), dtype=float)
 
@@ -145,6 +169,8 @@ METRICS = {
         generation_metric("rouge_l", as_floats(rouge_ls), corpus=rouge_l),
         generation_metric("bleu", sacrebleu_stats("bleu"), sacrebleu_score("bleu"), sacrebleu_corpus("bleu")),
         generation_metric("chrf", sacrebleu_stats("chrf"), sacrebleu_score("chrf"), sacrebleu_corpus("chrf")),
+        # over the held-out turns that call tools only; NaN (left out of a result) when the set has none
+        Metric("tool_call", True, share_of_calls, as_floats(tool_call_matches), tool_call, ranked=False),
     ]
 }
 LOSSES = [m.name for m in METRICS.values() if m.is_loss]  # the held-out loss task's (token-weighted)
