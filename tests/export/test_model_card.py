@@ -27,6 +27,8 @@ from workflow_scripts.export.model_card import (
     card_text,
     hub_datasets,
     hub_snapshot,
+    node_base,
+    soup_card_text,
     training_summary,
 )
 
@@ -114,6 +116,27 @@ def test_the_card_loads_back_with_its_metadata(tmp_path, base, adapter):
                 "| data rows | 459 examples trained on |", "| final held-out loss | 0.041 (step 380) |",
                 "| packing | yes |"):  # fmt: skip
         assert row in card.text
+
+
+def test_a_soup_card_names_the_base_its_node_models_cards_name(tmp_path):
+    summary = training_summary(lora_state(380), METRICS, MANIFEST)
+    nodes = []
+    for i in range(2):
+        nodes.append(tmp_path / f"node{i}")
+        nodes[-1].mkdir()
+        (nodes[-1] / "README.md").write_text(card_text(Base(hub_id=REPO_ID, revision=SHA), summary, str(nodes[-1])))
+    assert node_base(nodes) == (REPO_ID, ["acme/letters"])
+    where = str(tmp_path / "soup_greedy")
+    text = soup_card_text(where, ["node1", "node0"], *node_base(nodes))
+    (tmp_path / "README.md").write_text(text)
+    card = ModelCard.load(tmp_path / "README.md")
+    assert card.data.to_dict() == {"base_model": REPO_ID, "datasets": ["acme/letters"], "library_name": "transformers",
+                                   "pipeline_tag": "text-generation", "tags": ["llm-finetune-workflow", "model-soup",
+                                   "merge"]}  # fmt: skip
+    assert "best held-out loss first" in card.text and "Members: node1, node0 (each fine-tuned from" in card.text
+    assert f"AutoModelForCausalLM.from_pretrained({json.dumps(where)})" in card.text
+    (nodes[1] / "README.md").unlink()  # a node consolidated before cards: no base named
+    assert node_base(nodes) == (None, [])
 
 
 # ---------------------------------------------------------------- consolidation, and loading from elsewhere

@@ -301,3 +301,67 @@ def write_cards(output: Path, state: dict, train_dir: Path | None = None, report
         ModelCard(card_text(base, summary, str(folder), adapter, None if adapter else weights)).save(folder / CARD)
         written.append(folder / CARD)
     return written
+
+
+# ---------------------------------------------------------------- a model soup's card
+
+SOUP_KINDS = {
+    "soup_uniform": "the element-wise mean of every node model's weights",
+    "soup_greedy": "the mean of the node models kept greedily: best held-out loss first, each next one added only"
+    " if the soup's held-out loss improved (the eval set chose them, so its scores on it are optimistic)",
+}
+
+
+def node_base(models: list[Path]) -> tuple[str | None, list[str]]:
+    """The ``base_model`` the node models' own cards name (None when they have none, or disagree) and the
+    hub datasets they name."""
+    bases, datasets = set(), []
+    for folder in models:
+        try:
+            data = ModelCard.load(folder / CARD).data
+        except Exception:  # no card (a folder consolidated before cards were written), or an unreadable one
+            return None, []
+        bases.add(data.base_model)
+        datasets += data.datasets or []
+    return (bases.pop() if len(bases) == 1 else None), list(dict.fromkeys(datasets))
+
+
+def soup_card_text(location: str, members: list[str], base_model: str | None, datasets: list[str]) -> str:
+    """A soup's README.md: its members and how they were averaged, the lines that load it."""
+    name = Path(location).name
+    data = ModelCardData(
+        base_model=base_model,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=[PROJECT, "model-soup", "merge"],
+        datasets=datasets or None,
+    )
+    fine_tuned = f" (each fine-tuned from `{base_model}`)" if base_model else ""
+    path = json.dumps(location)
+    body = [
+        f"# {name}",
+        "",
+        f"A model soup by {PROJECT}: {SOUP_KINDS.get(name, 'an average of node models')}, averaged in fp32 and"
+        f" saved in the node models' dtype. Members: {', '.join(members)}{fine_tuned}; soup.json beside this"
+        " card lists them (and the greedy soup's trail of held-out losses).",
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f"model, tokenizer = AutoModelForCausalLM.from_pretrained({path}), AutoTokenizer.from_pretrained({path})",
+        "```",
+        "",
+        "How each member was trained: its own card (models/<node>/README.md). Scores: the evaluation stage"
+        " (results/<run>/eval/), not this card (`model-index` is left out).",
+        "",
+    ]
+    return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)
+
+
+def write_soup_card(out: Path, models: list[Path], members: list[str]) -> Path:
+    """README.md into a soup's folder, its base and datasets those the node models' cards name."""
+    base_model, datasets = node_base(models)
+    out = out.resolve()
+    ModelCard(soup_card_text(str(out), members, base_model, datasets)).save(out / CARD)
+    return out / CARD
