@@ -313,6 +313,7 @@ def check_outputs(root, nodes=("node0", "node1"), soups=False, shards=("node0", 
         model_dir = root / "models" / node
         assert (model_dir / "config.json").exists() and list(model_dir.glob("*.safetensors"))
         assert (model_dir / "tokenizer.json").exists()
+        assert "library_name: transformers" in (model_dir / "README.md").read_text()  # the model card
     manifest = json.loads((root / "data" / "manifest.json").read_text())
     rows = sum(n["rows"] for n in manifest["nodes"]) + manifest["eval"]["rows"] + manifest["rejects"]["rows"]
     assert rows == manifest["rows_in"]

@@ -77,6 +77,11 @@ def test_soups_of_node_models(tmp_path, demo_assets, eval_rows):
     greedy = json.loads((tmp_path / "greedy" / "soup.json").read_text())
     assert greedy["members"][0] == "node1"  # the lowest held-out loss goes in first
     assert [t.get("tried") for t in greedy["trail"][1:]] == ["node0", "node2"]
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(tmp_path / "greedy" / "README.md")  # node folders without cards: no base named
+    assert card.data.library_name == "transformers" and card.data.base_model is None
+    assert f"Members: {', '.join(greedy['members'])};" in card.text
 
 
 def test_soups_of_bf16_models_average_in_fp32_and_are_saved_in_bf16(tmp_path, demo_assets, eval_rows):

@@ -121,6 +121,10 @@ def test_a_pinned_sha_is_fetched_and_recorded_in_provenance(hub, tmp_path):
     assert all(f"/resolve/{old}/" in line for line in hub.log if "/resolve/" in line) and new not in str(hub.log)
     record = json.loads((work / RECORD).read_text())
     assert (record["revision"], record["sha"]) == (old, old)
+    # what a model trained on it names as its base (model cards, a LoRA adapter's config): the repo at that commit
+    from workflow_scripts.export.model_card import Base, base_of
+
+    assert base_of(record["snapshot"]) == Base(hub_id=REPO_ID, revision=old)
 
     # provenance.json (through provenance.py, as the rule calls it) names that sha
     state = work / "state" / "node0" / "train_state.json"

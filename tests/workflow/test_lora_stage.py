@@ -72,3 +72,12 @@ def test_lora_on_a_stage1_model_beats_its_base(ddp_run, tmp_path):
     consolidation = json.loads((root / "models" / "node0" / "consolidation.json").read_text())
     assert consolidation["peft"] == "lora" and consolidation["lora_b_tensors"] == 4 * len(TARGETS)  # 4 layers
     assert (root / "models" / "node0" / "adapter" / "adapter_model.safetensors").exists()
+    # the adapter names its base by absolute path, and both folders carry a model card (model_card.py)
+    from huggingface_hub import ModelCard
+
+    adapter = json.loads((root / "models" / "node0" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(base.resolve()) and adapter["revision"] is None
+    for folder, library in (("node0", "transformers"), ("node0/adapter", "peft")):
+        card = ModelCard.load(root / "models" / folder / "README.md")
+        assert (card.data.base_model, card.data.library_name) == ("node0", library)
+        assert "| optimizer steps | 24 " in card.text and "it is not on the Hugging Face Hub" in card.text

@@ -1,5 +1,6 @@
 """evaluate_model: one model through lm-eval-harness: the held-out set (heldout.py's two tasks) and the extra
-tasks of eval.tasks, loaded offline from eval.task_data; our result JSON and lm-eval's own.
+tasks of eval.tasks, loaded offline from eval.task_data; our result JSON and lm-eval's own, as its CLI
+writes it (lm_eval_record: the chat template and its sha, system instruction, few-shot setting, task hashes).
 """
 
 import argparse
@@ -67,6 +68,27 @@ def result_json(name: str, path: str, frame: pd.DataFrame, out: dict, tokenizer)
     return result
 
 
+def lm_eval_record(out: dict, tracker, backend: str, model: str) -> dict:
+    """lm-eval's results JSON as its CLI writes it (``lm_eval run --model <backend> --model_args pretrained=<model>
+    --log_samples --output_path``: EvaluationTracker.save_results_aggregated): the output without its samples,
+    then ``task_hashes`` (each task's samples' doc, prompt and target hashes, hashed together) and the fields of
+    the tracker's GeneralConfigTracker, which simple_evaluate filled (chat_template and its sha,
+    system_instruction, fewshot_as_multiturn). Given a model object, not a name, lm-eval records the model as
+    CUSTOM under a random name: here it gets the backend and path the CLI's arguments would have given it."""
+    from dataclasses import asdict
+
+    from lm_eval.utils import hash_string, sanitize_model_name
+
+    general = tracker.general_config_tracker
+    general.model_source, general.model_name, general.model_name_sanitized = backend, model, sanitize_model_name(model)
+    general.log_end_time()
+    hashes = {
+        task: hash_string("".join(s["doc_hash"] + s["prompt_hash"] + s["target_hash"] for s in samples))
+        for task, samples in (out.get("samples") or {}).items()
+    }
+    return {k: v for k, v in out.items() if k != "samples"} | {"task_hashes": hashes} | asdict(general)
+
+
 def load_model(backend: str, model: str, precision: str, batch_size: int):
     """The model on every visible GPU in ``precision`` (fp32 on the CPU): hf spreads layers over several
     (parallelize), vLLM shards tensors (tensor_parallel_size). vLLM on a CPU would reserve 92% of the host's
@@ -97,14 +119,16 @@ def main(argv=None) -> None:
     frame = pd.read_parquet(a.eval).iloc[: c.max_samples or None]
     extra, manager = extra_tasks(c.tasks, c.task_data)  # before the model loads: missing data stops at once
     lm = load_model(c.backend, a.model, c.dtype, c.batch_size)
-    out = evaluate_model(
-        lm, frame, extra, manager, c.max_new_tokens, c.apply_chat_template, c.template_kwargs, limit=c.limit
-    )
+    from lm_eval.loggers import EvaluationTracker  # no output path: lm_eval_record writes what it would
+
+    tracker = EvaluationTracker()
+    generation = (c.max_new_tokens, c.apply_chat_template, c.template_kwargs)
+    out = evaluate_model(lm, frame, extra, manager, *generation, limit=c.limit, tracker=tracker)
     result = result_json(a.name, a.model, frame, out, lm.tokenizer)
     from lm_eval.utils import handle_non_serializable  # lm-eval's JSON as its EvaluationTracker writes it
 
     with atomic_path(a.lm_eval_output) as tmp:
-        own = {k: v for k, v in out.items() if k != "samples"}
+        own = lm_eval_record(out, tracker, c.backend, a.model)
         tmp.write_text(json.dumps(own, indent=2, default=handle_non_serializable))
     write_json(a.output, result)
     scores = {k: result[k] for k in ("eval_loss", "perplexity", "exact_match")}

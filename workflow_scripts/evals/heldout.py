@@ -159,12 +159,13 @@ def task_samples(extra, limit: float) -> dict[str, list[int]] | None:
 
 def evaluate_model(
     lm, frame, extra, manager, max_new_tokens, chat_template, template_kwargs, heldout=(HELDOUT, HELDOUT_LOSS),
-    limit: float = 0,
+    limit: float = 0, tracker=None,
 ) -> dict:  # fmt: skip
     """lm-eval's output for the held-out tasks named in ``heldout`` and ``extra`` (loaded Task objects, their
     first documents under ``limit``: task_samples) on ``lm``; the log shows each task's first prompt as lm-eval
     builds it (its few-shot examples included). Environment info without torch's collect_env
-    (3-4 s a job; env/check.json records the machine)."""
+    (3-4 s a job; env/check.json records the machine). ``tracker``, an lm-eval EvaluationTracker, is filled
+    by lm-eval as its CLI's is (the chat template, system instruction, few-shot setting: lm_eval_record)."""
     import lm_eval.evaluator
     import transformers
     from lm_eval.api.task import ConfigurableTask
@@ -182,6 +183,7 @@ def evaluate_model(
     return lm_eval.evaluator.simple_evaluate(
         lm, tasks=tasks, task_manager=manager, apply_chat_template=chat_template, bootstrap_iters=1000,
         samples=task_samples(extra, limit), write_out=True,  # the log shows each task's first prompt, shots and all
+        evaluation_tracker=tracker,
     )  # fmt: skip
 
 

@@ -38,6 +38,10 @@ end-of-turn tokens (``eos_token_id``), pads with the EOS when there is no pad to
 data.template_kwargs as ``chat_template_kwargs``: ``apply_chat_template`` and ``pipeline`` on it
 render and stop as training did.
 
+Each folder written (the model, and the LoRA adapter) gets a model card, README.md (model_card.py): the base it
+was trained from, how it was trained, the lines that load it. The adapter's adapter_config.json names its base
+by the hub id and commit when it came from the hub, else by its absolute path, so that it loads from anywhere.
+
 Before anything is read, the checkpoint's files are checked against the sizes and sha256 its
 COMPLETE marker lists (manifest.py): a damaged one stops the stage with one line naming the file.
 """
@@ -53,6 +57,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from workflow_scripts.core.host_memory import PeakRSS, map_large_allocations, page_out
 from workflow_scripts.core.pipeline_io import UserError, cli, umask_modes, write_json
 from workflow_scripts.core.settings import ConsolidateConfig
+from workflow_scripts.export.model_card import adapter_base, base_of, write_cards
 from workflow_scripts.model.weights import (
     DTYPES,
     MAX_SHARD_SIZE,
@@ -342,6 +347,7 @@ def consolidate(
             copy_in(model, stream(source, trainable))
             report["lora_b_tensors"] = check_lora(model)
             model.save_pretrained(output / "adapter")
+            adapter_base(output / "adapter", base_of(state["base_model"]))  # its base named to load from anywhere
             umask_modes(output / "adapter")  # safetensors writes adapter_model.safetensors 0600
             model = merge_lora(model, target)
         else:
@@ -393,6 +399,7 @@ def main(argv=None) -> None:
     with peaks.phase("reload_check"):  # one model in memory at a time: the training side is gone
         report |= verify(a.output, ids, expected, a.tolerance)
     report["peak_rss_mb"] = peaks.phases
+    write_cards(a.output, state, a.state.parent, report)  # README.md: the model card (model_card.py)
     write_json(a.output / "consolidation.json", report)
     print(
         f"{a.output}: consolidated from {report['checkpoint']} in {report['dtype']}"

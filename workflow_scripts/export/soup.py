@@ -10,6 +10,7 @@ held-out losses are those of the weights as they will be saved, computed in fp32
 A soup is streamed tensor by tensor from the node models' safetensors (positioned reads, as
 training loads its base) to safetensors: the nodes' weights are never all in memory; the one
 whole model held is the greedy soup's fp32 candidate, which its held-out loss needs.
+Each soup gets a model card (README.md: model_card.write_soup_card), its base the one the node models' cards name.
 """
 
 import argparse
@@ -24,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from workflow_scripts.core.pipeline_io import UserError, cli, write_json
 from workflow_scripts.evals.heldout import heldout_loss
+from workflow_scripts.export.model_card import write_soup_card
 from workflow_scripts.model.weights import (
     MAX_SHARD_SIZE,
     CheckpointFiles,
@@ -82,9 +84,12 @@ def models_dtype(models: list[Path]) -> torch.dtype:
     return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
-def save(source: MeanSource, template: Path, out: Path, record: dict, dtype: torch.dtype) -> None:
+def save(
+    source: MeanSource, template: Path, out: Path, record: dict, dtype: torch.dtype, models: list[Path] = ()
+) -> None:
     """The soup as a Hugging Face folder: ``dtype`` safetensors, the first node's config, generation
-    config and tokenizer, and ``record`` (its members, the greedy trail) as soup.json."""
+    config and tokenizer, ``record`` (its members, the greedy trail) as soup.json, and a model card (README.md,
+    its base the one the node ``models``' cards name)."""
     out.mkdir(parents=True, exist_ok=True)
     with closing(source):
         write_sharded(source, source.shapes, out, parse_size(MAX_SHARD_SIZE), dtype)
@@ -95,6 +100,7 @@ def save(source: MeanSource, template: Path, out: Path, record: dict, dtype: tor
         GenerationConfig.from_pretrained(template).save_pretrained(out)
     AutoTokenizer.from_pretrained(template).save_pretrained(out)
     write_json(out / "soup.json", record)
+    write_soup_card(out, list(models), record["members"])
 
 
 @torch.no_grad()
@@ -124,7 +130,7 @@ def main(argv=None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(a.models[0])
     template, dtype = a.models[0], models_dtype(a.models)
 
-    save(soup_of(a.models, names), template, a.uniform, {"members": names}, dtype)
+    save(soup_of(a.models, names), template, a.uniform, {"members": names}, dtype, a.models)
 
     frame = pd.read_parquet(a.eval)
     order = sorted(names, key=lambda n: losses[n])
@@ -137,7 +143,7 @@ def main(argv=None) -> None:
         if loss < best:
             members, best = [*members, name], loss
     del model
-    save(soup_of(a.models, members), template, a.greedy, {"members": members, "trail": trail}, dtype)
+    save(soup_of(a.models, members), template, a.greedy, {"members": members, "trail": trail}, dtype, a.models)
     print(f"uniform soup of {names}; greedy soup of {members} (held-out loss {best:.4f})")
 
 
