@@ -82,10 +82,8 @@ def test_a_second_trainer_on_live_checkpoints_stops_at_once(tmp_path, demo_asset
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
             assert first.poll() is None, first.communicate()[1][-3000:]
             time.sleep(0.2)
-        began = time.monotonic()
         second = subprocess.run(train_command(tmp_path, demo_assets, cfg), capture_output=True, text=True,
                                 env=trainer_env(), timeout=300)  # fmt: skip
-        took = time.monotonic() - began
         assert first.poll() is None, "the first trainer ended before the second was refused"
         holder = json.loads((tmp_path / "ckpt" / "trainer.lock").read_text())
         assert b"train.py" in (Path(f"/proc/{holder['pid']}") / "cmdline").read_bytes()  # the first's rank 0
@@ -98,8 +96,9 @@ def test_a_second_trainer_on_live_checkpoints_stops_at_once(tmp_path, demo_asset
     assert len(errors) == 1, second.stderr[-3000:]
     assert "another trainer is running on these checkpoints" in errors[0]
     assert f"host {socket.gethostname()}, pid {holder['pid']}, since " in errors[0]
-    assert "plan:" not in second.stderr  # it stopped before loading the data and the model
-    assert took < 30, f"the second trainer took {took:.0f} s to stop"
+    # "at once": before loading the data and the model, while the first still trains (no wall-clock bound: a
+    # loaded machine takes its seconds to start torchrun and import torch)
+    assert "plan:" not in second.stderr
     assert first.returncode == 0, err[-3000:]
     assert read_steps(tmp_path / "train") == list(range(1, 41))
 
