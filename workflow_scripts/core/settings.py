@@ -184,11 +184,21 @@ class TrainConfig:
     gpu_memory_gb: float | None  # None: check_environment's measure (preflight.gpu_memory)
     peak_tflops: float | None  # None: check_environment's figure (train.py --environment)
     collective_timeout_s: int
+    objective: str  # sft or dpo (train/objective.py)
+    dpo: dict  # training.dpo, read with objective dpo only
 
     @classmethod
     def from_json(cls, text: str) -> "TrainConfig":
         """From the workflow's `training` section as JSON (missing keys take the schema's defaults)."""
         return training_config(json.loads(text))
+
+
+def recorded_config(cfg: TrainConfig) -> dict:
+    """The config as train_state.json records it: an SFT run's without the objective's keys (as before them)."""
+    record = dataclasses.asdict(cfg)
+    if cfg.objective == "sft":
+        del record["objective"], record["dpo"]
+    return record
 
 
 def flat_training(training: dict) -> dict:

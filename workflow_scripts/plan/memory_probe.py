@@ -118,6 +118,9 @@ class NullMetrics:
     def count(self, lengths) -> None:
         pass
 
+    def observe(self, found: dict) -> None:
+        pass
+
 
 def train_config(t: PlanConfig):
     """The trainer's TrainConfig from the planner's keys (settings.PlanConfig's), the rest at defaults."""

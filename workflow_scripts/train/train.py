@@ -27,7 +27,7 @@ import torch.distributed as dist
 from workflow_scripts.core.fingerprint import cache_file_for, model_fingerprint, model_location
 from workflow_scripts.core.host_memory import map_large_allocations
 from workflow_scripts.core.pipeline_io import UserError, cli, write_json
-from workflow_scripts.core.settings import TrainConfig, for_world
+from workflow_scripts.core.settings import TrainConfig, for_world, recorded_config
 from workflow_scripts.data.token_store import store_root_for
 from workflow_scripts.train.batching import TrainingData
 from workflow_scripts.train.checkpoint import Checkpointer, run_key, superseded
@@ -218,7 +218,7 @@ def finish(strategy, a: argparse.Namespace, final: Path, run_record: dict) -> No
         write_json(a.state, {
             "checkpoint": str(final), "step": run_record["total_steps"], "strategy": cfg.strategy,
             "zero_stage": cfg.zero_stage, "peft": cfg.peft, "base_model": a.base_model,
-            "config": dataclasses.asdict(cfg), "plan": run_record, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "config": recorded_config(cfg), "plan": run_record, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         })  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
