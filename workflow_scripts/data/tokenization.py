@@ -24,6 +24,7 @@ one line saying what to change. The stats also count the examples by length befo
 
 import argparse
 import contextlib
+import itertools
 import json
 import logging
 from collections import Counter
@@ -39,6 +40,7 @@ from workflow_scripts.core.settings import TokenizeConfig
 from workflow_scripts.data.chat_format import SpecialText, special_texts
 from workflow_scripts.data.chat_render import ChatRenderer, encode_messages, load_tokenizer, use_template
 from workflow_scripts.data.packing import write_packing
+from workflow_scripts.data.preference_pairs import pair_sides
 from workflow_scripts.data.token_cache import cache_key, cached, tokenizer_fingerprint
 
 log = logging.getLogger("tokenize")
@@ -109,34 +111,44 @@ def tokenize_shard(
         progress = Progress(f"tokenize {shard.name}", file.metadata.num_rows)
         for batch in batches(file, batch_rows, columns):
             cols = batch.to_pydict()  # column lists; a row's dict only where one is reported (row_at)
-            conversations, rows = [], []  # the conversations to encode, as data.special_text leaves them
+            # each row's conversations to encode, as data.special_text leaves them: the row's conversation, or a
+            # preference pair's chosen and rejected conversations (preference_pairs.pair_sides), kept or left out
+            # together
+            conversations, rows = [], []
             for i, text in enumerate(cols["messages"]):
-                messages, why = special(json.loads(text)) if special else (json.loads(text), None)
+                sides = [special(s) if special else (s, None) for s in pair_sides(json.loads(text))]
+                why = next((w for _, w in sides if w), None)
                 if why:
                     rejected.add(row_at(cols, i), *why)
                 else:
-                    conversations.append(messages)
+                    conversations.append([s for s, _ in sides])
                     rows.append(i)
-            encoded = encode_messages(tokenizer, conversations, render, train_on)
+            flat = encode_messages(tokenizer, [s for sides in conversations for s in sides], render, train_on)
+            starts = itertools.accumulate((len(sides) for sides in conversations), initial=0)
+            encoded = [flat[a:b] for a, b in itertools.pairwise(starts)]
             out = {name: [] for name in TOKENIZED_SCHEMA.names}
-            for i, messages, ex in zip(rows, conversations, encoded, strict=True):
-                if "reject" in ex:
-                    rejected.add(row_at(cols, i), *ex["reject"])
+            for i, sides, exs in zip(rows, conversations, encoded, strict=True):
+                if reject := next((ex["reject"] for ex in exs if "reject" in ex), None):
+                    rejected.add(row_at(cols, i), *reject)
                     continue
+                ex = max(exs, key=lambda e: len(e["input_ids"]))  # the length policy applies to the longer side
                 n = len(ex["input_ids"])
                 full[n] += 1
-                fitted = ex if n <= max_len else fit_length(ex, max_len, policy, row_at(cols, i))
-                if why := length_reject(ex, fitted, max_len, policy):
+                fits = [e if len(e["input_ids"]) <= max_len else fit_length(e, max_len, policy, row_at(cols, i))
+                        for e in exs]  # fmt: skip
+                whys = (length_reject(e, f, max_len, policy) for e, f in zip(exs, fits, strict=True))
+                if why := next(filter(None, whys), None):
                     rejected.add(row_at(cols, i), *why, tokens=n, prompt_tokens=ex["prompt_length"])
                     dropped += why[0] != "no_labels"
                     continue
-                truncated += fitted is not ex
-                for key in ("input_ids", "labels", "prompt_length"):
-                    out[key].append(fitted[key])
-                out["length"].append(len(fitted["input_ids"]))
-                out["response"].append(messages[-1]["content"])
-                out["content_hash"].append(cols["content_hash"][i])
-                out["category"].append(cols["category"][i] or "")
+                truncated += any(f is not e for e, f in zip(exs, fits, strict=True))
+                for messages, fitted in zip(sides, fits, strict=True):
+                    for key in ("input_ids", "labels", "prompt_length"):
+                        out[key].append(fitted[key])
+                    out["length"].append(len(fitted["input_ids"]))
+                    out["response"].append(messages[-1]["content"])
+                    out["content_hash"].append(cols["content_hash"][i])
+                    out["category"].append(cols["category"][i] or "")
             lengths += out["length"]
             writer.write_table(pa.Table.from_pydict(out, schema=TOKENIZED_SCHEMA))
             rejected.flush()
