@@ -67,14 +67,16 @@ def pairs_from(tokenized, out) -> int:
 
 
 @pytest.mark.torchrun
-def test_dpo_with_lora_trains_on_ddp_and_the_loss_falls(tmp_path, demo_assets):
+# DeepSpeed (ZeRO-2) passes this too, in 200 s on 2 shared cores: left out of the suite for its time
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_dpo_with_lora_trains_and_the_loss_falls(tmp_path, demo_assets, strategy):
     """Two CPU ranks, DPO's sigmoid loss against the model with its adapters off: log 2 at the first step (the
     adapters start at zero, so policy = reference), then falling, with TRL's metrics in metrics.jsonl."""
     assets = dict(demo_assets)
     assets["node0"] = tmp_path / "pairs.parquet"
     assert pairs_from(demo_assets["node0"], assets["node0"]) >= 16
     config = {
-        "objective": "dpo", "dpo": {"beta": 0.5}, "peft": "lora", "lora": {"r": 4}, "strategy": "ddp",
+        "objective": "dpo", "dpo": {"beta": 0.5}, "peft": "lora", "lora": {"r": 4}, "strategy": strategy,
         "packing": False, "micro_batch_size": 4, "max_steps": 10, "log_every": 1, "lr": 1e-2, "warmup_ratio": 0.0,
     }  # fmt: skip
     run_trainer(tmp_path, assets, config)
