@@ -3,11 +3,14 @@
 import dataclasses
 import json
 import math
+import subprocess
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_trainer
+import torch
+from conftest import run_trainer, train_command, trainer_env
 
 from workflow_scripts.core.contracts import IGNORE, TOKENIZED_SCHEMA
 from workflow_scripts.core.pipeline_io import UserError
@@ -46,9 +49,10 @@ def test_dpo_settings_are_checked_before_any_work():
     assert isinstance(objective_for(reference_free), DPO)
 
 
-def pairs_from(tokenized, out) -> int:
-    """Preference pairs from an SFT shard: each example chosen as it is, rejected with its answer reversed."""
-    rows = pq.read_table(tokenized).to_pylist()
+def pairs_from(tokenized, out, most: int = 128) -> int:
+    """Preference pairs from an SFT shard's first ``most`` examples: each chosen as it is, rejected with its answer
+    reversed."""
+    rows = pq.read_table(tokenized).to_pylist()[:most]
     pairs = []
     for row in rows:
         ids, labels = row["input_ids"], row["labels"]
@@ -66,20 +70,32 @@ def pairs_from(tokenized, out) -> int:
     return len(pairs) // 2
 
 
+@pytest.fixture(scope="module")
+def pair_assets(tmp_path_factory, demo_assets):
+    """demo_assets with a node0 shard of pairs (pairs_from) and its reference log-probabilities, cached."""
+    from workflow_scripts.train.reference_logps import compute_file
+
+    root = tmp_path_factory.mktemp("pairs")
+    assets = dict(demo_assets) | {"node0": root / "pairs.parquet", "reference": root / "reference.parquet"}
+    assert pairs_from(demo_assets["node0"], assets["node0"]) >= 16
+    first = compute_file(assets["node0"], str(demo_assets["base"]), assets["reference"], root / "cache")
+    again = compute_file(assets["node0"], str(demo_assets["base"]), root / "again.parquet", root / "cache")
+    assert (first["cache"], again["cache"]) == ("miss", "hit") and first["key"] == again["key"]
+    assert (root / "again.parquet").read_bytes() == assets["reference"].read_bytes()
+    return assets
+
+
 @pytest.mark.torchrun
 # DeepSpeed (ZeRO-2) passes this too, in 200 s on 2 shared cores: left out of the suite for its time
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_dpo_with_lora_trains_and_the_loss_falls(tmp_path, demo_assets, strategy):
+def test_dpo_with_lora_trains_and_the_loss_falls(tmp_path, pair_assets, strategy):
     """Two CPU ranks, DPO's sigmoid loss against the model with its adapters off: log 2 at the first step (the
     adapters start at zero, so policy = reference), then falling, with TRL's metrics in metrics.jsonl."""
-    assets = dict(demo_assets)
-    assets["node0"] = tmp_path / "pairs.parquet"
-    assert pairs_from(demo_assets["node0"], assets["node0"]) >= 16
     config = {
         "objective": "dpo", "dpo": {"beta": 0.5}, "peft": "lora", "lora": {"r": 4}, "strategy": strategy,
-        "packing": False, "micro_batch_size": 4, "max_steps": 10, "log_every": 1, "lr": 1e-2, "warmup_ratio": 0.0,
+        "packing": False, "micro_batch_size": 4, "max_steps": 8, "log_every": 1, "lr": 1e-2, "warmup_ratio": 0.0,
     }  # fmt: skip
-    run_trainer(tmp_path, assets, config)
+    run_trainer(tmp_path, pair_assets, config)
     records = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records]
     assert losses[0] == pytest.approx(math.log(2), abs=1e-4)
@@ -90,3 +106,53 @@ def test_dpo_with_lora_trains_and_the_loss_falls(tmp_path, demo_assets, strategy
     assert last["rewards/margins"] > 0 and last["rewards/accuracies"] > 0.5
     state = json.loads((tmp_path / "train" / "train_state.json").read_text())
     assert state["config"]["objective"] == "dpo" and state["plan"]["pairs"] >= 16
+
+
+def test_reference_logps_are_each_rows_answer_under_the_base_model(pair_assets):
+    from transformers import AutoModelForCausalLM
+
+    from workflow_scripts.core.pipeline_io import file_sha256
+    from workflow_scripts.train.batching import collate
+    from workflow_scripts.train.preference import answer_logps
+    from workflow_scripts.train.reference_file import read_logps
+
+    rows = pq.read_table(pair_assets["node0"]).to_pylist()
+    logps = read_logps(pair_assets["reference"], pair_assets["node0"], file_sha256(pair_assets["node0"]), len(rows))
+    model = AutoModelForCausalLM.from_pretrained(pair_assets["base"]).eval()
+    batch = collate([(r["input_ids"], r["labels"]) for r in rows[:3]], 0)
+    with torch.no_grad():
+        want, _ = answer_logps(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+    np.testing.assert_allclose(logps[:3], want.double().numpy(), rtol=1e-4)
+    with pytest.raises(UserError, match="another tokenized shard"):
+        read_logps(pair_assets["reference"], pair_assets["node0"], "0" * 64, len(rows))
+
+
+@pytest.mark.torchrun
+def test_dpo_full_finetuning_with_the_cached_reference_trains(tmp_path, pair_assets):
+    """Full fine-tuning on DDP (2 CPU ranks) against the reference_logps file: log 2 at the first step (the policy
+    is the reference), then falling."""
+    config = {
+        "objective": "dpo", "dpo": {"beta": 0.5, "reference": "cached"}, "strategy": "ddp", "packing": False,
+        "micro_batch_size": 4, "max_steps": 8, "log_every": 1, "lr": 1e-3, "warmup_ratio": 0.0,
+    }  # fmt: skip
+    cmd = [*train_command(tmp_path, pair_assets, config), "--reference-logps", str(pair_assets["reference"])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=trainer_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-3)
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.05, losses
+
+
+def test_the_cached_reference_is_required_and_read_for_the_shard(tmp_path, pair_assets):
+    from workflow_scripts.train.batching import TrainingData
+
+    cfg = training_config({"objective": "dpo", "dpo": {"reference": "cached"}, "packing": False})
+    with pytest.raises(UserError, match="needs a --reference-logps file for each of its 1 shard"):
+        TrainingData(cfg, [pair_assets["node0"]], None, 2, 0, tmp_path / "store")
+    data = TrainingData(cfg, [pair_assets["node0"]], None, 2, 0, tmp_path / "store", [pair_assets["reference"]])
+    data.bind(pad_id=0, one_row=False)
+    batch, _ = next(data.micro_batches(0))
+    assert (
+        batch["ref_logps"].shape == (2 * cfg.micro_batch_size,)
+        and batch["input_ids"].shape[0] == 2 * cfg.micro_batch_size
+    )

@@ -24,7 +24,9 @@ import torch
 from workflow_scripts.core.contracts import IGNORE
 from workflow_scripts.core.pipeline_io import UserError, file_sha256
 from workflow_scripts.data.token_store import TokenStore, open_store
+from workflow_scripts.train.objective import REFERENCE_KEY, cached_reference
 from workflow_scripts.train.objective import pairs as trains_on_pairs
+from workflow_scripts.train.reference_file import read_logps
 
 
 class Examples:
@@ -211,8 +213,10 @@ class Batches:
     or all bins in one row for flash-attention, whose varlen path takes a single row), or preference
     pairs (``pairs``: unit i is rows 2i, chosen, and 2i + 1, rejected; a batch is [chosen..., rejected...])."""
 
-    def __init__(self, examples: Examples, bins: Bins | None, pad_id: int, one_row: bool, pairs: bool = False):
+    def __init__(self, examples: Examples, bins: Bins | None, pad_id: int, one_row: bool, pairs: bool = False,
+                 reference: np.ndarray | None = None):  # fmt: skip
         self.examples, self.bins, self.pad_id, self.one_row, self.pairs = examples, bins, pad_id, one_row, pairs
+        self.reference = reference  # pairs: the reference model's log-probability of every row (reference_logps)
 
     def __len__(self) -> int:
         if self.pairs:
@@ -222,8 +226,11 @@ class Batches:
     def make(self, indices: list[int]) -> tuple[dict, list[int]]:
         """The batch for these unit indices and the lengths of its sequences (real tokens)."""
         if self.pairs:
-            items = [self.examples[i] for i in pair_rows(indices)]
+            rows = pair_rows(indices)
+            items = [self.examples[i] for i in rows]
             batch = collate(items, self.pad_id)
+            if self.reference is not None:
+                batch[REFERENCE_KEY] = torch.from_numpy(self.reference[rows].astype(np.float32))
         elif self.bins is None:
             items = [self.examples[i] for i in indices]
             batch = collate(items, self.pad_id)
@@ -239,7 +246,11 @@ class Batches:
 class TrainingData:
     """A rank's view of the training data: the plan, and the micro-batches of each step."""
 
-    def __init__(self, cfg, shards: list[Path], plans: list[Path] | None, world: int, rank: int, store_root: Path):
+    def __init__(
+        self, cfg, shards: list[Path], plans: list[Path] | None, world: int, rank: int, store_root: Path,
+        reference: list[Path] | None = None,
+    ):  # fmt: skip
+        """``reference``: with training.dpo.reference cached, each shard's reference_logps file."""
         if cfg.packing and trains_on_pairs(cfg):
             raise UserError("training.objective dpo trains on pairs, not packed bins: set training.packing false")
         if cfg.packing and plans is None:
@@ -251,6 +262,7 @@ class TrainingData:
         units = len(self.bins) if cfg.packing else len(self.examples)
         if self.pairs:
             units = self.pair_count()
+        self.reference = self.reference_logps(reference, shas) if cached_reference(cfg) else None
         self.plan = DataPlan(units, world, cfg.micro_batch_size, cfg.grad_accum, cfg.epochs, cfg.max_steps)
         if units < cfg.micro_batch_size * world:
             what = "pairs" if self.pairs else "packed bins" if cfg.packing else "examples"
@@ -260,7 +272,7 @@ class TrainingData:
 
     def bind(self, pad_id: int, one_row: bool) -> None:
         """Batches need the model's pad token and attention layout, known once the model is loaded."""
-        self.batches = Batches(self.examples, self.bins, pad_id, one_row, self.pairs)
+        self.batches = Batches(self.examples, self.bins, pad_id, one_row, self.pairs, self.reference)
 
     def pair_count(self) -> int:
         """The preference pairs: each shard holds them as consecutive rows (chosen, rejected)."""
@@ -271,6 +283,18 @@ class TrainingData:
                     " rejected rows in turn), as tokenization writes them from preference data"
                 )
         return len(self.examples) // 2
+
+    def reference_logps(self, files: list[Path] | None, shas: list[str]) -> np.ndarray:
+        """The reference model's log-probability of every row of the shards, from their reference_logps files."""
+        if not files or len(files) != len(self.shards):
+            raise UserError(
+                f"training.dpo.reference is cached: the trainer needs a --reference-logps file for each of its"
+                f" {len(self.shards)} shard(s) (the reference_logps stage's), given {len(files or [])}"
+            )
+        return np.concatenate([
+            read_logps(path, shard, sha, store.rows)
+            for path, shard, sha, store in zip(files, self.shards, shas, self.examples.stores, strict=True)
+        ])  # fmt: skip
 
     def micro_batches(self, step: int):
         """The step's micro-batches on this rank: (batch, sequence lengths), grad_accum of them."""

@@ -99,6 +99,12 @@ def objective_for(cfg):
     return OBJECTIVES[getattr(cfg, "objective", "sft")](cfg)
 
 
+def cached_reference(cfg) -> bool:
+    """Whether cfg's objective reads the reference_logps stage's files (training.dpo.reference cached, with a loss
+    that has a reference)."""
+    return pairs(cfg) and cfg.dpo["reference"] == "cached" and needs_reference(cfg.dpo["loss"])
+
+
 def pairs(cfg) -> bool:
     """Whether cfg's objective trains on pairs (a data unit is two rows)."""
     return OBJECTIVES[getattr(cfg, "objective", "sft")].pairs
