@@ -15,7 +15,8 @@ from workflow_scripts.data.readers import delimiter_arg, resolve_paths
 from workflow_scripts.core.fingerprint import check_model, is_hub_id, local_model_folder
 from workflow_scripts.core.hub_model import absent_message, cached_snapshot, read_record, resolve_commit
 from workflow_scripts.data.chat_format import format_list, has_chat_template, no_template_message
-from workflow_scripts.core.settings import accumulation, check_grid, job_ranks, validated
+from workflow_scripts.core.settings import accumulation, as_before_objectives, check_grid, job_ranks, validated
+from workflow_scripts.core.settings import reads_cached_reference
 from workflow_scripts.core.settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig
 from workflow_scripts.core.settings import TEMPLATE_KEYS, DecontaminateConfig, PlanConfig, SplitConfig, TokenizeConfig
 from workflow_scripts.core.variants import expand_grid, variant_training
@@ -356,7 +357,7 @@ def training_section(wildcards):
 def training_json():
     """The trainer's config, a params function: the job's `training` section (train.py builds its
     TrainConfig from it; a grid variant's values change its checkpoint key, so variants never share one)."""
-    return lambda wildcards: json.dumps(training_section(wildcards), sort_keys=True)
+    return lambda wildcards: json.dumps(as_before_objectives(training_section(wildcards)), sort_keys=True)
 
 
 def measured_gpu_input(wildcards):
@@ -374,6 +375,26 @@ def held_out_input(wildcards):
     """The tokenized eval set as the training job's named input `eval`, only where the job's training.eval_every
     is on: turning it on or off changes the job's inputs, as it changes its metrics."""
     return {"eval": TOKENIZED.format(shard="eval")} if training_section(wildcards)["eval_every"] else {}
+
+
+def reference_input(wildcards):
+    """The reference_logps files of the job's shards as its named input `reference`, where it reads them."""
+    training = training_section(wildcards)
+    if not reads_cached_reference(training["objective"], training["dpo"]):
+        return {}
+    return {"reference": expand(REFERENCE_LOGPS, shard=[wildcards.node] if "node" in wildcards.keys() else NODES)}
+
+
+def reference_args(wildcards, input):
+    """The trainer's --reference-logps where the job has the `reference` input (a params function)."""
+    files = input.get("reference")
+    return f"--reference-logps {' '.join(shlex.quote(f) for f in files)}" if files else ""
+
+
+def reference_cache_args(wildcards):
+    """reference_logps' --cache-dir: beside data.cache_dir's tokenization cache (none where that is off)."""
+    cache = config["data"]["cache_dir"]
+    return f"--cache-dir {shlex.quote(str(Path(cache).parent / 'reference_logps'))}" if cache else ""
 
 
 def held_out_args(wildcards, input):
@@ -401,7 +422,7 @@ def plan_json(wildcards):
 
 def provenance_json(wildcards):
     """The resolved config of the job's variant: its `training` section in place of the config's."""
-    resolved = config | {"training": training_section(wildcards)}
+    resolved = config | {"training": as_before_objectives(training_section(wildcards))}
     if not GRID:  # the config as it was before grids existed
         resolved.pop("grid")
     return json.dumps(resolved, sort_keys=True)

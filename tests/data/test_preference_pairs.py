@@ -139,3 +139,25 @@ def test_an_sft_row_is_its_own_single_side():
     assert pair_sides(conversation) == [conversation]
     chosen, rejected = pair_sides(expected())
     assert chosen == conversation and rejected[-1] == {"role": "assistant", "content": BAD}
+
+
+def test_the_eval_set_keeps_a_pairs_chosen_answer_alone(tmp_path, tokenizer):
+    from workflow_scripts.data.preference_pairs import has_pairs
+
+    rows = [{"prompt": f"{USER} ({i})", "chosen": f"{GOOD} ({i})", "rejected": f"{BAD} ({i})"} for i in range(4)]
+    out = split_pairs(tmp_path, rows)
+    shard = out["splits"][0]
+    assert has_pairs(shard) and has_pairs(out["eval"])
+    _, stats = tokenize_shard(tokenizer, shard, tmp_path / "chosen.parquet", 128, "truncate", chosen_only=True)
+    chosen = pq.read_table(tmp_path / "chosen.parquet").to_pylist()
+    assert stats["examples"] == 4 and all(r["response"].startswith(GOOD) for r in chosen)
+
+
+def test_the_demo_pairs_map_without_a_reject():
+    from workflow_scripts.data.make_demo_data import PREFERENCE_ROWS, generate, preferences
+
+    pairs = preferences(generate())
+    assert len(pairs) == PREFERENCE_ROWS
+    mapped = [pair(p) for p in pairs]
+    assert all(problem is None for _, problem in mapped)
+    assert all(m[0]["role"] == "system" and m[-1]["rejected"] != m[-1]["content"] for m, _ in mapped)

@@ -30,6 +30,8 @@ RUN_FILES = {
     "PACKING": "data/tokenized/{shard}.packing.parquet",
     "TOKEN_STATS": "data/tokenized/{shard}.json",
     "TOKEN_REJECTS": "data/tokenized/{shard}.rejects.parquet",  # examples tokenization left out
+    # training.dpo.reference cached: the base model's log-probability of each tokenized row (reference_logps)
+    "REFERENCE_LOGPS": "data/reference_logps/{shard}.parquet",
     "DECONTAMINATION": "data/decontamination.json",  # data.decontaminate's report
     "DECONTAMINATED": "data/decontaminated/{shard}.parquet",  # data.decontaminate: drop: the shard without them
     "CONTAMINATED": "data/contaminated.parquet",  # data.decontaminate: drop: the rows left out

@@ -193,12 +193,31 @@ class TrainConfig:
         return training_config(json.loads(text))
 
 
+# training.dpo.loss values that read no reference model (train/preference.py's SimPO and ORPO)
+REFERENCE_FREE_LOSSES = frozenset({"simpo", "orpo"})
+
+
+def reads_cached_reference(objective: str, dpo: dict) -> bool:
+    """Whether training reads the reference_logps stage's files: objective dpo, training.dpo.reference cached and a
+    loss with a reference (the rules' test, without torch, and the trainer's)."""
+    return objective == "dpo" and dpo["reference"] == "cached" and dpo["loss"] not in REFERENCE_FREE_LOSSES
+
+
+OBJECTIVE_KEYS = ("objective", "dpo")  # training keys added with training.objective
+
+
+def as_before_objectives(training: dict) -> dict:
+    """An SFT training section (or TrainConfig as a dict) without OBJECTIVE_KEYS, as it was before them: what the
+    rules pass the trainer and provenance, and train_state.json records, so an SFT run's params and files do not
+    change (the trainer's TrainConfig takes the schema's defaults for them)."""
+    if training.get("objective", "sft") != "sft":
+        return training
+    return {k: v for k, v in training.items() if k not in OBJECTIVE_KEYS}
+
+
 def recorded_config(cfg: TrainConfig) -> dict:
     """The config as train_state.json records it: an SFT run's without the objective's keys (as before them)."""
-    record = dataclasses.asdict(cfg)
-    if cfg.objective == "sft":
-        del record["objective"], record["dpo"]
-    return record
+    return as_before_objectives(dataclasses.asdict(cfg))
 
 
 def flat_training(training: dict) -> dict:

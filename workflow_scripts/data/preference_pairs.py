@@ -31,6 +31,17 @@ REJECTED = "rejected"  # the key of the chosen answer's turn that holds the reje
 PAIR_REASONS = ("identical_pair", "empty_answer", "prompt_mismatch")
 
 
+def has_pairs(shard) -> bool:
+    """Whether a split shard holds preference pairs (its first row is one; a shard is all pairs or none)."""
+    import pyarrow.parquet as pq
+
+    file = pq.ParquetFile(shard)
+    if file.metadata.num_rows == 0:
+        return False
+    first = file.read_row_group(0, columns=["messages"]).column("messages")[0].as_py()
+    return is_pair(json.loads(first))
+
+
 def is_pair(messages: list[dict]) -> bool:
     return REJECTED in messages[-1]
 

@@ -40,7 +40,7 @@ from workflow_scripts.core.settings import TokenizeConfig
 from workflow_scripts.data.chat_format import SpecialText, special_texts
 from workflow_scripts.data.chat_render import ChatRenderer, encode_messages, load_tokenizer, use_template
 from workflow_scripts.data.packing import write_packing
-from workflow_scripts.data.preference_pairs import pair_sides
+from workflow_scripts.data.preference_pairs import has_pairs, pair_sides
 from workflow_scripts.data.token_cache import cache_key, cached, tokenizer_fingerprint
 
 log = logging.getLogger("tokenize")
@@ -90,6 +90,7 @@ def tokenize_shard(
     template_kwargs: dict | None = None,
     rejects_out: Path | None = None,
     special: SpecialText | None = None,
+    chosen_only: bool = False,
 ):
     """Stream the shard through special text → render → tokenize → mask → fit, writing as it goes.
 
@@ -116,7 +117,8 @@ def tokenize_shard(
             # together
             conversations, rows = [], []
             for i, text in enumerate(cols["messages"]):
-                sides = [special(s) if special else (s, None) for s in pair_sides(json.loads(text))]
+                sides = pair_sides(json.loads(text))[: 1 if chosen_only else None]  # chosen_only: a pair's chosen side
+                sides = [special(s) if special else (s, None) for s in sides]
                 why = next((w for _, w in sides if w), None)
                 if why:
                     rejected.add(row_at(cols, i), *why)
@@ -311,6 +313,8 @@ def main(argv=None) -> None:
     p.add_argument("--rejects", type=Path, help="examples left out, with reasons (default: <output>.rejects.parquet)")
     p.add_argument("--min-examples", type=int, default=1, help="stop with fewer examples (a micro-batch per rank)")
     p.add_argument("--min-bins", type=int, default=0, help="stop with fewer packed bins (a micro-batch per rank)")
+    p.add_argument("--chosen-only", action="store_true",
+                   help="preference pairs: their chosen answers alone, one row each (the eval set)")  # fmt: skip
     a = p.parse_args(argv)
     a.tokenizer = model_location(a.tokenizer)  # a fetch record: its snapshot folder
     cfg = TokenizeConfig.from_json(a.config)
@@ -320,6 +324,8 @@ def main(argv=None) -> None:
     pack_len = a.pack_len or cfg.max_seq_len
     settings = {"max_seq_len": cfg.max_seq_len, "overlength": cfg.overlength, "pack_len": pack_len}
     settings |= {"train_on": cfg.train_on, "template_kwargs": cfg.template_kwargs, "special_text": cfg.special_text}
+    chosen_only = a.chosen_only and has_pairs(a.shard)  # a key only where it changes what is written
+    settings |= {"sides": "chosen"} if chosen_only else {}
     key = cache_key(a.shard, tokenizer_fingerprint(tokenizer, a.tokenizer), settings)
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
 
@@ -334,6 +340,7 @@ def main(argv=None) -> None:
             template_kwargs=cfg.template_kwargs,
             rejects_out=folder / "rejects.parquet",
             special=SpecialText(special_texts(tokenizer), cfg.special_text),
+            chosen_only=chosen_only,
         )
         return stats | write_packing(lengths, pack_len, folder / "packing.parquet") | {"key": key, "settings": settings}
 

@@ -17,6 +17,7 @@ import torch
 
 from workflow_scripts.core.contracts import IGNORE
 from workflow_scripts.core.pipeline_io import UserError
+from workflow_scripts.core.settings import reads_cached_reference
 from workflow_scripts.train.preference import DPOSettings, answer_logps, needs_reference, preference_loss, split_pairs
 
 REFERENCE_KEY = "ref_logps"  # a cached reference's log-probabilities in the batch: (2 x pairs,), chosen first
@@ -102,7 +103,7 @@ def objective_for(cfg):
 def cached_reference(cfg) -> bool:
     """Whether cfg's objective reads the reference_logps stage's files (training.dpo.reference cached, with a loss
     that has a reference)."""
-    return pairs(cfg) and cfg.dpo["reference"] == "cached" and needs_reference(cfg.dpo["loss"])
+    return reads_cached_reference(getattr(cfg, "objective", "sft"), getattr(cfg, "dpo", {}))
 
 
 def pairs(cfg) -> bool:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from workflow_scripts.core.contracts import IGNORE
+from workflow_scripts.core.settings import REFERENCE_FREE_LOSSES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +117,7 @@ def _orpo(s: DPOSettings, policy: PairLogps, ref: None) -> tuple:
 
 
 LOSSES: dict[str, LossFn] = {"sigmoid": _sigmoid, "ipo": _ipo, "simpo": _simpo, "orpo": _orpo}
-REFERENCE_FREE = frozenset({"simpo", "orpo"})  # the losses that read no reference model
+REFERENCE_FREE = REFERENCE_FREE_LOSSES  # the losses that read no reference model
 
 
 def needs_reference(loss: str) -> bool:

@@ -1,0 +1,72 @@
+"""training.objective dpo in the workflow: the reference_logps stage where the loss reads a cached reference,
+the trainer given its files, and an SFT run's commands as before the objective existed."""
+
+import json
+import re
+
+from conftest import REPO, snakemake, tiny_config
+
+from workflow_scripts.core.settings import as_before_objectives, training_config
+
+PAIRS = REPO / "resources" / "demo" / "preferences.jsonl"
+
+
+def dpo_dry_run(tmp_path, **dpo) -> str:
+    config = tiny_config("t", objective="dpo", dpo=dpo, packing=False)
+    config["data"] = {"path": str(PAIRS), "max_seq_len": 128}
+    return snakemake(tmp_path, config, "-n", "-p").stdout
+
+
+def train_commands(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if "train.py --config" in line]
+
+
+def test_a_cached_reference_is_computed_once_per_shard_and_given_to_the_trainer(tmp_path):
+    out = dpo_dry_run(tmp_path / "cached", reference="cached")
+    assert re.search(r"^reference_logps\s+2$", out, re.M)
+    commands = train_commands(out)
+    assert len(commands) == 2 and all("--reference-logps results/t/data/reference_logps/node" in c for c in commands)
+    config = json.loads(re.search(r"train\.py --config '([^']*)'", commands[0]).group(1))
+    assert config["objective"] == "dpo" and config["dpo"]["reference"] == "cached"
+    assert "--chosen-only" in next(line for line in out.splitlines() if "--shard results/t/data/eval.parquet" in line)
+
+
+def test_no_reference_stage_for_a_reference_free_loss(tmp_path):
+    out = dpo_dry_run(tmp_path, reference="cached", loss="simpo")
+    assert "reference_logps" not in out and all("--reference-logps" not in c for c in train_commands(out))
+
+
+def test_an_sft_section_is_passed_as_before_the_objective():
+    sft = training_config({})
+    section = {"lr": 1e-3, "objective": "sft", "dpo": {"beta": 0.1}}
+    assert as_before_objectives(section) == {"lr": 1e-3}
+    dpo = section | {"objective": "dpo"}
+    assert as_before_objectives(dpo) == dpo and sft.objective == "sft"
+
+
+def test_an_sft_dry_run_passes_no_objective_key(tiny_dry_run):
+    commands = train_commands(tiny_dry_run.stdout)
+    assert commands and all('"objective"' not in c and "--reference-logps" not in c for c in commands)
+    assert "reference_logps" not in tiny_dry_run.stdout and "--chosen-only" not in tiny_dry_run.stdout
+
+
+def test_demo_dpo_config():
+    """Valid; DPO on stage 1's node0 over the demo's pairs with the cached reference; a run of its own; every key
+    stage 1's config sets is set again (--configfile is merged over config/config.yaml)."""
+    import yaml
+
+    from workflow_scripts.core.settings import validated
+
+    stage1 = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    stage3 = yaml.safe_load((REPO / "config" / "demo_dpo.yaml").read_text())
+    config = validated(stage3)
+    assert config["model"]["name_or_path"] == f"results/{stage1['run']}/models/node0" and config["run"] != stage1["run"]
+    assert config["data"]["path"] == str(PAIRS.relative_to(REPO)) and config["data"]["mapping"] == "preference"
+    assert config["training"]["objective"] == "dpo" and config["training"]["dpo"]["reference"] == "cached"
+
+    def keys(d, prefix=""):
+        return {
+            k for key, v in d.items() for k in (keys(v, f"{prefix}{key}.") if isinstance(v, dict) else [prefix + key])
+        }
+
+    assert keys(stage1) <= keys(stage3), keys(stage1) - keys(stage3)
