@@ -16,7 +16,7 @@ from workflow_scripts.core.fingerprint import check_model, is_hub_id, local_mode
 from workflow_scripts.core.hub_model import absent_message, cached_snapshot, read_record, resolve_commit
 from workflow_scripts.data.chat_format import format_list, has_chat_template, no_template_message
 from workflow_scripts.core.settings import accumulation, as_before_objectives, check_grid, job_ranks, validated
-from workflow_scripts.core.settings import reads_cached_reference
+from workflow_scripts.core.settings import OBJECTIVE_CONFIG_KEYS, reads_cached_reference
 from workflow_scripts.core.settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig
 from workflow_scripts.core.settings import TEMPLATE_KEYS, DecontaminateConfig, PlanConfig, SplitConfig, TokenizeConfig
 from workflow_scripts.core.variants import expand_grid, variant_training
@@ -417,7 +417,9 @@ def plan_json(wildcards):
     """plan_training's config (settings.PlanConfig), a params function: the job's grid variant's training keys
     that change memory use (so a new learning rate does not rerun the plan), max_seq_len, the vocabulary and
     the nodes."""
-    return PlanConfig.to_json(config | {"training": training_section(wildcards)})
+    training = training_section(wildcards)
+    sft = training["objective"] == "sft"  # its plan's params as before the objective's keys
+    return PlanConfig.to_json(config | {"training": training}, without=OBJECTIVE_CONFIG_KEYS if sft else ())
 
 
 def provenance_json(wildcards):

@@ -156,3 +156,24 @@ def test_the_cached_reference_is_required_and_read_for_the_shard(tmp_path, pair_
         batch["ref_logps"].shape == (2 * cfg.micro_batch_size,)
         and batch["input_ids"].shape[0] == 2 * cfg.micro_batch_size
     )
+
+
+@pytest.mark.parametrize(
+    "dpo", [{"reference": "adapters_off"}, {"reference": "cached"}], ids=["adapters_off", "cached"]
+)
+def test_the_planners_probe_runs_the_dpo_step(dpo):
+    """The fake-tensor probe runs train_step with the objective: a DPO micro-batch is micro_batch_size pairs, two
+    sequences each, so its activations outgrow SFT's at the same micro_batch_size."""
+    from transformers import Qwen3Config
+
+    from workflow_scripts.core.settings import PlanConfig
+    from workflow_scripts.plan.memory_probe import probe
+
+    shape = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, head_dim=16,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    keys = {"max_seq_len": 64, "micro_batch_size": 2, "strategy": "ddp", "packing": False, "peft": "lora",
+            "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}}  # fmt: skip
+    sft = probe(shape, PlanConfig.build(keys), 2)
+    pairs = probe(shape, PlanConfig.build(keys | {"objective": "dpo", "dpo": dpo}), 2)
+    assert pairs["activations_peak_bytes"] > 1.5 * sft["activations_peak_bytes"]
+    assert pairs["components_bytes"]["params"] == sft["components_bytes"]["params"]

@@ -204,6 +204,7 @@ def reads_cached_reference(objective: str, dpo: dict) -> bool:
 
 
 OBJECTIVE_KEYS = ("objective", "dpo")  # training keys added with training.objective
+OBJECTIVE_CONFIG_KEYS = tuple(f"training.{k}" for k in OBJECTIVE_KEYS)  # as dotted keys (StageConfig.to_json)
 
 
 def as_before_objectives(training: dict) -> dict:
@@ -425,14 +426,15 @@ ConsolidateConfig = stage_config(
 PlanConfig = stage_config(
     "PlanConfig",
     "plan_training's keys: what changes memory use (a new learning rate re-plans nothing), the sequence length, "
-    "a from-scratch preset's vocabulary, and the nodes (joint mode shards over all of their ranks).",
+    "a from-scratch preset's vocabulary, the nodes (joint mode shards over all of their ranks), and the objective "
+    "(DPO's forward holds a pair's two sequences and their logits).",
     "training.mode", "training.strategy", "training.zero_stage", "training.offload", "training.peft",
     "training.offload_ratio", "training.offload_pin_memory", "training.lora", "training.procs_per_node",
     "training.precision", "training.micro_batch_size",
     "training.gradient_checkpointing", "training.grad_accum", "training.global_batch_size", "training.fsdp_no_sync",
     "training.chunked_loss", "training.packing",
     "training.gpu_memory_gb", "nodes", "data.max_seq_len",
-    "model.demo_vocab_size",
+    "model.demo_vocab_size", "training.objective", "training.dpo",
 )  # fmt: skip
 
 
