@@ -85,14 +85,14 @@ def pair_assets(tmp_path_factory, demo_assets):
     return assets
 
 
+# DeepSpeed (ZeRO-2) passes this too, in 200 s on 2 shared cores (FSDP2 in 40 s): left out for their time; FSDP2 runs
+# the cached reference below
 @pytest.mark.torchrun
-# DeepSpeed (ZeRO-2) passes this too, in 200 s on 2 shared cores: left out of the suite for its time
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_dpo_with_lora_trains_and_the_loss_falls(tmp_path, pair_assets, strategy):
+def test_dpo_with_lora_trains_on_ddp_and_the_loss_falls(tmp_path, pair_assets):
     """Two CPU ranks, DPO's sigmoid loss against the model with its adapters off: log 2 at the first step (the
     adapters start at zero, so policy = reference), then falling, with TRL's metrics in metrics.jsonl."""
     config = {
-        "objective": "dpo", "dpo": {"beta": 0.5}, "peft": "lora", "lora": {"r": 4}, "strategy": strategy,
+        "objective": "dpo", "dpo": {"beta": 0.5}, "peft": "lora", "lora": {"r": 4}, "strategy": "ddp",
         "packing": False, "micro_batch_size": 4, "max_steps": 8, "log_every": 1, "lr": 1e-2, "warmup_ratio": 0.0,
     }  # fmt: skip
     run_trainer(tmp_path, pair_assets, config)
@@ -128,11 +128,11 @@ def test_reference_logps_are_each_rows_answer_under_the_base_model(pair_assets):
 
 
 @pytest.mark.torchrun
-def test_dpo_full_finetuning_with_the_cached_reference_trains(tmp_path, pair_assets):
-    """Full fine-tuning on DDP (2 CPU ranks) against the reference_logps file: log 2 at the first step (the policy
+def test_dpo_full_finetuning_with_the_cached_reference_trains_on_fsdp(tmp_path, pair_assets):
+    """Full fine-tuning on FSDP2 (2 CPU ranks) against the reference_logps file: log 2 at the first step (the policy
     is the reference), then falling."""
     config = {
-        "objective": "dpo", "dpo": {"beta": 0.5, "reference": "cached"}, "strategy": "ddp", "packing": False,
+        "objective": "dpo", "dpo": {"beta": 0.5, "reference": "cached"}, "strategy": "fsdp", "packing": False,
         "micro_batch_size": 4, "max_steps": 8, "log_every": 1, "lr": 1e-3, "warmup_ratio": 0.0,
     }  # fmt: skip
     cmd = [*train_command(tmp_path, pair_assets, config), "--reference-logps", str(pair_assets["reference"])]
