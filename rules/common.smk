@@ -385,10 +385,30 @@ def reference_input(wildcards):
     return {"reference": expand(REFERENCE_LOGPS, shard=[wildcards.node] if "node" in wildcards.keys() else NODES)}
 
 
-def reference_args(wildcards, input):
-    """The trainer's --reference-logps where the job has the `reference` input (a params function)."""
+EVAL_PAIRS = "eval_pairs"  # the eval split's pairs tokenized with both answers (tokenize_eval_pairs)
+
+
+def preference_input(wildcards):
+    """Each model's held-out preference accuracy (preference_eval) as summarize's named input `preference`, where
+    the variant trains with training.objective dpo."""
+    if training_section(wildcards)["objective"] != "dpo":
+        return {}
+    return {"preference": expand(PREFERENCE_RESULT, model=MODELS, **variant_of(wildcards))}
+
+
+def summary_tail_args(wildcards, input):
+    """summarize's --trackers values (logging.trackers) and its --preference files where the job has the
+    `preference` input: one param, so that an SFT summary's shell command and params are as before the objective
+    existed (Snakemake's code and params rerun triggers)."""
+    files = input.get("preference")
+    tail = f" --preference {' '.join(shlex.quote(f) for f in files)}" if files else ""
+    return " ".join(config["logging"]["trackers"]) + tail
+
+
+def reference_args(input) -> str:
+    """The trainer's --reference-logps where the job has the `reference` input."""
     files = input.get("reference")
-    return f"--reference-logps {' '.join(shlex.quote(f) for f in files)}" if files else ""
+    return f" --reference-logps {' '.join(shlex.quote(f) for f in files)}" if files else ""
 
 
 def reference_cache_args(wildcards):
@@ -398,8 +418,10 @@ def reference_cache_args(wildcards):
 
 
 def held_out_args(wildcards, input):
-    """The trainer's --eval-data where the job has the `eval` input (a params function)."""
-    return f"--eval-data {shlex.quote(input.eval)}" if input.get("eval") else ""
+    """The trainer's --eval-data where the job has the `eval` input (a params function); and its --reference-logps
+    where it has the `reference` input (training.dpo.reference cached): in this param, so that an SFT job's shell
+    command and params are as before the objective existed (Snakemake's code and params rerun triggers)."""
+    return (f"--eval-data {shlex.quote(input.eval)}" if input.get("eval") else "") + reference_args(input)
 
 
 def model_shape(wildcards, input):

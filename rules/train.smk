@@ -2,7 +2,7 @@ rule train_node:
     input:
         # `eval`: the tokenized eval set, with training.eval_every only
         unpack(held_out_input),
-        # `reference`: the reference_logps files, with training.dpo.reference cached only
+        # `reference`: the reference_logps files, with training.dpo.reference cached only (in params.held_out)
         unpack(reference_input),
         env=ENV_CHECK,
         plan=PLAN,
@@ -33,7 +33,6 @@ rule train_node:
         checkpoints=CHECKPOINTS,
         procs=config["training"]["procs_per_node"],
         held_out=held_out_args,
-        reference=reference_args,
         trackers=trackers_json,
     shell:
         # each attempt's log is kept (rules/common.smk)
@@ -49,7 +48,7 @@ rule train_node:
         " export OMP_NUM_THREADS=$n MKL_NUM_THREADS=$n OPENBLAS_NUM_THREADS=$n;"
         " torchrun --standalone --nproc_per_node {params.procs} --max-restarts 0"
         " {params.script:q} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
-        " --base-model {params.base:q} {params.held_out} {params.reference} --environment {input.env} --log-dir {params.log_dir:q}"
+        " --base-model {params.base:q} {params.held_out} --environment {input.env} --log-dir {params.log_dir:q}"
         " --checkpoint-root {params.checkpoints:q} --state {output.state}"
         " --trackers {params.trackers:q} >> {log} 2>&1"
         # torchrun reports a signal as a plain failure; the trainer's marker tells preemption apart
@@ -61,7 +60,7 @@ rule train_joint:
     input:
         # `eval`: the tokenized eval set, with training.eval_every only
         unpack(held_out_input),
-        # `reference`: the reference_logps files, with training.dpo.reference cached only
+        # `reference`: the reference_logps files, with training.dpo.reference cached only (in params.held_out)
         unpack(reference_input),
         env=ENV_CHECK,
         plan=PLAN,
@@ -99,12 +98,11 @@ rule train_joint:
         nodes=config["nodes"],
         procs=config["training"]["procs_per_node"],
         held_out=held_out_args,
-        reference=reference_args,
     shell:
         ATTEMPT_LOG
         + "python {params.launch:q} --nodes {params.nodes} --procs-per-node {params.procs} --threads {threads}"
         " -- {params.script:q} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
-        " --base-model {params.base:q} {params.held_out} {params.reference} --environment {input.env} --log-dir {params.log_dir:q}"
+        " --base-model {params.base:q} {params.held_out} --environment {input.env} --log-dir {params.log_dir:q}"
         " --checkpoint-root {params.checkpoints:q} --state {output.state}"
         " --trackers {params.trackers:q} >> {log} 2>&1"
         # srun and torchrun report a signal as a plain failure; the trainer's marker tells preemption apart

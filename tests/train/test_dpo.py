@@ -177,3 +177,22 @@ def test_the_planners_probe_runs_the_dpo_step(dpo):
     pairs = probe(shape, PlanConfig.build(keys | {"objective": "dpo", "dpo": dpo}), 2)
     assert pairs["activations_peak_bytes"] > 1.5 * sft["activations_peak_bytes"]
     assert pairs["components_bytes"]["params"] == sft["components_bytes"]["params"]
+
+
+def test_held_out_preference_accuracy_is_trls_reward_accuracy(tmp_path, pair_assets):
+    """preference_eval's metrics: against the base model itself every margin is 0 (accuracy 0, as TRL's
+    rewards/accuracies at step 0); the shares are over pairs; the file is summarize's extra task."""
+    from workflow_scripts.evals.preference_eval import evaluate, preference_metrics
+    from workflow_scripts.report.summarize import summary_table, with_tasks
+
+    m = preference_metrics(np.array([-1.0, -3.0, -2.0, -1.0]), np.array([-2.0, -2.0, -2.0, -2.0]), beta=0.5)
+    assert m["accuracy"] == 0.5 and m["margin"] == pytest.approx(0.5 * ((1 + 1) + (0 - 1)) / 2)
+    assert m["chosen_likelier"] == 0.5 and m["accuracy_stderr"] == pytest.approx(0.5 / math.sqrt(2))
+    base = evaluate(str(pair_assets["base"]), pair_assets["node0"], pair_assets["reference"], beta=0.1)
+    assert base["accuracy"] == 0 and base["margin"] == 0 and 0 <= base["chosen_likelier"] <= 1
+    results = [{"model": "base", "eval_loss": 2.0, "exact_match": 0.0, "tasks": {}},
+               {"model": "node0", "eval_loss": 1.0, "exact_match": 0.5}]  # fmt: skip
+    extra = [{"model": m, "tasks": {"preference": {"accuracy": a, "accuracy_stderr": 0.1}}} for m, a in
+             (("base", 0.0), ("node0", 0.75))]  # fmt: skip
+    table = summary_table(with_tasks(results, extra))
+    assert table["preference.accuracy"].tolist() == [0.0, 0.75]

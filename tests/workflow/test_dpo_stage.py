@@ -23,7 +23,10 @@ def train_commands(stdout: str) -> list[str]:
 
 def test_a_cached_reference_is_computed_once_per_shard_and_given_to_the_trainer(tmp_path):
     out = dpo_dry_run(tmp_path / "cached", reference="cached")
-    assert re.search(r"^reference_logps\s+2$", out, re.M)
+    # the two node shards and the eval pairs (the held-out preference accuracy's reference)
+    assert re.search(r"^reference_logps\s+3$", out, re.M) and re.search(r"^preference_eval\s+3$", out, re.M)
+    summarize = next(line for line in out.splitlines() if "summarize.py --results" in line)
+    assert all(f"results/t/eval/preference/{m}.json" in summarize for m in ("base", "node0", "node1"))
     commands = train_commands(out)
     assert len(commands) == 2 and all("--reference-logps results/t/data/reference_logps/node" in c for c in commands)
     config = json.loads(re.search(r"train\.py --config '([^']*)'", commands[0]).group(1))
@@ -31,9 +34,10 @@ def test_a_cached_reference_is_computed_once_per_shard_and_given_to_the_trainer(
     assert "--chosen-only" in next(line for line in out.splitlines() if "--shard results/t/data/eval.parquet" in line)
 
 
-def test_no_reference_stage_for_a_reference_free_loss(tmp_path):
+def test_a_reference_free_loss_trains_without_the_reference(tmp_path):
     out = dpo_dry_run(tmp_path, reference="cached", loss="simpo")
-    assert "reference_logps" not in out and all("--reference-logps" not in c for c in train_commands(out))
+    assert re.search(r"^reference_logps\s+1$", out, re.M)  # the eval pairs' alone, for the preference accuracy
+    assert all("--reference-logps" not in c for c in train_commands(out))
 
 
 def test_an_sft_section_is_passed_as_before_the_objective():
@@ -47,7 +51,8 @@ def test_an_sft_section_is_passed_as_before_the_objective():
 def test_an_sft_dry_run_passes_no_objective_key(tiny_dry_run):
     commands = train_commands(tiny_dry_run.stdout)
     assert commands and all('"objective"' not in c and "--reference-logps" not in c for c in commands)
-    assert "reference_logps" not in tiny_dry_run.stdout and "--chosen-only" not in tiny_dry_run.stdout
+    out = tiny_dry_run.stdout
+    assert not {"reference_logps", "preference_eval", "eval_pairs", "--chosen-only", "--preference"} & set(out.split())
 
 
 def test_demo_dpo_config():

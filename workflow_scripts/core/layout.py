@@ -56,6 +56,7 @@ VARIANT_FILES = {
     "CHECKPOINTS": "checkpoints/{node}",
     "MODEL_DIR": "models/{model}",  # model: a trained node, joint or a soup (base is BASE_MODEL)
     "EVAL_RESULT": "eval/{model}.json",
+    "PREFERENCE_RESULT": "eval/preference/{model}.json",  # training.objective dpo: held-out preference accuracy
     "LM_EVAL_RESULT": "eval/lm_eval/{model}.json",  # lm-eval's own results JSON (results, configs...)
     "SUMMARY": "eval/summary.csv",
     "TASKS": "eval/tasks.csv",  # one row per model x task x metric, the held-out set as task "heldout"

@@ -21,15 +21,12 @@ import logging
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import torch
 
 from workflow_scripts.core.fingerprint import local_model_folder, model_fingerprint, model_location
-from workflow_scripts.core.pipeline_io import Progress, UserError, atomic_path, cli, file_sha256
-from workflow_scripts.train.batching import collate
-from workflow_scripts.train.preference import answer_logps
-from workflow_scripts.train.reference_file import read_logps, write_logps
+from workflow_scripts.core.pipeline_io import UserError, atomic_path, cli, file_sha256
+from workflow_scripts.train.reference_file import read_logps, row_logps, write_logps
 
 log = logging.getLogger("reference_logps")
 FORMAT = "reference_logps/1"  # what the file holds and how it is computed: part of the cache key
@@ -37,26 +34,6 @@ FORMAT = "reference_logps/1"  # what the file holds and how it is computed: part
 
 def cache_key(model_fp: str, data_sha: str) -> str:
     return hashlib.sha256(json.dumps([FORMAT, model_fp, data_sha]).encode()).hexdigest()[:24]
-
-
-@torch.no_grad()
-def row_logps(model, rows, pad_id: int, batch_size: int, device) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's summed answer log-probability and answer tokens, ``rows[i]`` an (input_ids, labels) pair;
-    rows of similar length batched together (less padding), the results in the rows' order."""
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
-    logps, tokens = np.zeros(len(rows), np.float64), np.zeros(len(rows), np.int32)
-    progress = Progress("reference log-probabilities", len(rows))
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        batch = collate([rows[i] for i in chunk], pad_id)
-        logits = model(
-            input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)
-        ).logits
-        summed, count = answer_logps(logits, batch["labels"].to(device))
-        logps[chunk], tokens[chunk] = summed.double().cpu().numpy(), count.cpu().numpy()
-        progress.update(len(chunk))
-    progress.done()
-    return logps, tokens
 
 
 def load_reference(base: str, device):
