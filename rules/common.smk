@@ -291,6 +291,9 @@ NODE_TOKENIZE_ARGS = cli_args(
     min_bins=max((n for packing, n in PER_RANK if packing), default=None),
     min_examples=max((n for packing, n in PER_RANK if not packing), default=None),
 )
+# preference pairs: both answers for DPO (training.objective, the same for every variant: settings.NOT_GRIDDED);
+# SFT on them trains the chosen answers alone
+NODE_TOKENIZE_ARGS += " --both-sides" if config["training"]["objective"] == "dpo" else ""
 DEMO_MODEL_CONFIG = verbatim(DemoModelConfig.to_json(config))
 DEMO_MODEL_ARGS = cli_args(preset=PRESET)
 

@@ -40,7 +40,7 @@ use rule tokenize_shard as tokenize_eval_pairs with:
         script=script_path("data/tokenization.py"),
         config=TOKENIZE_CONFIG,
         tokenizer=TOKENIZER,
-        training="",
+        training="--both-sides",
 
 
 rule preference_eval:

@@ -38,5 +38,4 @@ use rule tokenize_shard as tokenize_eval with:
         script=script_path("data/tokenization.py"),
         config=TOKENIZE_CONFIG,
         tokenizer=TOKENIZER,
-        # the eval set is not trained on; of preference pairs it holds the chosen answers (SFT's held-out set)
-        training="--chosen-only" if config["training"]["objective"] == "dpo" else "",
+        training="",  # the eval set is not trained on (of preference pairs, it holds the chosen answers)

@@ -4,6 +4,7 @@ the trainer given its files, and an SFT run's commands as before the objective e
 import json
 import re
 
+import pytest
 from conftest import REPO, snakemake, tiny_config
 
 from workflow_scripts.core.settings import as_before_objectives, training_config
@@ -31,7 +32,10 @@ def test_a_cached_reference_is_computed_once_per_shard_and_given_to_the_trainer(
     assert len(commands) == 2 and all("--reference-logps results/t/data/reference_logps/node" in c for c in commands)
     config = json.loads(re.search(r"train\.py --config '([^']*)'", commands[0]).group(1))
     assert config["objective"] == "dpo" and config["dpo"]["reference"] == "cached"
-    assert "--chosen-only" in next(line for line in out.splitlines() if "--shard results/t/data/eval.parquet" in line)
+    lines = [line for line in out.splitlines() if "tokenization.py" in line]
+    tokenize = {re.search(r"--output \S+/(\w+)\.parquet", line).group(1): line for line in lines}
+    assert all("--both-sides" in tokenize[shard] for shard in ("node0", "node1", "eval_pairs"))
+    assert "--both-sides" not in tokenize["eval"]  # the eval set: the chosen answers
 
 
 def test_a_reference_free_loss_trains_without_the_reference(tmp_path):
@@ -52,7 +56,7 @@ def test_an_sft_dry_run_passes_no_objective_key(tiny_dry_run):
     commands = train_commands(tiny_dry_run.stdout)
     assert commands and all('"objective"' not in c and "--reference-logps" not in c for c in commands)
     out = tiny_dry_run.stdout
-    assert not {"reference_logps", "preference_eval", "eval_pairs", "--chosen-only", "--preference"} & set(out.split())
+    assert not {"reference_logps", "preference_eval", "eval_pairs", "--both-sides", "--preference"} & set(out.split())
 
 
 def test_demo_dpo_config():
@@ -75,3 +79,13 @@ def test_demo_dpo_config():
         }
 
     assert keys(stage1) <= keys(stage3), keys(stage1) - keys(stage3)
+
+
+def test_the_objective_is_the_same_for_every_variant():
+    """It decides what the shared tokenization writes of pairs (both answers, or the chosen)."""
+    from workflow_scripts.core.pipeline_io import UserError
+    from workflow_scripts.core.settings import check_grid
+
+    check_grid({"training.dpo.beta": [0.1, 0.3]})
+    with pytest.raises(UserError, match="training.objective cannot vary in a grid"):
+        check_grid({"training.objective": ["sft", "dpo"]})

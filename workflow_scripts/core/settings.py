@@ -109,8 +109,9 @@ def check_config_file(path) -> None:
 
 
 # Training keys a grid may not vary: mode changes which models exist (node<i> or joint); procs_per_node
-# sizes the shared tokenization's guard, the environment check and the training job's cluster request.
-NOT_GRIDDED = {"training.mode", "training.procs_per_node"}
+# sizes the shared tokenization's guard, the environment check and the training job's cluster request;
+# objective decides what the shared tokenization writes of preference pairs (both answers, or the chosen).
+NOT_GRIDDED = {"training.mode", "training.procs_per_node", "training.objective"}
 
 
 def check_grid(grid: dict) -> None:

@@ -313,8 +313,8 @@ def main(argv=None) -> None:
     p.add_argument("--rejects", type=Path, help="examples left out, with reasons (default: <output>.rejects.parquet)")
     p.add_argument("--min-examples", type=int, default=1, help="stop with fewer examples (a micro-batch per rank)")
     p.add_argument("--min-bins", type=int, default=0, help="stop with fewer packed bins (a micro-batch per rank)")
-    p.add_argument("--chosen-only", action="store_true",
-                   help="preference pairs: their chosen answers alone, one row each (the eval set)")  # fmt: skip
+    p.add_argument("--both-sides", action="store_true",
+                   help="preference pairs: both answers, chosen then rejected (DPO); else the chosen")  # fmt: skip
     a = p.parse_args(argv)
     a.tokenizer = model_location(a.tokenizer)  # a fetch record: its snapshot folder
     cfg = TokenizeConfig.from_json(a.config)
@@ -324,8 +324,11 @@ def main(argv=None) -> None:
     pack_len = a.pack_len or cfg.max_seq_len
     settings = {"max_seq_len": cfg.max_seq_len, "overlength": cfg.overlength, "pack_len": pack_len}
     settings |= {"train_on": cfg.train_on, "template_kwargs": cfg.template_kwargs, "special_text": cfg.special_text}
-    chosen_only = a.chosen_only and has_pairs(a.shard)  # a key only where it changes what is written
-    settings |= {"sides": "chosen"} if chosen_only else {}
+    # preference pairs: both answers (training.objective dpo, the held-out pairs) or the chosen one alone (the eval
+    # set; SFT on the preferred answers); a key only for a shard of pairs, so any other's is as before
+    pairs = has_pairs(a.shard)
+    settings |= {"sides": "both" if a.both_sides else "chosen"} if pairs else {}
+    chosen_only = pairs and not a.both_sides
     key = cache_key(a.shard, tokenizer_fingerprint(tokenizer, a.tokenizer), settings)
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
 
