@@ -9,17 +9,23 @@ import pytest
 import torch
 
 from workflow_scripts.core.contracts import IGNORE
+from workflow_scripts.core.settings import training_config
 from workflow_scripts.train.preference import (
     LOSSES,
     METRIC_NAMES,
-    DPOSettings,
     PairLogps,
     answer_logps,
     preference_loss,
     split_pairs,
 )
+from workflow_scripts.train.preference import DPOSettings as Settings
 
 PAIRS = 6
+
+
+def DPOSettings(loss: str, **constants) -> Settings:  # noqa: N802 (the dataclass, with the schema's defaults)
+    defaults = {k: v for k, v in training_config({}).dpo.items() if k in Settings.__dataclass_fields__}
+    return Settings(**(defaults | {"loss": loss} | constants))
 
 
 def pairs(seed: int = 0, requires_grad: bool = False) -> tuple[PairLogps, PairLogps]:
@@ -35,7 +41,7 @@ def pairs(seed: int = 0, requires_grad: bool = False) -> tuple[PairLogps, PairLo
     return PairLogps(policy_c, policy_r, tokens[0], tokens[1]), PairLogps(ref_c, ref_r, tokens[0], tokens[1])
 
 
-def reference_formula(s: DPOSettings, p: PairLogps, r: PairLogps) -> torch.Tensor:
+def reference_formula(s: Settings, p: PairLogps, r: PairLogps) -> torch.Tensor:
     """The losses as the papers write them, independently of the module (mean over pairs)."""
     sig = lambda x: 1 / (1 + torch.exp(-x))  # noqa: E731
     if s.loss == "sigmoid":  # DPO eq. 7, cDPO's smoothing
@@ -133,7 +139,7 @@ def trl_trainers():
     return CPOTrainer, ORPOTrainer
 
 
-def cpo(trainer, loss_type, s: DPOSettings):
+def cpo(trainer, loss_type, s: Settings):
     """TRL's CPOTrainer.cpo_loss bound to the settings it reads (no model, no accelerator)."""
     me = SimpleNamespace(beta=s.beta, label_smoothing=s.label_smoothing, loss_type=loss_type, simpo_gamma=s.gamma,
                          alpha=0.0, accelerator=SimpleNamespace(device="cpu"))  # fmt: skip

@@ -45,12 +45,12 @@ class PairLogps:
 
 @dataclasses.dataclass(frozen=True)
 class DPOSettings:
-    """training.dpo: the loss and its constants."""
+    """training.dpo: the loss and its constants (their defaults are config/schema.yaml's)."""
 
-    loss: str = "sigmoid"
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    gamma: float = 0.5  # SimPO's target reward margin
+    loss: str
+    beta: float
+    label_smoothing: float
+    gamma: float  # SimPO's target reward margin
 
 
 def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
