@@ -16,7 +16,8 @@ from workflow_scripts.data.tool_calls import check_tools_config
 from workflow_scripts.core.fingerprint import check_model, is_hub_id, local_model_folder
 from workflow_scripts.core.hub_model import absent_message, cached_snapshot, read_record, resolve_commit
 from workflow_scripts.data.chat_format import format_list, has_chat_template, no_template_message
-from workflow_scripts.core.settings import accumulation, check_grid, job_ranks, validated
+from workflow_scripts.core.settings import accumulation, as_before_objectives, check_grid, job_ranks, validated
+from workflow_scripts.core.settings import OBJECTIVE_CONFIG_KEYS, reads_cached_reference
 from workflow_scripts.core.settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig
 from workflow_scripts.core.settings import TEMPLATE_KEYS, DecontaminateConfig, PlanConfig, SplitConfig, TokenizeConfig
 from workflow_scripts.core.variants import expand_grid, variant_training
@@ -296,6 +297,9 @@ NODE_TOKENIZE_ARGS = cli_args(
     min_bins=max((n for packing, n in PER_RANK if packing), default=None),
     min_examples=max((n for packing, n in PER_RANK if not packing), default=None),
 )
+# preference pairs: both answers for DPO (training.objective, the same for every variant: settings.NOT_GRIDDED);
+# SFT on them trains the chosen answers alone
+NODE_TOKENIZE_ARGS += " --both-sides" if config["training"]["objective"] == "dpo" else ""
 DEMO_MODEL_CONFIG = verbatim(DemoModelConfig.to_json(config))
 DEMO_MODEL_ARGS = cli_args(preset=PRESET)
 
@@ -362,7 +366,7 @@ def training_section(wildcards):
 def training_json():
     """The trainer's config, a params function: the job's `training` section (train.py builds its
     TrainConfig from it; a grid variant's values change its checkpoint key, so variants never share one)."""
-    return lambda wildcards: json.dumps(training_section(wildcards), sort_keys=True)
+    return lambda wildcards: json.dumps(as_before_objectives(training_section(wildcards)), sort_keys=True)
 
 
 def measured_gpu_input(wildcards):
@@ -382,9 +386,51 @@ def held_out_input(wildcards):
     return {"eval": TOKENIZED.format(shard="eval")} if training_section(wildcards)["eval_every"] else {}
 
 
+def reference_input(wildcards):
+    """The reference_logps files of the job's shards as its named input `reference`, where it reads them."""
+    training = training_section(wildcards)
+    if not reads_cached_reference(training["objective"], training["dpo"]):
+        return {}
+    return {"reference": expand(REFERENCE_LOGPS, shard=[wildcards.node] if "node" in wildcards.keys() else NODES)}
+
+
+EVAL_PAIRS = "eval_pairs"  # the eval split's pairs tokenized with both answers (tokenize_eval_pairs)
+
+
+def preference_input(wildcards):
+    """Each model's held-out preference accuracy (preference_eval) as summarize's named input `preference`, where
+    the variant trains with training.objective dpo."""
+    if training_section(wildcards)["objective"] != "dpo":
+        return {}
+    return {"preference": expand(PREFERENCE_RESULT, model=MODELS, **variant_of(wildcards))}
+
+
+def summary_tail_args(wildcards, input):
+    """summarize's --trackers values (logging.trackers) and its --preference files where the job has the
+    `preference` input: one param, so that an SFT summary's shell command and params are as before the objective
+    existed (Snakemake's code and params rerun triggers)."""
+    files = input.get("preference")
+    tail = f" --preference {' '.join(shlex.quote(f) for f in files)}" if files else ""
+    return " ".join(config["logging"]["trackers"]) + tail
+
+
+def reference_args(input) -> str:
+    """The trainer's --reference-logps where the job has the `reference` input."""
+    files = input.get("reference")
+    return f" --reference-logps {' '.join(shlex.quote(f) for f in files)}" if files else ""
+
+
+def reference_cache_args(wildcards):
+    """reference_logps' --cache-dir: beside data.cache_dir's tokenization cache (none where that is off)."""
+    cache = config["data"]["cache_dir"]
+    return f"--cache-dir {shlex.quote(str(Path(cache).parent / 'reference_logps'))}" if cache else ""
+
+
 def held_out_args(wildcards, input):
-    """The trainer's --eval-data where the job has the `eval` input (a params function)."""
-    return f"--eval-data {shlex.quote(input.eval)}" if input.get("eval") else ""
+    """The trainer's --eval-data where the job has the `eval` input (a params function); and its --reference-logps
+    where it has the `reference` input (training.dpo.reference cached): in this param, so that an SFT job's shell
+    command and params are as before the objective existed (Snakemake's code and params rerun triggers)."""
+    return (f"--eval-data {shlex.quote(input.eval)}" if input.get("eval") else "") + reference_args(input)
 
 
 def model_shape(wildcards, input):
@@ -402,12 +448,14 @@ def plan_json(wildcards):
     """plan_training's config (settings.PlanConfig), a params function: the job's grid variant's training keys
     that change memory use (so a new learning rate does not rerun the plan), max_seq_len, the vocabulary and
     the nodes."""
-    return PlanConfig.to_json(config | {"training": training_section(wildcards)})
+    training = training_section(wildcards)
+    sft = training["objective"] == "sft"  # its plan's params as before the objective's keys
+    return PlanConfig.to_json(config | {"training": training}, without=OBJECTIVE_CONFIG_KEYS if sft else ())
 
 
 def provenance_json(wildcards):
     """The resolved config of the job's variant: its `training` section in place of the config's."""
-    resolved = config | {"training": training_section(wildcards)}
+    resolved = config | {"training": as_before_objectives(training_section(wildcards))}
     if not GRID:  # the config as it was before grids existed
         resolved.pop("grid")
     return json.dumps(resolved, sort_keys=True)

@@ -1,5 +1,7 @@
 rule summarize:
     input:
+        # `preference`: each model's held-out preference accuracy, with training.objective dpo only
+        unpack(preference_input),
         results=expand(EVAL_RESULT, model=MODELS, allow_missing=True),
         metrics=expand(TRAIN_METRICS, node=TRAINED, allow_missing=True),
         models=expand(MODEL_DIR, model=TRAINED, allow_missing=True),
@@ -45,7 +47,8 @@ rule summarize:
     params:
         script=script_path("report/summarize.py"),
         # the tracker runs of the trained models (their trackers.json) get the eval summary and the leaderboard
-        trackers=" ".join(config["logging"]["trackers"]),
+        # and with training.objective dpo, --preference's files (summary_tail_args)
+        trackers=summary_tail_args,
     shell:
         "python {params.script:q} --results {input.results} --metrics {input.metrics}"
         " --summary {output.summary} --tasks {output.tasks} --tasks-plot {output.tasks_plot}"

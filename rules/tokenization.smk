@@ -38,4 +38,4 @@ use rule tokenize_shard as tokenize_eval with:
         script=script_path("data/tokenization.py"),
         config=TOKENIZE_CONFIG,
         tokenizer=TOKENIZER,
-        training="",  # the eval set is not trained on
+        training="",  # the eval set is not trained on (of preference pairs, it holds the chosen answers)

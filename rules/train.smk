@@ -2,6 +2,8 @@ rule train_node:
     input:
         # `eval`: the tokenized eval set, with training.eval_every only
         unpack(held_out_input),
+        # `reference`: the reference_logps files, with training.dpo.reference cached only (in params.held_out)
+        unpack(reference_input),
         env=ENV_CHECK,
         plan=PLAN,
         tokens=TOKENIZED.format(shard="{node}"),
@@ -58,6 +60,8 @@ rule train_joint:
     input:
         # `eval`: the tokenized eval set, with training.eval_every only
         unpack(held_out_input),
+        # `reference`: the reference_logps files, with training.dpo.reference cached only (in params.held_out)
+        unpack(reference_input),
         env=ENV_CHECK,
         plan=PLAN,
         tokens=expand(TOKENIZED, shard=NODES),

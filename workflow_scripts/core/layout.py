@@ -30,6 +30,8 @@ RUN_FILES = {
     "PACKING": "data/tokenized/{shard}.packing.parquet",
     "TOKEN_STATS": "data/tokenized/{shard}.json",
     "TOKEN_REJECTS": "data/tokenized/{shard}.rejects.parquet",  # examples tokenization left out
+    # training.dpo.reference cached: the base model's log-probability of each tokenized row (reference_logps)
+    "REFERENCE_LOGPS": "data/reference_logps/{shard}.parquet",
     "DECONTAMINATION": "data/decontamination.json",  # data.decontaminate's report
     "DECONTAMINATED": "data/decontaminated/{shard}.parquet",  # data.decontaminate: drop: the shard without them
     "CONTAMINATED": "data/contaminated.parquet",  # data.decontaminate: drop: the rows left out
@@ -54,6 +56,7 @@ VARIANT_FILES = {
     "CHECKPOINTS": "checkpoints/{node}",
     "MODEL_DIR": "models/{model}",  # model: a trained node, joint or a soup (base is BASE_MODEL)
     "EVAL_RESULT": "eval/{model}.json",
+    "PREFERENCE_RESULT": "eval/preference/{model}.json",  # training.objective dpo: held-out preference accuracy
     "LM_EVAL_RESULT": "eval/lm_eval/{model}.json",  # lm-eval's own results JSON (results, configs...)
     "SUMMARY": "eval/summary.csv",
     "TASKS": "eval/tasks.csv",  # one row per model x task x metric, the held-out set as task "heldout"

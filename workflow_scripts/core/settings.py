@@ -109,8 +109,9 @@ def check_config_file(path) -> None:
 
 
 # Training keys a grid may not vary: mode changes which models exist (node<i> or joint); procs_per_node
-# sizes the shared tokenization's guard, the environment check and the training job's cluster request.
-NOT_GRIDDED = {"training.mode", "training.procs_per_node"}
+# sizes the shared tokenization's guard, the environment check and the training job's cluster request;
+# objective decides what the shared tokenization writes of preference pairs (both answers, or the chosen).
+NOT_GRIDDED = {"training.mode", "training.procs_per_node", "training.objective"}
 
 
 def check_grid(grid: dict) -> None:
@@ -184,11 +185,41 @@ class TrainConfig:
     gpu_memory_gb: float | None  # None: check_environment's measure (preflight.gpu_memory)
     peak_tflops: float | None  # None: check_environment's figure (train.py --environment)
     collective_timeout_s: int
+    objective: str  # sft or dpo (train/objective.py)
+    dpo: dict  # training.dpo, read with objective dpo only
 
     @classmethod
     def from_json(cls, text: str) -> "TrainConfig":
         """From the workflow's `training` section as JSON (missing keys take the schema's defaults)."""
         return training_config(json.loads(text))
+
+
+# training.dpo.loss values that read no reference model (train/preference.py's SimPO and ORPO)
+REFERENCE_FREE_LOSSES = frozenset({"simpo", "orpo"})
+
+
+def reads_cached_reference(objective: str, dpo: dict) -> bool:
+    """Whether training reads the reference_logps stage's files: objective dpo, training.dpo.reference cached and a
+    loss with a reference (the rules' test, without torch, and the trainer's)."""
+    return objective == "dpo" and dpo["reference"] == "cached" and dpo["loss"] not in REFERENCE_FREE_LOSSES
+
+
+OBJECTIVE_KEYS = ("objective", "dpo")  # training keys added with training.objective
+OBJECTIVE_CONFIG_KEYS = tuple(f"training.{k}" for k in OBJECTIVE_KEYS)  # as dotted keys (StageConfig.to_json)
+
+
+def as_before_objectives(training: dict) -> dict:
+    """An SFT training section (or TrainConfig as a dict) without OBJECTIVE_KEYS, as it was before them: what the
+    rules pass the trainer and provenance, and train_state.json records, so an SFT run's params and files do not
+    change (the trainer's TrainConfig takes the schema's defaults for them)."""
+    if training.get("objective", "sft") != "sft":
+        return training
+    return {k: v for k, v in training.items() if k not in OBJECTIVE_KEYS}
+
+
+def recorded_config(cfg: TrainConfig) -> dict:
+    """The config as train_state.json records it: an SFT run's without the objective's keys (as before them)."""
+    return as_before_objectives(dataclasses.asdict(cfg))
 
 
 def flat_training(training: dict) -> dict:
@@ -411,14 +442,15 @@ ConsolidateConfig = stage_config(
 PlanConfig = stage_config(
     "PlanConfig",
     "plan_training's keys: what changes memory use (a new learning rate re-plans nothing), the sequence length, "
-    "a from-scratch preset's vocabulary, and the nodes (joint mode shards over all of their ranks).",
+    "a from-scratch preset's vocabulary, the nodes (joint mode shards over all of their ranks), and the objective "
+    "(DPO's forward holds a pair's two sequences and their logits).",
     "training.mode", "training.strategy", "training.zero_stage", "training.offload", "training.peft",
     "training.offload_ratio", "training.offload_pin_memory", "training.lora", "training.procs_per_node",
     "training.precision", "training.micro_batch_size",
     "training.gradient_checkpointing", "training.grad_accum", "training.global_batch_size", "training.fsdp_no_sync",
     "training.chunked_loss", "training.packing",
     "training.gpu_memory_gb", "nodes", "data.max_seq_len",
-    "model.demo_vocab_size",
+    "model.demo_vocab_size", "training.objective", "training.dpo",
 )  # fmt: skip
 
 

@@ -18,6 +18,11 @@ question the demo config holds out (data.eval_fraction 0.1, data.seed 0), its an
 answers of other questions of its family, as lm-eval's log-likelihood multiple choice scores them.
 
     python -m workflow_scripts.data.make_demo_data --multiple-choice resources/demo/tasks/demo_mc.jsonl
+
+``--preferences`` writes the third, DPO stage's pairs (config/demo_dpo.yaml): PREFERENCE_ROWS of the rows, each
+question (its system and user turns) with its answer chosen and another answer of its family rejected.
+
+    python -m workflow_scripts.data.make_demo_data --preferences resources/demo/preferences.jsonl
 """
 
 import argparse
@@ -165,18 +170,37 @@ def multiple_choice(rows: list[dict], seed: int = 0, eval_fraction: float = 0.1)
     return out
 
 
+PREFERENCE_ROWS = 1024
+
+
+def preferences(rows: list[dict], seed: int = 0) -> list[dict]:
+    """The DPO stage's pairs: the first PREFERENCE_ROWS rows, each as a conversational prompt, its answer (chosen)
+    and a plausible mistake (rejected): another answer of its family."""
+    rng, family = random.Random(seed), {}
+    for row in rows:
+        family.setdefault(row["category"], set()).add(row["response"])
+    return [
+        {"prompt": [{"role": "system", "content": row["prompt"]}, {"role": "user", "content": row["question"]}],
+         "chosen": row["response"], "rejected": rng.choice(sorted(family[row["category"]] - {row["response"]})),
+         "category": row["category"]}
+        for row in rows[:PREFERENCE_ROWS]
+    ]  # fmt: skip
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--held-out", action="store_true", help="the LoRA stage's task family instead")
     parser.add_argument("--multiple-choice", action="store_true", help="the demo_mc task's JSONL instead")
+    parser.add_argument("--preferences", action="store_true", help="the DPO stage's pairs (JSONL) instead")
     args = parser.parse_args(argv)
-    if args.multiple_choice:
-        questions = multiple_choice(generate(args.seed), args.seed)
+    if args.multiple_choice or args.preferences:
+        make = preferences if args.preferences else multiple_choice
+        questions = make(generate(args.seed), args.seed)
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text("".join(json.dumps(q) + "\n" for q in questions), encoding="utf-8")
-        print(f"wrote {len(questions)} questions to {args.output}")
+        print(f"wrote {len(questions)} {'pairs' if args.preferences else 'questions'} to {args.output}")
         return
     rows = generate_held_out(args.seed) if args.held_out else generate(args.seed)
     args.output.parent.mkdir(parents=True, exist_ok=True)

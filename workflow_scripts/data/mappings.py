@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from workflow_scripts.core.pipeline_io import UserError
 from workflow_scripts.data.chat_format import with_text
+from workflow_scripts.data.preference_pairs import preference_examples
 from workflow_scripts.data.readers import delimiter_hint, peek_columns, rows_at_most
 from workflow_scripts.data.tool_calls import (
     REASONING,
@@ -119,6 +120,11 @@ def _nested(fields: dict, names: dict, get) -> list:
     return out
 
 
+def _preference(fields: dict, names: dict, get) -> list:
+    """A chosen and a rejected answer to one prompt (preference_pairs.py), its turns read as the chat mapping's."""
+    return preference_examples(fields, names, get, _chat)
+
+
 @dataclass(frozen=True)
 class Mapping:
     """A record format. ``columns``: its data.columns keys and their default names; ``required``: the keys a
@@ -147,6 +153,8 @@ MAPPINGS = {
                         _conversation("conversations"), alternates=CHAT_COLUMNS),
     "nested": Mapping({"instruction": "instruction", "instances": "instances", "input": "input", "output": "output"},
                       ("instruction", "instances"), _nested, inner=("input", "output"), one_per_row=False),
+    "preference": Mapping({"prompt": "prompt", "chosen": "chosen", "rejected": "rejected",
+                           "conversations": "conversations"}, ("chosen", "rejected"), _preference),
 }  # fmt: skip
 
 
@@ -162,6 +170,7 @@ def column_names(mapping: str, columns: dict) -> dict:
 # What data.mapping: auto reads a file as, by its columns, the first that fits: (mapping, the columns that
 # tell it, its column names where they are not the mapping's defaults)
 DETECTED = (
+    ("preference", ("chosen", "rejected"), {}),  # before sharegpt: a ShareGPT pair has conversations too
     ("chat", ("messages",), {}),
     ("sharegpt", ("conversations",), {}),
     ("nested", ("instruction", "instances"), {}),

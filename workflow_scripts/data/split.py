@@ -65,6 +65,10 @@ REASONS = (
     "control_chars",
     "duplicate",
     "eval_overlap",
+    # a preference pair's (data.mapping preference: preference_pairs.PAIR_REASONS)
+    "identical_pair",
+    "empty_answer",
+    "prompt_mismatch",
 )
 
 

@@ -24,6 +24,7 @@ one line saying what to change. The stats also count the examples by length befo
 
 import argparse
 import contextlib
+import itertools
 import json
 import logging
 from collections import Counter
@@ -39,6 +40,7 @@ from workflow_scripts.core.settings import TokenizeConfig
 from workflow_scripts.data.chat_format import SpecialText, special_texts
 from workflow_scripts.data.chat_render import ChatRenderer, encode_messages, load_tokenizer, use_template
 from workflow_scripts.data.packing import write_packing
+from workflow_scripts.data.preference_pairs import has_pairs, pair_sides
 from workflow_scripts.data.token_cache import cache_key, cached, tokenizer_fingerprint
 from workflow_scripts.data.tool_calls import check_template, is_tool_conversation, renders_tools, row_where
 
@@ -99,6 +101,7 @@ def tokenize_shard(
     rejects_out: Path | None = None,
     special: SpecialText | None = None,
     template: str = "the chat template",
+    chosen_only: bool = False,
 ):
     """Stream the shard through special text → render → tokenize → mask → fit, writing as it goes.
 
@@ -123,37 +126,48 @@ def tokenize_shard(
         progress = Progress(f"tokenize {shard.name}", file.metadata.num_rows)
         for batch in batches(file, batch_rows, columns):
             cols = batch.to_pydict()  # column lists; a row's dict only where one is reported (row_at)
-            conversations, rows = [], []  # the conversations to encode, as data.special_text leaves them
+            # each row's conversations to encode, as data.special_text leaves them: the row's conversation, or a
+            # preference pair's chosen and rejected conversations (preference_pairs.pair_sides), kept or left out
+            # together
+            conversations, rows = [], []
             for i, text in enumerate(cols["messages"]):
-                messages, why = special(json.loads(text)) if special else (json.loads(text), None)
-                if not tools_ok and is_tool_conversation(messages):
+                sides = pair_sides(json.loads(text))[: 1 if chosen_only else None]  # chosen_only: a pair's chosen side
+                sides = [special(s) if special else (s, None) for s in sides]
+                why = next((w for _, w in sides if w), None)
+                if not tools_ok and any(is_tool_conversation(s) for s, _ in sides):
                     row = row_at(cols, i)
                     check_template(tokenizer.chat_template, template, row_where(row["source_file"], row["source_row"]))
                 if why:
                     rejected.add(row_at(cols, i), *why)
                 else:
-                    conversations.append(messages)
+                    conversations.append([s for s, _ in sides])
                     rows.append(i)
-            encoded = encode_messages(tokenizer, conversations, render, train_on)
+            flat = encode_messages(tokenizer, [s for sides in conversations for s in sides], render, train_on)
+            starts = itertools.accumulate((len(sides) for sides in conversations), initial=0)
+            encoded = [flat[a:b] for a, b in itertools.pairwise(starts)]
             out = {name: [] for name in TOKENIZED_SCHEMA.names}
-            for i, messages, ex in zip(rows, conversations, encoded, strict=True):
-                if "reject" in ex:
-                    rejected.add(row_at(cols, i), *ex["reject"])
+            for i, sides, exs in zip(rows, conversations, encoded, strict=True):
+                if reject := next((ex["reject"] for ex in exs if "reject" in ex), None):
+                    rejected.add(row_at(cols, i), *reject)
                     continue
+                ex = max(exs, key=lambda e: len(e["input_ids"]))  # the length policy applies to the longer side
                 n = len(ex["input_ids"])
                 full[n] += 1
-                fitted = ex if n <= max_len else fit_length(ex, max_len, policy, row_at(cols, i))
-                if why := length_reject(ex, fitted, max_len, policy):
+                fits = [e if len(e["input_ids"]) <= max_len else fit_length(e, max_len, policy, row_at(cols, i))
+                        for e in exs]  # fmt: skip
+                whys = (length_reject(e, f, max_len, policy) for e, f in zip(exs, fits, strict=True))
+                if why := next(filter(None, whys), None):
                     rejected.add(row_at(cols, i), *why, tokens=n, prompt_tokens=ex["prompt_length"])
                     dropped += why[0] != "no_labels"
                     continue
-                truncated += fitted is not ex
-                for key in ("input_ids", "labels", "prompt_length"):
-                    out[key].append(fitted[key])
-                out["length"].append(len(fitted["input_ids"]))
-                out["response"].append(response_text(tokenizer, messages[-1], fitted))
-                out["content_hash"].append(cols["content_hash"][i])
-                out["category"].append(cols["category"][i] or "")
+                truncated += any(f is not e for e, f in zip(exs, fits, strict=True))
+                for messages, fitted in zip(sides, fits, strict=True):
+                    for key in ("input_ids", "labels", "prompt_length"):
+                        out[key].append(fitted[key])
+                    out["length"].append(len(fitted["input_ids"]))
+                    out["response"].append(response_text(tokenizer, messages[-1], fitted))
+                    out["content_hash"].append(cols["content_hash"][i])
+                    out["category"].append(cols["category"][i] or "")
             lengths += out["length"]
             writer.write_table(pa.Table.from_pydict(out, schema=TOKENIZED_SCHEMA))
             rejected.flush()
@@ -323,6 +337,8 @@ def main(argv=None) -> None:
     p.add_argument("--rejects", type=Path, help="examples left out, with reasons (default: <output>.rejects.parquet)")
     p.add_argument("--min-examples", type=int, default=1, help="stop with fewer examples (a micro-batch per rank)")
     p.add_argument("--min-bins", type=int, default=0, help="stop with fewer packed bins (a micro-batch per rank)")
+    p.add_argument("--both-sides", action="store_true",
+                   help="preference pairs: both answers, chosen then rejected (DPO); else the chosen")  # fmt: skip
     a = p.parse_args(argv)
     a.tokenizer = model_location(a.tokenizer)  # a fetch record: its snapshot folder
     cfg = TokenizeConfig.from_json(a.config)
@@ -332,6 +348,11 @@ def main(argv=None) -> None:
     pack_len = a.pack_len or cfg.max_seq_len
     settings = {"max_seq_len": cfg.max_seq_len, "overlength": cfg.overlength, "pack_len": pack_len}
     settings |= {"train_on": cfg.train_on, "template_kwargs": cfg.template_kwargs, "special_text": cfg.special_text}
+    # preference pairs: both answers (training.objective dpo, the held-out pairs) or the chosen one alone (the eval
+    # set; SFT on the preferred answers); a key only for a shard of pairs, so any other's is as before
+    pairs = has_pairs(a.shard)
+    settings |= {"sides": "both" if a.both_sides else "chosen"} if pairs else {}
+    chosen_only = pairs and not a.both_sides
     key = cache_key(a.shard, tokenizer_fingerprint(tokenizer, a.tokenizer), settings)
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
 
@@ -347,6 +368,7 @@ def main(argv=None) -> None:
             rejects_out=folder / "rejects.parquet",
             special=SpecialText(special_texts(tokenizer), cfg.special_text),
             template=template_name(cfg, a.tokenizer),
+            chosen_only=chosen_only,
         )
         return stats | write_packing(lengths, pack_len, folder / "packing.parquet") | {"key": key, "settings": settings}
 

@@ -95,14 +95,19 @@ class SyntheticData:
 
     def batch(self) -> tuple[dict, list[int]]:
         from workflow_scripts.train.batching import collate, collate_packed
+        from workflow_scripts.train.objective import REFERENCE_KEY, cached_reference, pairs
 
         rows, s = self.cfg.micro_batch_size, self.seq_len
+        if pairs(self.cfg):  # DPO: micro_batch_size pairs, a chosen and a rejected sequence each, in one forward
+            rows *= 2
         half = max(1, s // 2)
         seq = lambda n: ([1 + i % (self.vocab - 1) for i in range(n)],) * 2  # noqa: E731
         if self.cfg.packing:
             batch = collate_packed([[seq(half), seq(s - half)] if s > 1 else [seq(s)] for _ in range(rows)], 0)
             return batch, [half, s - half] * rows
         batch = collate([seq(s)] + [seq(max(1, s - 1))] * (rows - 1), 0)  # padding in every row but the first
+        if cached_reference(self.cfg):
+            batch[REFERENCE_KEY] = torch.zeros(rows)  # the reference_logps stage's, one a sequence
         return batch, [s] + [max(1, s - 1)] * (rows - 1)
 
     before_micro = None  # called before each micro-batch (FSDPMemTracker's per-iteration reset)
@@ -116,6 +121,9 @@ class SyntheticData:
 
 class NullMetrics:
     def count(self, lengths) -> None:
+        pass
+
+    def observe(self, found: dict) -> None:
         pass
 
 

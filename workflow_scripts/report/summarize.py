@@ -223,6 +223,17 @@ def samples_table(results: list[dict], questions: dict[str, str] | None = None) 
 
 
 @cli
+def with_tasks(results: list[dict], extra: list[dict]) -> list[dict]:
+    """``results`` with the tasks of ``extra`` (files of the same form: model, tasks, tasks_documents) by model:
+    the held-out preference accuracy (evals/preference_eval.py) beside lm-eval's tasks."""
+    by_model = {e["model"]: e for e in extra}
+    return [
+        r | {key: (r.get(key) or {}) | by_model[r["model"]].get(key, {}) for key in ("tasks", "tasks_documents")}
+        if r["model"] in by_model else r
+        for r in results
+    ]  # fmt: skip
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--results", nargs="+", required=True, type=Path, help="eval/<model>.json files")
@@ -241,8 +252,12 @@ def main(argv=None) -> None:
     p.add_argument("--eval-split", type=Path, help="data/eval.parquet: the samples' prompts without the template")
     p.add_argument("--decontamination", type=Path, help="data/decontamination.json: a line on the leaderboard")
     p.add_argument("--trackers", nargs="*", default=[], help="logging.trackers: their runs get the summary")
+    p.add_argument("--preference", nargs="*", default=[], type=Path,
+                   help="eval/preference/<model>.json (objective dpo): a task of each model's")  # fmt: skip
     a = p.parse_args(argv)
-    results = [json.loads(p.read_text()) for p in a.results]
+    results = with_tasks(
+        [json.loads(p.read_text()) for p in a.results], [json.loads(p.read_text()) for p in a.preference]
+    )
     table = with_intervals(with_examples_trained(summary_table(results), a.metrics), results)
     with atomic_path(a.summary) as tmp:
         table.to_csv(tmp, index=False, float_format="%.6g")

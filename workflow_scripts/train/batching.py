@@ -24,6 +24,9 @@ import torch
 from workflow_scripts.core.contracts import IGNORE
 from workflow_scripts.core.pipeline_io import UserError, file_sha256
 from workflow_scripts.data.token_store import TokenStore, open_store
+from workflow_scripts.train.objective import REFERENCE_KEY, cached_reference
+from workflow_scripts.train.objective import pairs as trains_on_pairs
+from workflow_scripts.train.reference_file import read_logps
 
 
 class Examples:
@@ -200,19 +203,35 @@ def collate_packed(rows: list[list[tuple]], pad_id: int) -> dict:
     return as_batch(input_ids=input_ids, labels=labels, position_ids=positions)
 
 
+def pair_rows(indices: list[int]) -> list[int]:
+    """The rows of these pairs as one batch holds them: every pair's chosen row (2i), then every rejected (2i + 1)."""
+    return [2 * i for i in indices] + [2 * i + 1 for i in indices]
+
+
 class Batches:
     """Micro-batches of a node's data: padded examples, or packed bins (one row per bin,
-    or all bins in one row for flash-attention, whose varlen path takes a single row)."""
+    or all bins in one row for flash-attention, whose varlen path takes a single row), or preference
+    pairs (``pairs``: unit i is rows 2i, chosen, and 2i + 1, rejected; a batch is [chosen..., rejected...])."""
 
-    def __init__(self, examples: Examples, bins: Bins | None, pad_id: int, one_row: bool):
-        self.examples, self.bins, self.pad_id, self.one_row = examples, bins, pad_id, one_row
+    def __init__(self, examples: Examples, bins: Bins | None, pad_id: int, one_row: bool, pairs: bool = False,
+                 reference: np.ndarray | None = None):  # fmt: skip
+        self.examples, self.bins, self.pad_id, self.one_row, self.pairs = examples, bins, pad_id, one_row, pairs
+        self.reference = reference  # pairs: the reference model's log-probability of every row (reference_logps)
 
     def __len__(self) -> int:
+        if self.pairs:
+            return len(self.examples) // 2
         return len(self.bins) if self.bins is not None else len(self.examples)
 
     def make(self, indices: list[int]) -> tuple[dict, list[int]]:
         """The batch for these unit indices and the lengths of its sequences (real tokens)."""
-        if self.bins is None:
+        if self.pairs:
+            rows = pair_rows(indices)
+            items = [self.examples[i] for i in rows]
+            batch = collate(items, self.pad_id)
+            if self.reference is not None:
+                batch[REFERENCE_KEY] = torch.from_numpy(self.reference[rows].astype(np.float32))
+        elif self.bins is None:
             items = [self.examples[i] for i in indices]
             batch = collate(items, self.pad_id)
         else:
@@ -227,24 +246,55 @@ class Batches:
 class TrainingData:
     """A rank's view of the training data: the plan, and the micro-batches of each step."""
 
-    def __init__(self, cfg, shards: list[Path], plans: list[Path] | None, world: int, rank: int, store_root: Path):
+    def __init__(
+        self, cfg, shards: list[Path], plans: list[Path] | None, world: int, rank: int, store_root: Path,
+        reference: list[Path] | None = None,
+    ):  # fmt: skip
+        """``reference``: with training.dpo.reference cached, each shard's reference_logps file."""
+        if cfg.packing and trains_on_pairs(cfg):
+            raise UserError("training.objective dpo trains on pairs, not packed bins: set training.packing false")
         if cfg.packing and plans is None:
             raise UserError("training.packing is true but no --packing plan was given")
-        self.cfg, self.rank, self.shards = cfg, rank, shards
+        self.cfg, self.rank, self.shards, self.pairs = cfg, rank, shards, trains_on_pairs(cfg)
         shas = [file_sha256(p) for p in shards]
         self.examples = load_examples(shards, store_root, shas)
         self.bins = load_bins(plans, shards) if cfg.packing else None
         units = len(self.bins) if cfg.packing else len(self.examples)
+        if self.pairs:
+            units = self.pair_count()
+        self.reference = self.reference_logps(reference, shas) if cached_reference(cfg) else None
         self.plan = DataPlan(units, world, cfg.micro_batch_size, cfg.grad_accum, cfg.epochs, cfg.max_steps)
         if units < cfg.micro_batch_size * world:
-            what = "packed bins" if cfg.packing else "examples"
+            what = "pairs" if self.pairs else "packed bins" if cfg.packing else "examples"
             raise UserError(f"{' '.join(map(str, shards))}: {units} {what}, fewer than one micro-batch on every rank")
         self.sha256 = combined_sha256(shas) + (data_sha256(plans) if cfg.packing else "")
         self.batches = None
 
     def bind(self, pad_id: int, one_row: bool) -> None:
         """Batches need the model's pad token and attention layout, known once the model is loaded."""
-        self.batches = Batches(self.examples, self.bins, pad_id, one_row)
+        self.batches = Batches(self.examples, self.bins, pad_id, one_row, self.pairs, self.reference)
+
+    def pair_count(self) -> int:
+        """The preference pairs: each shard holds them as consecutive rows (chosen, rejected)."""
+        for shard, store in zip(self.shards, self.examples.stores, strict=True):
+            if store.rows % 2:
+                raise UserError(
+                    f"{shard}: {store.rows} rows, an odd count: training.objective dpo reads pairs (chosen and"
+                    " rejected rows in turn), as tokenization writes them from preference data"
+                )
+        return len(self.examples) // 2
+
+    def reference_logps(self, files: list[Path] | None, shas: list[str]) -> np.ndarray:
+        """The reference model's log-probability of every row of the shards, from their reference_logps files."""
+        if not files or len(files) != len(self.shards):
+            raise UserError(
+                f"training.dpo.reference is cached: the trainer needs a --reference-logps file for each of its"
+                f" {len(self.shards)} shard(s) (the reference_logps stage's), given {len(files or [])}"
+            )
+        return np.concatenate([
+            read_logps(path, shard, sha, store.rows)
+            for path, shard, sha, store in zip(files, self.shards, shas, self.examples.stores, strict=True)
+        ])  # fmt: skip
 
     def micro_batches(self, step: int):
         """The step's micro-batches on this rank: (batch, sequence lengths), grad_accum of them."""
@@ -256,6 +306,7 @@ class TrainingData:
             "shards": [p.name for p in self.shards],
             "examples": len(self.examples),
             "packed_bins": len(self.bins) if self.bins is not None else None,
+            **({"pairs": self.plan.examples} if self.pairs else {}),
             "tokens": self.examples.tokens,
             "token_stores": [str(s.folder) for s in self.examples.stores],
             "global_batch": self.plan.global_batch,

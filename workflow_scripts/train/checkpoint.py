@@ -97,7 +97,9 @@ WORLD_KEYS = ("procs_per_node", "grad_accum", "global_batch_size")
 STOP_KEYS = ("dead_model_steps",)
 # Keys added after checkpoints were written, at the value every earlier run had: keyed only when set
 # otherwise, so a run from before them still resumes its own checkpoints.
-KEYED_WHEN_SET = {"offload_ratio": 1.0, "offload_pin_memory": True}
+KEYED_WHEN_SET = {"offload_ratio": 1.0, "offload_pin_memory": True, "objective": "sft"}
+# Keys read only with another key's value (training.dpo with objective dpo): keyed only then
+KEYED_WITH = {"dpo": ("objective", "dpo")}
 # What describes the GPU, not the training: a plan re-made for another GPU resumes the same checkpoints. Keyed
 # before (at the schema's defaults then, 80 and 989, when unset): checkpoint_folder takes such a run's folder over.
 NOT_KEYED = {"gpu_memory_gb": 80, "peak_tflops": 989}
@@ -118,6 +120,7 @@ def run_key(
         if k not in WORLD_KEYS + STOP_KEYS
         and not (k in KEYED_WHEN_SET and v == KEYED_WHEN_SET[k])
         and k not in NOT_KEYED
+        and (k not in KEYED_WITH or getattr(cfg, KEYED_WITH[k][0]) == KEYED_WITH[k][1])
     }
     if legacy:
         keyed |= {k: default if getattr(cfg, k) is None else getattr(cfg, k) for k, default in NOT_KEYED.items()}

@@ -68,11 +68,28 @@ class MetricsLogger:
                 self.lines = self.path.read_text().splitlines(keepends=True)
         self.bytes = sum(len(line.encode()) for line in self.lines)  # the file's size as this job writes it
         self.tokens, self.flops, self.clock, self.last_logged = 0, 0.0, time.perf_counter(), start_step
+        self.observed: dict[str, list] = {}  # the objective's metrics of each micro-batch since the last record
 
     def count(self, lengths: list[int]) -> None:
         """A micro-batch's real tokens (its sequences' lengths)."""
         self.tokens += sum(lengths)
         self.flops += self.flops_of(lengths)
+
+    def observe(self, found: dict) -> None:
+        """A micro-batch's metrics of the objective (train/objective.py: DPO's rewards/*, logps/*), 0-d tensors."""
+        for name, value in found.items():
+            self.observed.setdefault(name, []).append(value.detach())
+
+    def observed_means(self) -> dict:
+        """The observed metrics' means over the interval's micro-batches and all ranks (every rank observes the
+        same names as many times); {} without any (SFT)."""
+        if not self.observed:
+            return {}
+        names = sorted(self.observed)
+        means = torch.stack([torch.stack(self.observed[n]).double().mean() for n in names]).to(self.device)
+        dist.all_reduce(means)
+        self.observed = {}
+        return {n: v / self.world for n, v in zip(names, means.tolist(), strict=True)}
 
     def should_log(self, step: int) -> bool:
         return step % self.cfg.log_every == 0 or step == self.plan.total_steps
@@ -88,6 +105,7 @@ class MetricsLogger:
         stats = torch.tensor(stats, dtype=torch.float64, device=self.device)
         dist.all_reduce(stats)
         # the training steps' time: the evaluation's is its own field
+        observed = self.observed_means()
         elapsed = time.perf_counter() - self.clock - (held_out or {}).get("eval_time_s", 0.0)
         model_tflops = stats[2].item() / elapsed / self.world / 1e12  # model FLOPs, not hardware FLOPs
         self.write(
@@ -107,6 +125,7 @@ class MetricsLogger:
                 # which SLURM job trained this step: a resumed run shows where the next job took over
                 "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             }
+            | observed
             | (extra or {})
             | (held_out or {})
         )

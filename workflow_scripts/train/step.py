@@ -16,4 +16,6 @@ def train_step(strategy, data: TrainingData, step: int, metrics: MetricsLogger) 
         batch = {k: v.to(strategy.device) for k, v in batch.items()}
         loss = strategy.forward_backward(batch, last_micro=micro == data.cfg.grad_accum - 1)
         loss_sum += loss.detach()
+        if found := strategy.objective.metrics():  # the objective's own (DPO's rewards/*, logps/*), else none
+            metrics.observe(found)
     return loss_sum, strategy.step()

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from workflow_scripts.core.fingerprint import cache_file_for, model_fingerprint, model_location
 from workflow_scripts.core.host_memory import map_large_allocations
 from workflow_scripts.core.pipeline_io import UserError, cli, write_json
-from workflow_scripts.core.settings import TrainConfig, for_world
+from workflow_scripts.core.settings import TrainConfig, for_world, recorded_config
 from workflow_scripts.data.token_store import store_root_for
 from workflow_scripts.train.batching import TrainingData
 from workflow_scripts.train.checkpoint import Checkpointer, run_key, superseded
@@ -52,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", required=True, nargs="+", type=Path, help="tokenized shard(s) (Parquet)")
     p.add_argument("--packing", nargs="+", type=Path, help="each shard's packing plan (needed with training.packing)")
     p.add_argument("--eval-data", type=Path, help="the tokenized eval set (needed with training.eval_every)")
+    p.add_argument("--reference-logps", nargs="+", type=Path,
+                   help="each shard's reference log-probabilities (training.dpo.reference cached)")  # fmt: skip
     p.add_argument("--base-model", required=True)
     p.add_argument("--environment", type=Path, help="check_environment's report: the GPU's peak for the MFU")
     p.add_argument("--log-dir", required=True, type=Path, help="metrics.jsonl and TensorBoard events")
@@ -180,7 +182,7 @@ def main(argv=None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = for_world(cfg, world)  # grad_accum: what keeps training.global_batch_size at this world size
     torch.manual_seed(cfg.seed)
-    data = TrainingData(cfg, a.data, a.packing, world, rank, store_root_for(a.checkpoint_root))
+    data = TrainingData(cfg, a.data, a.packing, world, rank, store_root_for(a.checkpoint_root), a.reference_logps)
 
     model, attn = load_model(a.base_model, cfg, device)
     sizes = parameter_counts(model)  # before sharding hides them
@@ -218,7 +220,7 @@ def finish(strategy, a: argparse.Namespace, final: Path, run_record: dict) -> No
         write_json(a.state, {
             "checkpoint": str(final), "step": run_record["total_steps"], "strategy": cfg.strategy,
             "zero_stage": cfg.zero_stage, "peft": cfg.peft, "base_model": a.base_model,
-            "config": dataclasses.asdict(cfg), "plan": run_record, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "config": recorded_config(cfg), "plan": run_record, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         })  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()

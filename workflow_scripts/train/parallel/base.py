@@ -35,6 +35,7 @@ from workflow_scripts.core.settings import PlanConfig
 from workflow_scripts.model.model_loading import add_lora, attention_implementation, materialize
 from workflow_scripts.model.weights import DTYPES, CheckpointFiles
 from workflow_scripts.train import chunked_loss
+from workflow_scripts.train.objective import objective_for
 
 log = logging.getLogger("train")
 
@@ -149,6 +150,7 @@ class Strategy:
 
     def __init__(self, cfg, device, total_steps: int):
         self.cfg, self.device, self.total_steps = cfg, device, total_steps
+        self.objective = objective_for(cfg)  # what a micro-batch's loss is (training.objective)
 
     @classmethod
     def process_group_backend(cls, cfg, device_type: str) -> str:
@@ -240,6 +242,16 @@ class Strategy:
 
     def make_scheduler(self, optimizer) -> LambdaLR:
         return LambdaLR(optimizer, lr_lambda(self.cfg, self.total_steps))
+
+    @property
+    def unwrapped(self) -> torch.nn.Module:
+        """The model inside the strategy's wrapper (the PeftModel with LoRA): what a forward bypassing the
+        wrapper runs, as the DPO reference with its adapters disabled."""
+        return self.model
+
+    def compute_loss(self, batch: dict) -> torch.Tensor:
+        """A micro-batch's loss through the wrapped model: its objective's (SFT: the model's own loss)."""
+        return self.objective.loss(self.model, self.unwrapped, batch)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss = loss / self.cfg.grad_accum

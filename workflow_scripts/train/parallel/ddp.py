@@ -37,9 +37,13 @@ class DDPStrategy(Strategy):
         sync = contextlib.nullcontext() if last_micro else self.model.no_sync()
         with sync:
             with self.autocast:
-                loss = self.model(**batch).loss
+                loss = self.compute_loss(batch)
             self.backward(loss)
         return loss
+
+    @property
+    def unwrapped(self) -> torch.nn.Module:
+        return self.inner
 
     def eval_loss(self, batch) -> torch.Tensor:
         # the replica itself: every rank holds all of it, and DDP's wrapper has nothing to synchronize

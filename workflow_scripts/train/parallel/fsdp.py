@@ -102,7 +102,7 @@ class FSDPStrategy(Strategy):
         # shard; training.fsdp_no_sync holds the unsharded fp32 gradients until the last micro-batch.
         if self.cfg.fsdp_no_sync:
             self.model.set_requires_gradient_sync(last_micro)
-        loss = self.model(**batch).loss
+        loss = self.compute_loss(batch)
         self.backward(loss)
         return loss
 

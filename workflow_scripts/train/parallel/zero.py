@@ -159,10 +159,14 @@ class DeepSpeedStrategy(Strategy):
 
     def forward_backward(self, batch, last_micro: bool):
         # the engine scales by gradient_accumulation_steps and steps at the boundary
-        loss = self.model(**batch).loss
+        loss = self.compute_loss(batch)
         self.model.backward(loss)
         self.model.step()
         return loss
+
+    @property
+    def unwrapped(self) -> torch.nn.Module:
+        return self.model.module
 
     def step(self) -> float:
         """The engine clipped and stepped at the last micro-batch's boundary; its norm."""
