@@ -66,7 +66,7 @@ def test_every_form_of_a_pair_is_read_as_one_conversation():
                 "chosen": {"from": "observation", "value": GOOD},
                 "rejected": BAD,
             },
-            "unsupported_content",
+            "bad_turn_order",  # a tool result as the answer, no call before it (data/tool_calls.py)
         ),  # fmt: skip
         ({"prompt": [{"role": "assistant", "content": USER}], "chosen": GOOD, "rejected": BAD}, "bad_turn_order"),
     ],
