@@ -405,11 +405,12 @@ def preference_input(wildcards):
     return {"preference": expand(PREFERENCE_RESULT, model=MODELS, **variant_of(wildcards))}
 
 
-def summary_tail_args(wildcards, input):
+def summary_tail_args(wildcards):
     """summarize's --trackers values (logging.trackers) and its --preference files where the job has the
     `preference` input: one param, so that an SFT summary's shell command and params are as before the objective
-    existed (Snakemake's code and params rerun triggers)."""
-    files = input.get("preference")
+    existed (Snakemake's code and params rerun triggers). Of the wildcards alone: a params function of `input` is
+    left out of the params Snakemake compares at planning, and an SFT summary would rerun."""
+    files = preference_input(wildcards).get("preference")
     tail = f" --preference {' '.join(shlex.quote(f) for f in files)}" if files else ""
     return " ".join(config["logging"]["trackers"]) + tail
 
@@ -458,6 +459,8 @@ def provenance_json(wildcards):
     resolved = config | {"training": as_before_objectives(training_section(wildcards))}
     if not GRID:  # the config as it was before grids existed
         resolved.pop("grid")
+    if not DATA["tools"]:  # and before data.tools existed
+        resolved["data"] = {k: v for k, v in resolved["data"].items() if k != "tools"}
     return json.dumps(resolved, sort_keys=True)
 
 
