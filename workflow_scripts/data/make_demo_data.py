@@ -6,14 +6,14 @@ transformations (upper-casing, letter reversal) and small sums. The file uses th
 ``prompt, question, response`` columns of seed 000, plus a ``category`` column.
 
 ``--held-out`` writes instead the data of the second, LoRA stage (config/demo_lora.yaml), as OpenAI chat rows
-(JSONL, a ``messages`` list each): two families that resources/demo/instructions.csv never has. Repeating three
-letters back in order (``Repeat the letters: c a f`` -> ``c a f``): stage 1's models have seen the letters (in the
-reverse family) but never this instruction. And tool calls (config/README.md, "Tool calls"): a ``repeat_letters``
-function in the row's ``tools``, asked to repeat three letters with it (``Use the tool to repeat: c a f``), the
-answer a call ``{"name": "repeat_letters", "arguments": {"letters": "c a f"}}`` that copies the letters from the
-question; a third of these conversations go on with the tool's result and the final answer (``c a f``). A
-conversation's last assistant turn is what is trained and evaluated (data.train_on: last), so those ending with
-the call get the held-out ``tool_call`` score, the others exact match.
+(JSONL, a ``messages`` list each): two families that resources/demo/instructions.csv never has, on 256 triples of
+a-h each. Repeating three letters back in order (``Repeat the letters: c a f`` -> ``c a f``): stage 1's models have
+seen the letters (in the reverse family) but never this instruction. And tool calls (config/README.md, "Tool
+calls"): a ``repeat_letters`` function in the row's ``tools``, asked to repeat three letters with it (``Use the
+tool to repeat "c a f".``), the answer a call ``{"name": "repeat_letters", "arguments": {"letters": "c a f"}}`` that
+copies the letters from the question; a quarter of these conversations go on with the tool's result and the final
+answer (``c a f``). A conversation's last assistant turn is what is evaluated, so those ending with the call get
+the held-out ``tool_call`` score, the others exact match.
 
     python -m workflow_scripts.data.make_demo_data resources/demo/instructions.csv
     python -m workflow_scripts.data.make_demo_data --held-out resources/demo/lora_task.jsonl
