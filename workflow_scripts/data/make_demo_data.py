@@ -5,13 +5,18 @@ CPU in minutes: look-ups with several phrasings (capitals, successors), copy-lik
 transformations (upper-casing, letter reversal) and small sums. The file uses the
 ``prompt, question, response`` columns of seed 000, plus a ``category`` column.
 
-``--held-out`` writes instead the task family of the second, LoRA stage (config/demo_lora.yaml):
-repeating three letters back in order (``Repeat the letters: c a f`` -> ``c a f``), a family that
-resources/demo/instructions.csv never has. Stage 1's models have seen the letters (in the reverse
-family) but never this instruction, so the LoRA stage has something to learn on top of them.
+``--held-out`` writes instead the data of the second, LoRA stage (config/demo_lora.yaml), as OpenAI chat rows
+(JSONL, a ``messages`` list each): two families that resources/demo/instructions.csv never has, on 256 triples of
+a-h each. Repeating three letters back in order (``Repeat the letters: c a f`` -> ``c a f``): stage 1's models have
+seen the letters (in the reverse family) but never this instruction. And tool calls (config/README.md, "Tool
+calls"): a ``repeat_letters`` function in the row's ``tools``, asked to repeat three letters with it (``Use the
+tool to repeat "c a f".``), the answer a call ``{"name": "repeat_letters", "arguments": {"letters": "c a f"}}`` that
+copies the letters from the question; a quarter of these conversations go on with the tool's result and the final
+answer (``c a f``). A conversation's last assistant turn is what is evaluated, so those ending with the call get
+the held-out ``tool_call`` score, the others exact match.
 
     python -m workflow_scripts.data.make_demo_data resources/demo/instructions.csv
-    python -m workflow_scripts.data.make_demo_data --held-out resources/demo/lora_task.csv
+    python -m workflow_scripts.data.make_demo_data --held-out resources/demo/lora_task.jsonl
 
 ``--multiple-choice`` writes the demo's lm-eval task data (eval.tasks: demo_mc, resources/demo/tasks/): each
 question the demo config holds out (data.eval_fraction 0.1, data.seed 0), its answer and three distractors,
@@ -30,6 +35,8 @@ import csv
 import json
 import random
 from pathlib import Path
+
+from workflow_scripts.data.chat_render import messages_for
 
 CAPITALS = {
     "France": "Paris",
@@ -102,9 +109,25 @@ SYSTEM = {
     "reverse": "Answer with the letters only.",
     "sum": "Answer with the number only.",
 }
-# The LoRA stage's family: none of these phrasings, nor the category, is in generate()'s rows.
+# The LoRA stage's families: none of these phrasings, nor the categories, is in generate()'s rows.
 HELD_OUT_CATEGORY = "repeat"
 REPEAT_QUESTIONS = ["Repeat the letters: {s}", "Say the letters again: {s}", "Copy these letters: {s}"]
+TOOL_CATEGORY = "tool_call"
+REPEAT_ROWS = 256  # of the 512 triples: the tool rows' share of the stage's step budget
+# The letters in quotes, which the call's JSON string puts them in too: the same tokens in the question and in the
+# call ("c", " a", " f"), which a model copies at the distance of the call's JSON far sooner than from ": c a f".
+TOOL_QUESTIONS = ['Use the tool to repeat "{s}".', 'Call repeat_letters on "{s}".', 'Have the tool say "{s}".']
+TOOL_ROWS = 256  # triples asked with the tool, of the 512
+ANSWERED = 0.25  # the tool conversations that go on to the tool's result and the final answer
+TOOL_NAME = "repeat_letters"
+# the one function of the tool rows, an OpenAI spec (no description: the demo tokenizer spells it a letter a token)
+LETTERS_TOOL = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "parameters": {"type": "object", "properties": {"letters": {"type": "string"}}, "required": ["letters"]},
+    },
+}
 
 
 def generate(seed: int = 0) -> list[dict]:
@@ -139,8 +162,9 @@ def generate(seed: int = 0) -> list[dict]:
     return out
 
 
-def generate_held_out(seed: int = 0) -> list[dict]:
-    """The LoRA stage's rows: every triple of LETTERS once, asked in one of REPEAT_QUESTIONS' phrasings."""
+def generate_repeat(seed: int = 0) -> list[dict]:
+    """The repeat family: REPEAT_ROWS triples of LETTERS, each asked in one of REPEAT_QUESTIONS' phrasings, as
+    ``{prompt, question, response, category}`` rows."""
     rng = random.Random(seed)
     rows = []
     for t in (a + b + c for a in LETTERS for b in LETTERS for c in LETTERS):
@@ -148,7 +172,47 @@ def generate_held_out(seed: int = 0) -> list[dict]:
         question = rng.choice(REPEAT_QUESTIONS).format(s=letters)
         rows.append({"prompt": SYSTEM["reverse"], "question": question, "response": letters})
     rng.shuffle(rows)
-    return [row | {"category": HELD_OUT_CATEGORY} for row in rows]
+    return [row | {"category": HELD_OUT_CATEGORY} for row in rows[:REPEAT_ROWS]]
+
+
+def tool_conversation(letters: str, question: str, number: int, answered: bool) -> dict:
+    """One OpenAI chat row: the question, the assistant's ``repeat_letters`` call (its arguments a JSON string, as
+    OpenAI writes them) and, when ``answered``, the tool's result and the final answer."""
+    call_id = f"call_{number}"
+    arguments = json.dumps({"letters": letters})
+    call = {"id": call_id, "type": "function", "function": {"name": TOOL_NAME, "arguments": arguments}}
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    if answered:
+        messages += [
+            {"role": "tool", "tool_call_id": call_id, "name": TOOL_NAME, "content": letters},
+            {"role": "assistant", "content": letters},
+        ]
+    return {"messages": messages, "tools": [LETTERS_TOOL], "category": TOOL_CATEGORY}
+
+
+def generate_tool_calls(seed: int = 0) -> list[dict]:
+    """The tool family: TOOL_ROWS triples of LETTERS, each asked in one of TOOL_QUESTIONS' phrasings, a share
+    ANSWERED of the conversations answered (tool_conversation)."""
+    rng = random.Random(seed + 1)
+    triples = rng.sample([a + b + c for a in LETTERS for b in LETTERS for c in LETTERS], TOOL_ROWS)
+    rows = []
+    for k, t in enumerate(triples):
+        letters = " ".join(t)
+        question = rng.choice(TOOL_QUESTIONS).format(s=letters)
+        rows.append(tool_conversation(letters, question, k, rng.random() < ANSWERED))
+    return rows
+
+
+def generate_held_out(seed: int = 0) -> list[dict]:
+    """The LoRA stage's rows as OpenAI chat rows (``{messages, category}``, the tool rows with their ``tools``):
+    the repeat family (generate_repeat) and the tool family (generate_tool_calls), shuffled together."""
+    rows = [
+        {"messages": messages_for(r["prompt"], r["question"], r["response"]), "category": r["category"]}
+        for r in generate_repeat(seed)
+    ]
+    rows += generate_tool_calls(seed)
+    random.Random(seed).shuffle(rows)
+    return rows
 
 
 def multiple_choice(rows: list[dict], seed: int = 0, eval_fraction: float = 0.1) -> list[dict]:
@@ -191,7 +255,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", type=Path)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--held-out", action="store_true", help="the LoRA stage's task family instead")
+    parser.add_argument("--held-out", action="store_true", help="the LoRA stage's conversations (JSONL) instead")
     parser.add_argument("--multiple-choice", action="store_true", help="the demo_mc task's JSONL instead")
     parser.add_argument("--preferences", action="store_true", help="the DPO stage's pairs (JSONL) instead")
     args = parser.parse_args(argv)
@@ -202,8 +266,13 @@ def main(argv=None) -> None:
         args.output.write_text("".join(json.dumps(q) + "\n" for q in questions), encoding="utf-8")
         print(f"wrote {len(questions)} {'pairs' if args.preferences else 'questions'} to {args.output}")
         return
-    rows = generate_held_out(args.seed) if args.held_out else generate(args.seed)
     args.output.parent.mkdir(parents=True, exist_ok=True)
+    if args.held_out:
+        rows = generate_held_out(args.seed)
+        args.output.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+        print(f"wrote {len(rows)} conversations to {args.output}")
+        return
+    rows = generate(args.seed)
     with args.output.open("w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=["prompt", "question", "response", "category"])
         writer.writeheader()

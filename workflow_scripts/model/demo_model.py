@@ -21,12 +21,26 @@ from workflow_scripts.model.presets import PRESETS, preset_config, preset_name
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-# ChatML, as Qwen uses; `{% generation %}` marks what the assistant says.
+# ChatML, as Qwen uses; `{% generation %}` marks what the assistant says. Tool calls (config/README.md, "Tool
+# calls") in a compact layout, since the tokenizer is trained on the demo's text only and spells JSON a character
+# a token: the function specs (``tools=``) as one signature a line, ``name(argument, ...): description``, in a
+# ``<tools>`` block that ends the system turn (a turn of its own without one); each call as a JSON line ``{"name",
+# "arguments"}`` after the assistant's text; a tool result as a ``tool`` turn. A conversation without tools renders
+# as it did before.
 CHAT_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n' }}{%- endif %}"
+    "{{ '<tools>' }}{%- for tool in tools %}{%- set f = tool['function'] if tool['function'] is defined else tool %}"
+    "{{ '\n' + f['name'] + '(' + ((f['parameters'] or {})['properties'] or {}) | list | join(', ') + ')' }}"
+    "{%- if f['description'] %}{{ ': ' + f['description'] }}{%- endif %}{%- endfor %}"
+    "{{ '\n</tools><|im_end|>\n' }}{%- endif %}"
     "{% for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}{%- continue %}{%- endif %}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['role'] == 'assistant' %}{% generation %}"
-    "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] or '' }}"
+    "{%- for call in message['tool_calls'] or [] %}{%- if message['content'] or not loop.first %}{{ '\n' }}{%- endif %}"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}{%- endfor %}"
+    "{{ '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
     "{% else %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
