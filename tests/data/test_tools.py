@@ -469,6 +469,29 @@ def test_parse_time_check_of_data_tools(tmp_path):
         assert str(e.value).startswith(name) and f"data.tools ({specs})" in str(e.value)
 
 
+def test_parse_time_check_of_the_base_models_own_template(tmp_path):
+    """With data.tools, the base model's own template (its folder's tokenizer_config.json or chat_template.jinja)
+    is checked at parse time too: Llama 3's cannot render tools, Qwen3's can; a folder without one says nothing."""
+    from workflow_scripts.data.tool_calls import check_model_template_renders_tools
+
+    specs = tmp_path / "specs.json"
+    specs.write_text(json.dumps(SPECS))
+    qwen, llama, bare = (tmp_path / name for name in ("qwen", "llama", "bare"))
+    for folder in (qwen, llama, bare):
+        folder.mkdir()
+    (qwen / "chat_template.jinja").write_text((TEMPLATES / "qwen3.jinja").read_text())
+    template_text = (TEMPLATES / "llama3_instruct.jinja").read_text()
+    (llama / "tokenizer_config.json").write_text(json.dumps({"chat_template": template_text}))
+    (bare / "tokenizer_config.json").write_text("{}")
+    check_model_template_renders_tools(str(specs), qwen, "model.name_or_path q")
+    check_model_template_renders_tools(str(specs), bare, "model.name_or_path b")
+    check_model_template_renders_tools(None, llama, "model.name_or_path l")  # no data.tools: nothing to check
+    with pytest.raises(UserError) as e:
+        check_model_template_renders_tools(str(specs), llama, "model.name_or_path meta/llama3")
+    assert str(e.value).startswith("model.name_or_path meta/llama3's chat template cannot render tools")
+    assert f"data.tools ({specs})" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_special_and_control_text_in_calls_and_specs_is_found(qwen3):
     """data.special_text and data.control_chars look into the calls, the specs and the reasoning too: a literal
     <|im_end|> in a call's arguments would be read as the end of the turn."""

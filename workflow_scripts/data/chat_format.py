@@ -169,6 +169,25 @@ def has_chat_template(folder) -> bool | None:
         return None
 
 
+def chat_template_text(folder) -> str | None:
+    """A local model folder's chat template text (chat_template.jinja, chat_template.json or tokenizer_config.json;
+    named templates joined), None when its files hold none or cannot be read."""
+    folder = Path(folder)
+    try:
+        if (folder / "chat_template.jinja").is_file():
+            return (folder / "chat_template.jinja").read_text()
+        for name in ("chat_template.json", "tokenizer_config.json"):
+            if (folder / name).is_file():
+                template = json.loads((folder / name).read_text()).get("chat_template")
+                if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+                    template = "\n".join(t.get("template", "") for t in template if isinstance(t, dict))
+                if template:
+                    return template
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None
+
+
 def no_template_message(source: str) -> str:
     return (
         f"{source}: the tokenizer has no chat template (a base model); set data.chat_template (a Jinja"

@@ -278,6 +278,18 @@ def check_tools_config(tools: str | None, chat_template: str | None, format_temp
         check_template(Path(chat_template).read_text(), f"data.chat_template {chat_template}", where)
 
 
+def check_model_template_renders_tools(tools: str | None, folder, source: str) -> None:
+    """At parse time, with data.tools set: the base model's own chat template (its local folder's files) renders
+    tools; one line naming it. Nothing where the folder holds no template to read."""
+    from workflow_scripts.data.chat_format import chat_template_text
+
+    template = chat_template_text(folder) if tools else None
+    if template is not None:
+        check_template(
+            template, f"{source}'s chat template", f"data.tools ({tools}) gives every conversation function specs"
+        )
+
+
 # ---------------------------------------------------------------- calls in generated text (the tool_call score)
 
 JSON_DECODER = json.JSONDecoder()
