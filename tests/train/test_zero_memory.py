@@ -149,14 +149,15 @@ def test_offload_keys_enter_the_checkpoint_key_only_when_set():
     import dataclasses
 
     from workflow_scripts.core.settings import for_world, training_config
-    from workflow_scripts.train.checkpoint import KEYED_WHEN_SET, run_key
+    from workflow_scripts.train.checkpoint import KEYED_WHEN_SET, KEYED_WITH, run_key
 
     cfg = for_world(training_config({"strategy": "deepspeed", "zero_stage": 3, "offload": "optimizer"}), 2)
     key = run_key(cfg, 2, "data", "base", None)
-    before = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in KEYED_WHEN_SET}
+    # the training config as it was: without the two keys, nor the ones that came after them (the objective's)
+    before = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in {*KEYED_WHEN_SET, *KEYED_WITH}}
 
     @dataclasses.dataclass(frozen=True)
-    class Before:  # the training config as it was, without the two keys
+    class Before:
         __annotations__ = {k: object for k in before}
 
     assert run_key(Before(**before), 2, "data", "base", None) == key
