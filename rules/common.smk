@@ -15,7 +15,7 @@ from workflow_scripts.data.readers import delimiter_arg, resolve_paths
 from workflow_scripts.data.tool_calls import check_model_template_renders_tools, check_tools_config
 from workflow_scripts.core.fingerprint import check_model, is_hub_id, local_model_folder
 from workflow_scripts.core.hub_model import absent_message, cached_snapshot, read_record, resolve_commit
-from workflow_scripts.data.chat_format import format_list, has_chat_template, no_template_message
+from workflow_scripts.data.chat_format import chat_template_text, format_list, has_chat_template, no_template_message
 from workflow_scripts.core.settings import accumulation, as_before_objectives, check_grid, job_ranks, validated
 from workflow_scripts.core.settings import OBJECTIVE_CONFIG_KEYS, reads_cached_reference
 from workflow_scripts.core.settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig
@@ -238,7 +238,7 @@ def check_template():
             return
     if has_chat_template(folder) is False:
         raise UserError(no_template_message(f"model.name_or_path {BASE_MODEL}"))
-    check_model_template_renders_tools(DATA["tools"], folder, f"model.name_or_path {BASE_MODEL}")
+    check_model_template_renders_tools(DATA["tools"], chat_template_text(folder), f"model.name_or_path {BASE_MODEL}")
 
 
 try:

@@ -472,7 +472,11 @@ def test_parse_time_check_of_data_tools(tmp_path):
 def test_parse_time_check_of_the_base_models_own_template(tmp_path):
     """With data.tools, the base model's own template (its folder's tokenizer_config.json or chat_template.jinja)
     is checked at parse time too: Llama 3's cannot render tools, Qwen3's can; a folder without one says nothing."""
+    from workflow_scripts.data.chat_format import chat_template_text
     from workflow_scripts.data.tool_calls import check_model_template_renders_tools
+
+    def check(tools, folder, source):
+        check_model_template_renders_tools(tools, chat_template_text(folder), source)
 
     specs = tmp_path / "specs.json"
     specs.write_text(json.dumps(SPECS))
@@ -483,11 +487,11 @@ def test_parse_time_check_of_the_base_models_own_template(tmp_path):
     template_text = (TEMPLATES / "llama3_instruct.jinja").read_text()
     (llama / "tokenizer_config.json").write_text(json.dumps({"chat_template": template_text}))
     (bare / "tokenizer_config.json").write_text("{}")
-    check_model_template_renders_tools(str(specs), qwen, "model.name_or_path q")
-    check_model_template_renders_tools(str(specs), bare, "model.name_or_path b")
-    check_model_template_renders_tools(None, llama, "model.name_or_path l")  # no data.tools: nothing to check
+    check(str(specs), qwen, "model.name_or_path q")
+    check(str(specs), bare, "model.name_or_path b")
+    check(None, llama, "model.name_or_path l")  # no data.tools: nothing to check
     with pytest.raises(UserError) as e:
-        check_model_template_renders_tools(str(specs), llama, "model.name_or_path meta/llama3")
+        check(str(specs), llama, "model.name_or_path meta/llama3")
     assert str(e.value).startswith("model.name_or_path meta/llama3's chat template cannot render tools")
     assert f"data.tools ({specs})" in str(e.value) and "\n" not in str(e.value)
 

@@ -278,16 +278,12 @@ def check_tools_config(tools: str | None, chat_template: str | None, format_temp
         check_template(Path(chat_template).read_text(), f"data.chat_template {chat_template}", where)
 
 
-def check_model_template_renders_tools(tools: str | None, folder, source: str) -> None:
-    """At parse time, with data.tools set: the base model's own chat template (its local folder's files) renders
-    tools; one line naming it. Nothing where the folder holds no template to read."""
-    from workflow_scripts.data.chat_format import chat_template_text
-
-    template = chat_template_text(folder) if tools else None
-    if template is not None:
-        check_template(
-            template, f"{source}'s chat template", f"data.tools ({tools}) gives every conversation function specs"
-        )
+def check_model_template_renders_tools(tools: str | None, template: str | None, source: str) -> None:
+    """At parse time, with data.tools set: the base model's own chat template (``template``, read from its local
+    folder: chat_format.chat_template_text) renders tools; one line naming it. Nothing where there is none to read."""
+    if tools and template is not None:
+        where = f"data.tools ({tools}) gives every conversation function specs"
+        check_template(template, f"{source}'s chat template", where)
 
 
 # ---------------------------------------------------------------- calls in generated text (the tool_call score)
