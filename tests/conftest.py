@@ -173,6 +173,13 @@ def training_ranks(workdir) -> list[int]:
     return pids
 
 
+def consolidate(state, output, *options) -> subprocess.CompletedProcess:
+    """export/consolidate.py on a training state (train_state.json) into ``output``."""
+    script = REPO / "workflow_scripts/export/consolidate.py"
+    cmd = [sys.executable, str(script), "--state", str(state), "--output", str(output), *options]
+    return subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
+
+
 def trainer_env() -> dict:
     """tool_env with one thread per rank (2 ranks on 2 cores)."""
     return tool_env() | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

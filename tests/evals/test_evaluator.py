@@ -67,7 +67,7 @@ def test_held_out_loss_is_logged_without_changing_the_training_losses(tmp_path, 
 @pytest.mark.torchrun
 def test_the_last_held_out_loss_is_the_trained_models_token_weighted_loss(tmp_path, demo_assets):
     """The 2 ranks' shares, summed, are one model's loss over the first 13 held-out examples, token-weighted."""
-    from test_training import consolidate
+    from conftest import consolidate
     from transformers import AutoModelForCausalLM
 
     from workflow_scripts.train.batching import collate, load_examples

@@ -2,12 +2,10 @@
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO, run_trainer, tool_env
+from conftest import consolidate, run_trainer
 
 from workflow_scripts.core.pipeline_io import UserError
 from workflow_scripts.core.settings import PlanConfig, training_config
@@ -97,12 +95,6 @@ def train_and_consolidate(tmp_path, demo_assets, max_shard_size="2GB", **overrid
     proc = consolidate(state, out, "--max-shard-size", max_shard_size)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return losses, out
-
-
-def consolidate(state, output, *options) -> subprocess.CompletedProcess:
-    script = REPO / "workflow_scripts/export/consolidate.py"
-    cmd = [sys.executable, str(script), "--state", str(state), "--output", str(output), *options]
-    return subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
 
 
 @pytest.mark.torchrun
