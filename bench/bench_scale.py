@@ -410,7 +410,7 @@ def run_preflight(base: Path, t: dict, workdir: Path) -> dict:
     out = workdir / "memory.json"
     cmd = [sys.executable, "-m", "workflow_scripts.plan.preflight", "--model", str(base), "--config",
            json.dumps(t), "--output", str(out), "--table", str(workdir / "memory.csv")]  # fmt: skip
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = os.environ | {"OMP_NUM_THREADS": "1"}  # PYTHONPATH: REPO before what was there (above)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"preflight failed for {t['strategy']}:\n{proc.stderr[-3000:]}")

@@ -10,7 +10,8 @@
 # 3. bench/bench_scale.py --part planner --device cuda: the planner against torch.cuda.max_memory_allocated
 #    (plans kept in PLANNER_WORKDIR/plans.jsonl are reused: make them on a CPU machine with --plan-only)
 #                                                          -> OUT_DIR/planner.log, planner_rows.jsonl, smi.csv
-# Each step has its own time limit (seconds: ENV_S, GPU_S, PLANNER_S) and a failed step does not stop the next.
+# Each step has its own time limit (seconds: ENV_S, GPU_S, PLANNER_S) and a failed step does not stop the next;
+# each step's start is stamped in OUT_DIR/device.txt (where the time went when a limit stops one).
 set -u
 out=${1:?OUT_DIR}
 work=$(realpath -m "${2:-/tmp/bench_gpu_planner}")
@@ -21,25 +22,32 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     "$py" -c 'import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)'
+    echo "start $(date +%T)"
 } >"$out/device.txt" 2>&1
 
-timeout "${ENV_S:-120}" "$py" workflow_scripts/ops/environment.py \
+timeout "${ENV_S:-120}" "$py" -m workflow_scripts.ops.environment \
     --config '{"strategy": "fsdp", "precision": "bf16", "procs_per_node": 1}' \
     --output "$out/check.json" >"$out/env.log" 2>&1
 echo "environment check: rc $?"
+echo "bench_gpu start $(date +%T)" >>"$out/device.txt"
 
 timeout "${GPU_S:-240}" "$py" bench/bench_gpu.py --shape qwen3-0.6b --seq 4096 --steps 30 --own-loss-too \
     --workdir /tmp/bench_gpu >"$out/bench_gpu.log" 2>&1
 echo "bench_gpu: rc $?"
+echo "planner start $(date +%T)" >>"$out/device.txt"
 # each run's own output and metrics, also when the time limit stopped it
 tar -czf "$out/bench_gpu_runs.tar.gz" -C /tmp/bench_gpu --exclude='*.safetensors' --exclude=ckpt --exclude='*.parquet' \
     . 2>/dev/null
 
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader -lms 500 >"$out/smi.csv" 2>&1 &
 smi=$!
+# PLANNER_CASES: the cases to measure (bench_scale.py's --case; all four unless set)
+# shellcheck disable=SC2086
 timeout "${PLANNER_S:-300}" "$py" bench/bench_scale.py --part planner --device cuda --nproc 1 --precision bf16 \
-    --vocab 151936 --layers 28 --seq 2048 --workdir "$work" >"$out/planner.log" 2>&1
+    --vocab 151936 --layers 28 --seq 2048 --workdir "$work" --case ${PLANNER_CASES:-ddp fsdp fsdp-lora zero3} \
+    >"$out/planner.log" 2>&1
 echo "planner: rc $?"
 kill "$smi" 2>/dev/null
 cp "$work/planner_rows.jsonl" "$out/" 2>/dev/null
+echo "end $(date +%T)" >>"$out/device.txt"
 exit 0
