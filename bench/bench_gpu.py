@@ -103,7 +103,7 @@ TRAINER = r"""
 import json, sys, time
 import pyarrow.parquet as pq, torch
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
-work, steps, batch, bf16 = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+work, steps, batch, bf16, accum = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
 t = pq.read_table(f"{work}/tokens.parquet")
 rows = [{"input_ids": i, "labels": l, "attention_mask": [1] * len(i)}
         for i, l in zip(t.column("input_ids").to_pylist(), t.column("labels").to_pylist())]
@@ -129,11 +129,13 @@ def pad(features):
         for k in out: out[k][j, : len(f[k])] = torch.tensor(f[k])
     return out
 args = TrainingArguments(output_dir=f"{work}/trainer", per_device_train_batch_size=batch, max_steps=steps,
+                         gradient_accumulation_steps=accum,
                          learning_rate=1e-4, bf16=bf16, logging_steps=10**9, save_strategy="no", report_to=[],
                          dataloader_num_workers=0, remove_unused_columns=False, seed=0, use_cpu=not bf16)
 Trainer(model=model, args=args, train_dataset=rows, data_collator=pad, callbacks=[clock]).train()
 peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-print(json.dumps({"times": clock.times, "lengths": seen, "peak_gb": peak}))
+steps_seen = [sum(seen[i : i + accum], []) for i in range(0, len(seen), accum)]  # each optimizer step's examples
+print(json.dumps({"times": clock.times, "lengths": steps_seen, "peak_gb": peak}))
 """
 
 
@@ -148,10 +150,15 @@ def run_logged(cmd: list[str], log: Path) -> str:
 
 
 def run_trainer(work: Path, a, batch: int, flops_of) -> dict:
+    """The Trainer's step is ``batch`` examples: micro-batches of at most --trainer-micro-batch, accumulated
+    (23 padded examples of 4,096 at once need more than an H200's 139 GiB for the 151,936-token logits)."""
     script = work / "trainer.py"
     script.write_text(TRAINER)
     bf16 = "1" if a.device == "cuda" else "0"
-    out = run_logged([sys.executable, str(script), str(work), str(a.steps), str(batch), bf16], work / "trainer.log")
+    micro = min(batch, a.trainer_micro_batch)
+    accum = max(1, round(batch / micro))  # micro × accum examples a step, the nearest to ``batch``
+    cmd = [sys.executable, str(script), str(work), str(a.steps), str(micro), bf16, str(accum)]
+    out = run_logged(cmd, work / "trainer.log")
     result = json.loads([x for x in out.splitlines() if x.startswith('{"times"')][-1])
     times, lengths = result["times"][a.warmup :], result["lengths"][a.warmup : len(result["times"])]
     secs = sum(times)
@@ -159,7 +166,7 @@ def run_trainer(work: Path, a, batch: int, flops_of) -> dict:
         "tokens_per_s": sum(sum(x) for x in lengths) / secs,
         "tflops": sum(flops_of(x) for x in lengths) / secs / 1e12,
         "peak_gb": result["peak_gb"],
-        "attention": "sdpa (padded)",
+        "attention": f"sdpa (padded), {accum} x {micro} examples",
     }
 
 
@@ -174,6 +181,7 @@ def main() -> None:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--own-loss-too", action="store_true", help="ours again with training.chunked_loss: false")
     p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--trainer-micro-batch", type=int, default=4, help="the Trainer's examples per forward")
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args()
     import torch
@@ -189,9 +197,11 @@ def main() -> None:
     start = time.perf_counter()
     ours = run_ours(work, a, a.bins_per_step)
     results = [("ours: packed, padding-free, " + ours["attention"] + ", chunked loss", ours)]
+    print(f"done: {results[-1]}", flush=True)  # each run's numbers as soon as it ends (a time limit keeps them)
     if a.own_loss_too:  # what training.chunked_loss costs in time and saves in memory
         own = run_ours(work, a, a.bins_per_step, chunked_loss=False)
         results.append(("ours, the model's own loss (training.chunked_loss: false)", own))
+        print(f"done: {results[-1]}", flush=True)
     ratio = None
     if not a.lora:
         from transformers import AutoModelForCausalLM
@@ -204,7 +214,8 @@ def main() -> None:
         # the same real tokens per step: examples of the mean length filling the packed bins
         batch = max(1, round(a.bins_per_step * a.seq * 0.99 / statistics.mean(lengths)))
         base = run_trainer(work, a, batch, flops_of)
-        results.append((f"HF Trainer: batch {batch}, padded to longest", base))
+        results.append((f"HF Trainer: {base['attention'].split(', ')[-1]} a step, padded to longest", base))
+        print(f"done: {results[-1]}", flush=True)
         ratio = ours["tokens_per_s"] / base["tokens_per_s"]
 
     device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"

@@ -31,12 +31,12 @@ timeout "${ENV_S:-120}" "$py" -m workflow_scripts.ops.environment \
 echo "environment check: rc $?"
 echo "bench_gpu start $(date +%T)" >>"$out/device.txt"
 
-timeout "${GPU_S:-240}" "$py" bench/bench_gpu.py --shape qwen3-0.6b --seq 4096 --steps 30 --own-loss-too \
+timeout "${GPU_S:-300}" "$py" bench/bench_gpu.py --shape qwen3-0.6b --seq 4096 --steps 30 ${BENCH_GPU_ARGS---own-loss-too} \
     --workdir /tmp/bench_gpu >"$out/bench_gpu.log" 2>&1
 echo "bench_gpu: rc $?"
 echo "planner start $(date +%T)" >>"$out/device.txt"
 # each run's own output and metrics, also when the time limit stopped it
-tar -czf "$out/bench_gpu_runs.tar.gz" -C /tmp/bench_gpu --exclude='*.safetensors' --exclude=ckpt --exclude='*.parquet' \
+tar -czf "$out/bench_gpu_runs.tar.gz" -C /tmp/bench_gpu --exclude='*.safetensors' --exclude=ckpt --exclude='*.parquet' --exclude=token-store --exclude='*.bin' --exclude='*.pt' \
     . 2>/dev/null
 
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader -lms 500 >"$out/smi.csv" 2>&1 &
