@@ -1,4 +1,5 @@
-rule train_node:
+# Snakemake checkpoints: eval.checkpoints all/every_n lists the step folders they leave (rules/checkpoint_eval.smk)
+checkpoint train_node:
     input:
         # `eval`: the tokenized eval set, with training.eval_every only
         unpack(held_out_input),
@@ -56,7 +57,7 @@ rule train_node:
 
 
 # training.mode joint: one model over all nodes in one job, on every node's shard (launch.py)
-rule train_joint:
+checkpoint train_joint:
     input:
         # `eval`: the tokenized eval set, with training.eval_every only
         unpack(held_out_input),
