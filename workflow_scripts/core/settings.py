@@ -434,6 +434,8 @@ EnvironmentConfig = stage_config(
     "training.strategy", "training.peft", "training.procs_per_node", "training.precision", "logging.trackers",
 )  # fmt: skip
 GridConfig = stage_config("GridConfig", "compare_grid's key: the grid (its variants' names and values).", "grid")
+
+
 class ConsolidateSelect(StageConfig):
     """ConsolidateConfig's consolidate.select is left out of its JSON while it is last (the default): the export's
     params as before the key existed, so that a finished run does not consolidate again."""

@@ -7,6 +7,7 @@ The rules (rules/checkpoint_eval.smk), checkpoint_scores.py and export/consolida
 exported is the row the table marks best.
 """
 
+import json
 import math
 import re
 from pathlib import Path
@@ -118,3 +119,15 @@ def selection_text(model: str, selected: dict) -> str:
         f"{model} at step {selected['step']} of {selected['last_step']}, {metric_words(selected['metric'])}"
         f" ({selected['value']:.4g}; {selected['candidates']} checkpoints scored)"
     )
+
+
+def selection_lines(folders: list[Path]) -> str:
+    """The leaderboard's lines for the models exported by consolidate.select best (their consolidation.json's
+    ``selected``): "Exported: node0 at step 300 of 560, best held-out loss (...)"; "" when every one is the last."""
+    lines = []
+    for folder in folders:
+        record = Path(folder) / "consolidation.json"
+        selected = json.loads(record.read_text()).get("selected") if record.exists() else None
+        if selected:
+            lines.append(f"Exported: {selection_text(Path(folder).name, selected)}\n")
+    return "".join(lines)

@@ -59,8 +59,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from workflow_scripts.core.layout import matching
 from workflow_scripts.core.host_memory import PeakRSS, map_large_allocations, page_out
+from workflow_scripts.core.layout import matching
 from workflow_scripts.core.pipeline_io import UserError, cli, umask_modes, write_json
 from workflow_scripts.core.settings import ConsolidateConfig
 from workflow_scripts.evals.checkpoint_select import best_step, selection_text
