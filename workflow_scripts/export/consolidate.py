@@ -392,7 +392,8 @@ def scored_checkpoints(state: dict, output: Path) -> list[Path]:
     """The results of the model's scored checkpoints of its current run key (eval.checkpoints all/every_n), found by
     the layout beside the model folder (results/<run>/models/<model> -> results/<run>/eval/checkpoints/...)."""
     key = Path(state["checkpoint"]).parent.name
-    return matching(output.parent.parent, "CHECKPOINT_EVAL", node=output.name, key=key, step="*")
+    found = matching(output.parent.parent, "CHECKPOINT_EVAL", node=output.name, key=key, step="*")
+    return [p for p in found if p.stem.split("-")[-1].isdigit()]  # not step-<N>.lm_eval.json
 
 
 def select_checkpoint(state: dict, results: list[Path], metric: str) -> tuple[dict, dict]:
