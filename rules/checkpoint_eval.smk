@@ -3,6 +3,8 @@
 
 
 if SCORE_CHECKPOINTS:
+    # the training rules become Snakemake checkpoints here only: a run with eval.checkpoints last plans as before
+    as_snakemake_checkpoints(["train_node", "train_joint"])
 
     rule consolidate_checkpoint:
         input:

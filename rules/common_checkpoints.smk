@@ -1,9 +1,9 @@
 # The helpers of rules/checkpoint_eval.smk (and of consolidate_node's consolidate.select, provenance's config).
 # eval.checkpoints all or every_n: each kept checkpoint of each trained model consolidated (export/consolidate.py,
 # --checkpoint) and scored (evals/evaluation.py, as evaluate_model) as its own jobs, then eval/checkpoints.csv and
-# its curves (evals/checkpoint_scores.py). Which checkpoints exist is known once training has run: train_node and
-# train_join are Snakemake checkpoints, and checkpoint_results() lists the complete step-<N> folders of the
-# node's run key then. A checkpoint's result is named by its run key and step, so a new checkpoint adds its two
+# its curves (evals/checkpoint_scores.py). Which checkpoints exist is known once training has run: with
+# eval.checkpoints all or every_n, train_node and train_joint are Snakemake checkpoints, and checkpoint_results()
+# lists the complete step-<N> folders of the node's run key then. A checkpoint's result is named by its run key and step, so a new checkpoint adds its two
 # jobs and one scored before is never scored again (its consolidated model is temp(): gone once scored).
 # consolidate.select best:<metric>: consolidate_node waits for the scores and exports the best checkpoint.
 # With eval.checkpoints last (the default) none of these rules exist.
@@ -29,6 +29,15 @@ def as_before_checkpoints(resolved):
             drop = {key, "checkpoint_every"} if section == "eval" else {key}
             resolved = resolved | {section: {k: v for k, v in resolved[section].items() if k not in drop}}
     return resolved
+
+
+def as_snakemake_checkpoints(names):
+    """Make the training rules Snakemake checkpoints, as the `checkpoint` keyword does (Workflow.rule sets the flag
+    and registers the rule): Snakemake re-plans after their jobs, once the step folders they leave are there."""
+    for name in names:
+        made = workflow.get_rule(name)
+        made.is_checkpoint = True
+        checkpoints.register(made)
 
 
 def trained_state(node, wildcards):

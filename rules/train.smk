@@ -1,5 +1,4 @@
-# Snakemake checkpoints: eval.checkpoints all/every_n lists the step folders they leave (rules/checkpoint_eval.smk)
-checkpoint train_node:
+rule train_node:
     input:
         # `eval`: the tokenized eval set, with training.eval_every only
         unpack(held_out_input),
@@ -57,7 +56,7 @@ checkpoint train_node:
 
 
 # training.mode joint: one model over all nodes in one job, on every node's shard (launch.py)
-checkpoint train_joint:
+rule train_joint:
     input:
         # `eval`: the tokenized eval set, with training.eval_every only
         unpack(held_out_input),
