@@ -81,7 +81,7 @@ def checkpoint_marker(wildcards):
 
 def node_state(wildcards):
     """The node's train_state.json as a param (the base model, strategy and LoRA settings its checkpoints have):
-    not an input, so that training on (a newer train_state.json) does not rerun the checkpoints scored before."""
+    not an input, so that a newer train_state.json (training rerun for its outputs) does not rescore them."""
     return TRAIN_STATE.format(node=wildcards.node, **variant_of(wildcards))
 
 
