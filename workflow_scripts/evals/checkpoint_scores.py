@@ -4,8 +4,8 @@ eval.checkpoints all or every_n scores each kept checkpoint as its own job (rule
 evaluation.py on the checkpoint consolidated); this gathers their results into eval/checkpoints.csv (model,
 step, tokens seen, every metric with its interval) and eval/checkpoints.png (a panel per metric over steps,
 one line per model with its interval as a band). A checkpoint scored earlier and pruned since (by a later save
-of the same run key) keeps its row: its result stays under eval/checkpoints/<model>/<checkpoint key>/, and the results
-there of the model's current key are read too, so an old checkpoint's scores are reused, never recomputed.
+of the same run key) keeps its row: its result stays under eval/checkpoints/<model>/<checkpoint key>/, and the
+results there of the model's current key are read too, so an old checkpoint's scores are reused, never recomputed.
 """
 
 import argparse
