@@ -3,8 +3,9 @@
 # --checkpoint) and scored (evals/evaluation.py, as evaluate_model) as its own jobs, then eval/checkpoints.csv and
 # its curves (evals/checkpoint_scores.py). Which checkpoints exist is known once training has run: with
 # eval.checkpoints all or every_n, train_node and train_joint are Snakemake checkpoints, and checkpoint_results()
-# lists the complete step-<N> folders of the node's run key then. A checkpoint's result is named by its run key and step, so a new checkpoint adds its two
-# jobs and one scored before is never scored again (its consolidated model is temp(): gone once scored).
+# lists the complete step-<N> folders of the node's run key then. A checkpoint's result is named by its run key
+# and step, so a new checkpoint adds its two jobs and one scored before is never scored again (its consolidated
+# model is temp(): gone once scored).
 # consolidate.select best:<metric>: consolidate_node waits for the scores and exports the best checkpoint.
 # With eval.checkpoints last (the default) none of these rules exist.
 
