@@ -462,7 +462,7 @@ def provenance_json(wildcards):
         resolved.pop("grid")
     if not DATA["tools"]:  # and before data.tools existed
         resolved["data"] = {k: v for k, v in resolved["data"].items() if k != "tools"}
-    return json.dumps(resolved, sort_keys=True)
+    return json.dumps(as_before_checkpoints(resolved), sort_keys=True)  # rules/checkpoint_eval.smk
 
 
 def trackers_json(wildcards):
@@ -569,6 +569,7 @@ def final_outputs():
         DATA_REPORT,
         *expand([PLAN, SUMMARY, LOSS_CURVES, LEADERBOARD, PROVENANCE], variant=variants),
         *([GRID_TABLE, GRID_PLOT] if GRID else []),
+        *(expand([CHECKPOINT_SCORES, CHECKPOINT_PLOT], variant=variants) if SCORE_CHECKPOINTS else []),
         # the report's pages (workflow_scripts/core/pages.py, rules/report_pages.smk), in the table's order
         *expand([globals()[page.key] for page in made(GRID)], variant=variants),
     ]

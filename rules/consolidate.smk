@@ -1,5 +1,7 @@
 rule consolidate_node:
     input:
+        # `scored`: the node's scored checkpoints, with consolidate.select best:<metric> only (checkpoint_eval.smk)
+        unpack(selection_input),
         state=TRAIN_STATE,
     output:
         model=directory(MODEL_DIR.format(model="{node}")),

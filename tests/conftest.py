@@ -240,6 +240,7 @@ SHARED_RUNS = "shared-runs"
 SHARED_RUN_FILES = {
     "tests/plan/test_preflight.py", "tests/train/test_joint.py", "tests/workflow/test_lora_stage.py",
     "tests/workflow/test_quickstart.py", "tests/workflow/test_rerun.py", "tests/workflow/test_slurm.py",
+    "tests/workflow/test_checkpoint_eval.py",
     "tests/workflow/test_workflow.py",
 }  # fmt: skip
 

@@ -276,3 +276,24 @@ def test_cli_takes_consolidate_dtype(tmp_path, bf16_checkpoint, capsys):
     assert report["dtype"] == "float32"
     assert set(report["peak_rss_mb"]) == {"training_side_model", "write", "reload_check"}
     assert "in float32" in capsys.readouterr().out
+
+
+def test_best_select_points_the_export_at_the_best_scored_checkpoint(tmp_path):
+    """consolidate.select best:<metric>: the results of the node's current run key are found beside the model
+    folder (not their lm-eval JSON, not another key's), and the state points at the best step's folder."""
+    from workflow_scripts.export.consolidate import scored_checkpoints, select_checkpoint
+
+    run = tmp_path / "results" / "r"
+    state = {"checkpoint": "results/r/checkpoints/node0/abc/step-560", "step": 560, "strategy": "ddp"}
+    scores = run / "eval" / "checkpoints" / "node0"
+    for key, step, loss in (("abc", 300, 1.2), ("abc", 560, 1.5), ("old", 100, 0.1)):
+        (scores / key).mkdir(parents=True, exist_ok=True)
+        (scores / key / f"step-{step}.json").write_text(json.dumps({"eval_loss": loss, "exact_match": step / 1000}))
+        (scores / key / f"step-{step}.lm_eval.json").write_text("{}")
+    found = scored_checkpoints(state, run / "models" / "node0")
+    assert [p.name for p in found] == ["step-300.json", "step-560.json"]
+    chosen, selected = select_checkpoint(state, found, "eval_loss")
+    assert chosen == state | {"checkpoint": "results/r/checkpoints/node0/abc/step-300", "step": 300}
+    assert selected == {"step": 300, "last_step": 560, "candidates": 2, "metric": "eval_loss", "value": 1.2,
+                        "checkpoint": "results/r/checkpoints/node0/abc/step-300"}  # fmt: skip
+    assert select_checkpoint(state, found, "exact_match")[1]["step"] == 560

@@ -168,3 +168,24 @@ def test_a_dead_model_is_steps_in_a_row_of_a_zero_norm_or_a_uniform_loss():
     assert not DeadModel(3, 1024, trainable=False).dead(2.0, 0.0)  # nothing to train: a zero norm is no sign
     off = DeadModel(0, 1024, trainable=True)
     assert not any(off.update(uniform, 0.0) for _ in range(100))
+
+
+def test_checkpoints_held_for_scoring_are_not_pruned_until_scored(tmp_path):
+    from workflow_scripts.train.checkpoint import HOLD_FILE, held_for_scoring
+
+    root = tmp_path / "checkpoints" / "node0" / "abc123"
+    complete = [root / f"step-{s}" for s in (100, 200, 300, 400)]
+    assert held_for_scoring(root, complete) == ()  # eval.checkpoints last: no hold file
+    scores = tmp_path / "eval" / "checkpoints" / "node0"
+    (root.parent).mkdir(parents=True)
+    (root.parent / HOLD_FILE).write_text(json.dumps({"mode": "all", "every": 1000, "scores": str(scores)}))
+    (scores / "abc123").mkdir(parents=True)
+    (scores / "abc123" / "step-100.json").write_text("{}")  # scored: may go
+    held = held_for_scoring(root, complete)
+    assert held == tuple(complete[1:])
+    assert to_prune(complete, [], 2, protect=complete[-1], held=held) == [complete[0]]  # step-200 waits
+    assert to_prune(complete, [], 2, protect=complete[-1]) == complete[:2]
+    (root.parent / HOLD_FILE).write_text(json.dumps({"mode": "every_n", "every": 200, "scores": str(scores)}))
+    assert held_for_scoring(root, complete) == (complete[1], complete[3])  # 100 and 300 are no multiples of 200
+    (root.parent / HOLD_FILE).write_text("not json")
+    assert held_for_scoring(root, complete) == ()

@@ -69,6 +69,13 @@ VARIANT_FILES = {
     "SAMPLES": "eval/samples.csv",
     "CONSOLIDATION": "eval/consolidation.csv",
     "PROVENANCE": "provenance.json",
+    # eval.checkpoints all/every_n: each scored checkpoint (key: the trainer's run key, train_state.json's
+    # plan.checkpoints), its model consolidated for the time of its evaluation, and the table and curves of all
+    "CHECKPOINT_MODEL": "eval/checkpoints/{node}/{key}/step-{step}.model",
+    "CHECKPOINT_EVAL": "eval/checkpoints/{node}/{key}/step-{step}.json",
+    "CHECKPOINT_LM_EVAL": "eval/checkpoints/{node}/{key}/step-{step}.lm_eval.json",
+    "CHECKPOINT_SCORES": "eval/checkpoints.csv",
+    "CHECKPOINT_PLOT": "eval/checkpoints.png",
 }
 
 

@@ -434,10 +434,26 @@ EnvironmentConfig = stage_config(
     "training.strategy", "training.peft", "training.procs_per_node", "training.precision", "logging.trackers",
 )  # fmt: skip
 GridConfig = stage_config("GridConfig", "compare_grid's key: the grid (its variants' names and values).", "grid")
+
+
+class ConsolidateSelect(StageConfig):
+    """ConsolidateConfig's consolidate.select is left out of its JSON while it is last (the default): the export's
+    params as before the key existed, so that a finished run does not consolidate again."""
+
+    @classmethod
+    def values(cls, config: dict) -> dict:
+        values = super().values(config)
+        if values["select"] == "last":
+            values.pop("select")
+        return values
+
+
 ConsolidateConfig = stage_config(
     "ConsolidateConfig",
-    "consolidate_node's keys: the written weights' dtype, and the template training used (for the model folder).",
-    "consolidate.dtype", *TEMPLATE_KEYS,
+    "consolidate_node's keys: the written weights' dtype, the template training used (for the model folder), and "
+    "which checkpoint it exports (consolidate.select; left out of the rule's JSON while it is last).",
+    "consolidate.dtype", *TEMPLATE_KEYS, "consolidate.select",
+    base=ConsolidateSelect,
 )  # fmt: skip
 PlanConfig = stage_config(
     "PlanConfig",

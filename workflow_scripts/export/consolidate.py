@@ -42,6 +42,11 @@ Each folder written (the model, and the LoRA adapter) gets a model card, README.
 was trained from, how it was trained, the lines that load it. The adapter's adapter_config.json names its base
 by the hub id and commit when it came from the hub, else by its absolute path, so that it loads from anywhere.
 
+With eval.checkpoints all or every_n each scored checkpoint is consolidated the same way (``--checkpoint``: that
+step's folder instead of the last), and with consolidate.select ``best:<metric>`` the exported model is the
+scored checkpoint best on that metric (``--select-from``: their results; checkpoint_select.best_step), recorded
+in consolidation.json as ``selected`` (its step, of how many steps, the metric, its value, the candidates).
+
 Before anything is read, the checkpoint's files are checked against the sizes and sha256 its
 COMPLETE marker lists (manifest.py): a damaged one stops the stage with one line naming the file.
 """
@@ -55,8 +60,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from workflow_scripts.core.host_memory import PeakRSS, map_large_allocations, page_out
+from workflow_scripts.core.layout import matching
 from workflow_scripts.core.pipeline_io import UserError, cli, umask_modes, write_json
 from workflow_scripts.core.settings import ConsolidateConfig
+from workflow_scripts.evals.checkpoint_select import best_step, selection_text
 from workflow_scripts.export.model_card import adapter_base, base_of, write_cards
 from workflow_scripts.model.weights import (
     DTYPES,
@@ -381,6 +388,25 @@ def verify(output: Path, ids: torch.Tensor, expected: torch.Tensor, tolerance: f
     return {"max_logit_diff": diff, "generation_ok": sample.shape[1] > 4}
 
 
+def scored_checkpoints(state: dict, output: Path) -> list[Path]:
+    """The results of the model's scored checkpoints of its current run key (eval.checkpoints all/every_n), found by
+    the layout beside the model folder (results/<run>/models/<model> -> results/<run>/eval/checkpoints/...)."""
+    key = Path(state["checkpoint"]).parent.name
+    found = matching(output.parent.parent, "CHECKPOINT_EVAL", node=output.name, key=key, step="*")
+    return [p for p in found if p.stem.split("-")[-1].isdigit()]  # not step-<N>.lm_eval.json
+
+
+def select_checkpoint(state: dict, results: list[Path], metric: str) -> tuple[dict, dict]:
+    """The state pointed at the scored checkpoint best on ``metric`` (results: eval/checkpoints/<model>/<key>/
+    step-<N>.json, each beside the folder step-<N> of the checkpoint root), and the record of the choice."""
+    scores = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in results}
+    step, value = best_step(scores, metric)
+    root = Path(state["checkpoint"]).parent
+    selected = {"step": step, "last_step": state["step"], "candidates": len(scores), "metric": metric,
+                "value": value, "checkpoint": str(root / f"step-{step}")}  # fmt: skip
+    return state | {"checkpoint": selected["checkpoint"], "step": step}, selected
+
+
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -389,21 +415,34 @@ def main(argv=None) -> None:
     p.add_argument("--tolerance", type=float, default=1e-5)
     p.add_argument("--max-shard-size", default=MAX_SHARD_SIZE, help="safetensors shard size, e.g. 2GB or 500MB")
     p.add_argument("--config", default="{}", help="its config keys as JSON (settings.ConsolidateConfig)")
+    p.add_argument("--checkpoint", type=Path, help="this checkpoint folder (a step-<N>) instead of the last")
+    p.add_argument("--select-from", nargs="*", default=[], type=Path, help="consolidate.select best: the results")
     a = p.parse_args(argv)
     cfg = ConsolidateConfig.from_json(a.config)
     map_large_allocations()
     state = json.loads(a.state.read_text())
+    selected = None
+    if a.checkpoint is not None:
+        state = state | {"checkpoint": str(a.checkpoint), "step": int(a.checkpoint.name.split("-")[-1])}
+    elif cfg.select != "last":
+        scored = a.select_from or scored_checkpoints(state, a.output)
+        if not scored:
+            raise UserError(f"consolidate.select {cfg.select}: {a.output.name} has no scored checkpoint")
+        state, selected = select_checkpoint(state, scored, cfg.select.partition(":")[2])
     peaks = PeakRSS()
     template = {key: getattr(cfg, key) for key in ("chat_template", "format_template", "template_kwargs")}
     report, ids, expected = consolidate(state, a.output, a.max_shard_size, peaks, template, cfg.dtype)
     with peaks.phase("reload_check"):  # one model in memory at a time: the training side is gone
         report |= verify(a.output, ids, expected, a.tolerance)
     report["peak_rss_mb"] = peaks.phases
+    if selected is not None:
+        report["selected"] = selected
     write_cards(a.output, state, a.state.parent, report)  # README.md: the model card (model_card.py)
     write_json(a.output / "consolidation.json", report)
     print(
         f"{a.output}: consolidated from {report['checkpoint']} in {report['dtype']}"
         f" (max logit diff {report['max_logit_diff']:.1e})"
+        + (f"; {selection_text(a.output.name, selected)}" if selected else "")
     )
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from workflow_scripts.core.pipeline_io import atomic_path, cli
+from workflow_scripts.evals.checkpoint_select import selection_lines, selection_text
 from workflow_scripts.evals.metrics import HELDOUT, LOSSES, SCORES, direction, number, task_scores
 from workflow_scripts.report.summary_plots import (
     plot_categories,
@@ -187,6 +188,8 @@ def consolidation_table(folders: list[Path]) -> pd.DataFrame:
         }
         peaks = report.get("peak_rss_mb", {})  # in the order the phases run
         row |= {f"peak_rss_mb_{p}": peaks[p] for p in ("training_side_model", "write", "reload_check") if p in peaks}
+        if report.get("selected"):  # consolidate.select best:<metric>: which checkpoint, why
+            row["selected"] = selection_text(folder.name, report["selected"])
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -272,6 +275,7 @@ def main(argv=None) -> None:
     plot_categories(results, a.categories)
     plot_leaderboard(table, a.leaderboard)
     board = leaderboard_text(table, tasks, {r["model"]: r["path"] for r in results if r.get("path")})
+    board += selection_lines(a.models)  # consolidate.select best: the exported step
     board += decontamination_line(json.loads(a.decontamination.read_text()) if a.decontamination else None)
     with atomic_path(a.leaderboard_text) as tmp:
         tmp.write_text(board)

@@ -36,6 +36,9 @@ from workflow_scripts.train.manifest import (
 )
 
 log = logging.getLogger("checkpoint")
+# eval.checkpoints all/every_n: the workflow writes this beside a node's checkpoint keys (rules/checkpoint_eval.smk):
+# the checkpoints to be scored, and where their scores go; pruning keeps each until its score is there
+HOLD_FILE = "hold-for-scoring.json"
 
 
 def list_checkpoints(root: Path) -> tuple[list[Path], list[Path]]:
@@ -150,13 +153,29 @@ def choose(folders: list[Path], check) -> tuple[Path | None, list[tuple[Path, st
     return None, bad
 
 
-def to_prune(complete: list[Path], partial: list[Path], keep: int, protect: Path | None) -> list[Path]:
+def to_prune(
+    complete: list[Path], partial: list[Path], keep: int, protect: Path | None, held: tuple[Path, ...] = ()
+) -> list[Path]:
     """What pruning deletes: complete checkpoints beyond the newest ``keep`` and partial ones older than the
-    newest complete one, never ``protect`` (the newest verified checkpoint)."""
+    newest complete one, never ``protect`` (the newest verified checkpoint) nor one ``held`` for scoring."""
     if not complete:
         return []
     newest = step_of(complete[-1])
-    return [p for p in complete[:-keep] + [p for p in partial if step_of(p) < newest] if p != protect]
+    old = [p for p in complete[:-keep] if p not in held]
+    return [p for p in old + [p for p in partial if step_of(p) < newest] if p != protect]
+
+
+def held_for_scoring(root: Path, complete: list[Path]) -> tuple[Path, ...]:
+    """The complete checkpoints of ``root`` that eval.checkpoints will score and that have no score yet (the
+    hold file beside the run keys: its mode, every_n's interval and the scores' folder, whose <key>/step-<N>.json
+    is a checkpoint's score). None without the file (eval.checkpoints last) or with one that cannot be read."""
+    try:
+        hold = json.loads((Path(root).parent / HOLD_FILE).read_text())
+        scores, mode, every = Path(hold["scores"]) / Path(root).name, hold["mode"], hold.get("every") or 1
+    except (OSError, ValueError, KeyError, TypeError):
+        return ()
+    wanted = [p for p in complete if mode == "all" or step_of(p) % every == 0]
+    return tuple(p for p in wanted if not (scores / f"{p.name}.json").exists())
 
 
 def stop_job(message: str | None, code: int = 2) -> None:
@@ -348,7 +367,7 @@ class Checkpointer:
 
     def _prune(self, protect: Path) -> None:
         complete, partial = list_checkpoints(self.root)
-        for p in to_prune(complete, partial, self.keep, protect):
+        for p in to_prune(complete, partial, self.keep, protect, held_for_scoring(self.root, complete)):
             shutil.rmtree(p, ignore_errors=True)
 
 
