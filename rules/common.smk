@@ -81,6 +81,7 @@ def refuse_running_trainers():
 
 onstart:
     refuse_running_trainers()
+    hold_for_scoring()  # common_checkpoints.smk
 
 
 # config/schema.yaml: every key's default filled in, a wrong key, type or value one line naming it

@@ -93,7 +93,8 @@ def scores_root(wildcards):
 
 def hold_for_scoring():
     """Tell the trainers which checkpoints to keep from pruning until scored (train/checkpoint.py's HOLD_FILE,
-    beside each node's run keys): written with eval.checkpoints all or every_n, removed with last."""
+    beside each node's run keys): written with eval.checkpoints all or every_n, removed with last. Called
+    onstart (common.smk), before any job runs: a dry run or a report writes nothing."""
     from workflow_scripts.train.checkpoint import HOLD_FILE
 
     for values in [{"variant": v} for v in VARIANTS] or [{}]:
@@ -107,6 +108,3 @@ def hold_for_scoring():
             if not hold.exists() or json.loads(hold.read_text()) != wanted:
                 hold.parent.mkdir(parents=True, exist_ok=True)
                 hold.write_text(json.dumps(wanted, sort_keys=True) + "\n")
-
-
-hold_for_scoring()
