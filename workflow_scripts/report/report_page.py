@@ -82,8 +82,16 @@ def cell(value: str, column: str) -> str:
 
 
 def table_html(header: list[str], rows: list[list[str]]) -> str:
+    """A table; where the first column has no heading (a table on its side), its cells are the rows' headings."""
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(cell(v, h) for h, v in zip(header, row, strict=False)) + "</tr>\n" for row in rows)
+    lead = not header[0]
+    body = "".join(
+        "<tr>"
+        + (f"<th>{html.escape(row[0])}</th>" if lead else "")
+        + "".join(cell(v, h) for h, v in zip(header[lead:], row[lead:], strict=False))
+        + "</tr>\n"
+        for row in rows
+    )
     return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}</tbody></table>"
 
 
