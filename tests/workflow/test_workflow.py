@@ -2,6 +2,7 @@
 
 import json
 import re
+from html import escape
 import subprocess
 
 import pytest
@@ -126,7 +127,7 @@ def test_report_builds(ddp_run):
     first = board.split("\n- ")[1].split("\n- ")[0].replace("\n  ", " ")
     assert first in page, first
     best = next(line for line in board.splitlines() if line.startswith("Best model per metric"))
-    assert best.replace("<", "&lt;").replace(">", "&gt;") in page
+    assert escape(best) in page
     assert page.count('src="data:image/png;base64,') == 3
 
 
