@@ -2,8 +2,8 @@
 
 import json
 import re
-from html import escape
 import subprocess
+from html import escape
 
 import pytest
 import yaml
