@@ -14,6 +14,7 @@ said in one sentence and left off the first page's lines and plots (``noise_metr
 
 import math
 
+import numpy as np
 import pandas as pd
 
 from workflow_scripts.evals.metrics import SCORES, lower_is_better
@@ -21,7 +22,7 @@ from workflow_scripts.report.winners import Z95, forgetting, pick, score_table, 
 
 NOISE = 0.01  # a 0-1 score whose every model's value and upper interval end are at most this: noise around zero
 CATEGORY_LINES = 3  # the largest per-category differences said
-SMOOTH = 10  # logged values the smoothed training loss (and gradient norm) averages, centred
+SMOOTH = 5  # logged values the smoothed training loss (and gradient norm) averages, centred
 
 
 def g3(x: float) -> str:
@@ -191,9 +192,12 @@ def forgetting_sentence(scores: pd.DataFrame, base: str = "base") -> str:
 
 
 def smoothed(values: pd.Series, window: int = SMOOTH) -> pd.Series:
-    """A centred moving mean over ``window`` logged values (fewer at the ends): a trailing mean lags half its
-    window behind a falling loss (45 steps in the demo) and sits above the held-out curve; a centred one has no
+    """A centred moving mean over ``window`` logged values (fewer at the ends), taken of the logarithms where every
+    value is positive (a geometric mean, as the loss plot's log axis shows it): a trailing mean lags half its
+    window behind a falling loss and sat above the held-out curve for a whole LoRA run; a centred one has no
     lag on a straight stretch, an EMA of the same span lags twice as much."""
+    if len(values) and (values > 0).all():
+        return np.exp(np.log(values).rolling(window, center=True, min_periods=1).mean())
     return values.rolling(window, center=True, min_periods=1).mean()
 
 
@@ -232,7 +236,7 @@ def dynamics_sentence(node: str, frame: pd.DataFrame) -> str:
         gap = f"; held-out minus training loss {g3(last_gap)} at step {step}"
         if len(gaps) > 1:
             first_step, first_gap = gaps[0]
-            grew = "widening" if last_gap > first_gap else "narrowing"
+            grew = "widening" if abs(last_gap) > abs(first_gap) else "narrowing"
             gap += f" ({grew} from {g3(first_gap)} at step {first_step})"
     return f"{node}: {trend}{gap}."
 
