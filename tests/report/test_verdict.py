@@ -178,3 +178,10 @@ def test_data_page_in_funnel_order_and_environment_page_says_not_installed(tmp_p
     path.write_text(json.dumps({"packages": {"mlflow": None, "torch": "2.13.0"}, "ok": True, "problems": []}))
     page = render(path, "env")
     assert "<th>mlflow</th><td>not installed</td>" in page and page.index("<th>ok</th>") < page.index("packages")
+
+
+def test_one_model_alone_still_gets_its_sentences():
+    summary = summary_rows()[lambda f: f["model"] == "node0"]
+    lines = verdict_lines(summary, None, {}, None, None)
+    assert lines[0] == "Overall: node0 is best or tied best on 2 of 2 ranked metrics."
+    assert any(line.startswith("eval_loss (lower is better): node0 wins with 1.46 [1.22, 1.70]") for line in lines)

@@ -72,7 +72,7 @@ def recent_median(records: list[dict], key: str, recent: int = RECENT) -> float 
 
 
 def recent_loss(records: list[dict], recent: int = RECENT) -> float | None:
-    """The mean training loss of the last ``recent`` records (summary_plots.py's smoothed curve ends there)."""
+    """The mean training loss of the last ``recent`` records."""
     values = [r["loss"] for r in records[-recent:] if isinstance(r.get("loss"), int | float)]
     return statistics.fmean(values) if values else None
 

@@ -79,7 +79,7 @@ def metric_sentences(scores: pd.DataFrame, base: str = "base") -> list[str]:
             lines.append(f"{metric} ({direction} is better): {' and '.join(tied)} are tied within the 95% interval"
                          f" ({each}){'; the best is ' + ratio if ratio else ''}.")  # fmt: skip
             continue
-        others = group.drop(index=best)
+        others, runner = group.drop(index=best), None
         text = f"{metric} ({direction} is better): {best} wins with {with_interval(w['value'], w['lo'], w['hi'])}"
         if len(others):
             runner = others["value"].idxmin() if lower_is_better(metric) else others["value"].idxmax()
