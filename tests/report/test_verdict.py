@@ -185,3 +185,20 @@ def test_one_model_alone_still_gets_its_sentences():
     lines = verdict_lines(summary, None, {}, None, None)
     assert lines[0] == "Overall: node0 is best or tied best on 2 of 2 ranked metrics."
     assert any(line.startswith("eval_loss (lower is better): node0 wins with 1.46 [1.22, 1.70]") for line in lines)
+
+
+def test_leaderboard_page_opens_with_the_verdict_as_sentences(tmp_path):
+    from workflow_scripts.report.report_page import render
+    from workflow_scripts.report.verdict import verdict_text
+
+    text = tmp_path / "leaderboard.txt"
+    long = "eval_loss (lower is better): node0 and node1 are tied within the 95% interval " + "and so on " * 12
+    text.write_text(verdict_text(["Overall: node1 is best.", long.strip() + "."]) + "\n\nBest model per metric:\n")
+    png = tmp_path / "p.png"
+    png.write_bytes(b"\x89PNG fake")
+    page = render(text, "board", [png])
+    body = page.split("<body>")[1]
+    assert body.index("Verdict") < body.index("<h1") < body.index("Best model per metric")
+    assert '<li style="margin: 0.2em 0">Overall: node1 is best.</li>' in page
+    assert f">{long.strip()}.</li>" in page  # its wrapped lines joined again
+    assert "- Overall" not in page

@@ -40,12 +40,13 @@ WRAPPED = "white-space: pre-wrap; overflow-wrap: break-word; font-size: 13px"  #
 MARKS = {"True": ("✓", "yes"), "False": ("✗", "no"), "true": ("✓", "yes"), "false": ("✗", "no")}
 
 
-def page(title: str, body: str) -> str:
-    """A whole HTML document: ``body`` (HTML) under ``title`` (text), styled inline."""
+def page(title: str, body: str, lead: str = "") -> str:
+    """A whole HTML document: ``body`` (HTML) under ``title`` (text), styled inline; ``lead`` (HTML) above the
+    title (the leaderboard's verdict: the report's first page opens with it)."""
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
         f"<style>{STYLE}</style></head>\n"
-        f'<body><h1 style="font-size: 18px">{html.escape(title)}</h1>\n{body}\n</body></html>\n'
+        f'<body>{lead}<h1 style="font-size: 18px">{html.escape(title)}</h1>\n{body}\n</body></html>\n'
     )
 
 
@@ -196,8 +197,8 @@ def render(path: Path, title: str, images: list[Path] = ()) -> str:
     text = path.read_text()
     if images:
         verdict, text = verdict_html(text)
-        body = f'{verdict}<pre style="{WRAPPED}">{html.escape(text)}</pre>\n'
-        return page(title, body + "\n".join(map(image_html, images)))
+        body = f'<pre style="{WRAPPED}">{html.escape(text)}</pre>\n'
+        return page(title, body + "\n".join(map(image_html, images)), verdict)
     if path.suffix == ".csv":
         return page(title, csv_body(text, str(path)))
     if path.suffix == ".json":
