@@ -128,7 +128,25 @@ def test_report_builds(ddp_run):
     assert first in page, first
     best = next(line for line in board.splitlines() if line.startswith("Best model per metric"))
     assert escape(best) in page
+    assert board.split("\n\n")[0] == verdict_of(workdir / "results" / "t")  # the sentences are the files'
     assert page.count('src="data:image/png;base64,') == 3
+
+
+def verdict_of(root) -> str:
+    """The verdict recomputed from what summarize read and wrote: summary.csv, tasks.csv, each node's
+    metrics.jsonl, the eval results' exact match per category and the eval split's categories."""
+    import pandas as pd
+
+    from workflow_scripts.report.summarize import category_counts
+    from workflow_scripts.report.summary_plots import read_curve
+    from workflow_scripts.report.verdict import verdict_lines, verdict_text
+
+    summary, tasks = pd.read_csv(root / "eval" / "summary.csv"), pd.read_csv(root / "eval" / "tasks.csv")
+    curves = {p.parent.name: read_curve(p) for p in sorted((root / "train").glob("*/metrics.jsonl"))}
+    results = [json.loads((root / "eval" / f"{m}.json").read_text()) for m in summary["model"]]
+    by_category = {r["model"]: r["exact_match_by_category"] for r in results if r.get("exact_match_by_category")}
+    counts = category_counts(root / "data" / "eval.parquet")
+    return verdict_text(verdict_lines(summary, tasks, curves, by_category, counts))
 
 
 @pytest.mark.e2e
