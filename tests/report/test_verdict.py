@@ -202,3 +202,13 @@ def test_leaderboard_page_opens_with_the_verdict_as_sentences(tmp_path):
     assert '<li style="margin: 0.2em 0">Overall: node1 is best.</li>' in page
     assert f">{long.strip()}.</li>" in page  # its wrapped lines joined again
     assert "- Overall" not in page
+
+
+def test_a_grid_table_turns_with_variant_and_model_as_its_columns():
+    from workflow_scripts.report.page_layout import sideways
+
+    header = ["variant", "model", *(f"m{i}" for i in range(10))]
+    rows = [["", "base", *"0123456789"], ["lr-1", "node0", *"0123456789"]]
+    turned_header, turned = sideways(header, rows)
+    assert turned_header == ["", "base", "lr-1/node0"] and turned[0] == ["m0", "0", "0"] and len(turned) == 10
+    assert sideways(["task", *header], [["t", *r] for r in rows]) is None  # a long table of another kind

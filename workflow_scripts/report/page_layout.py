@@ -69,13 +69,20 @@ def merge_intervals(header: list[str], rows: list[list[str]]) -> tuple[list[str]
     return keep, out
 
 
+ID_COLUMNS = ("variant", "model")  # a per-model table's leading columns naming its row (the grid's: both)
+
+
 def sideways(header: list[str], rows: list[list[str]]) -> tuple[list[str], list[list[str]]] | None:
-    """A per-model table (first column ``model``) with more columns than rows, turned: a row per column, a
-    column per model. None for any other table."""
-    if not header or header[0] != "model" or len(header) <= max(len(rows), 8):
+    """A per-model table (its first columns ``model``, or ``variant`` and ``model``) with more columns than
+    rows, turned: a row per column, a column per model (``variant/model``). None for any other table."""
+    ids = 0
+    while ids < len(header) and header[ids] in ID_COLUMNS:
+        ids += 1
+    if not ids or len(header) - ids <= max(len(rows), 8):
         return None
-    turned = [[h, *(row[i] for row in rows)] for i, h in enumerate(header) if i]
-    return ["", *(row[0] for row in rows)], turned
+    labels = ["/".join(x for x in row[:ids] if x) for row in rows]
+    turned = [[h, *(row[i] for row in rows)] for i, h in enumerate(header) if i >= ids]
+    return ["", *labels], turned
 
 
 def clipped(text: str) -> tuple[str, str] | None:
