@@ -124,8 +124,9 @@ WIDTH_JS = "[document.documentElement.scrollWidth, document.documentElement.clie
 async def measure_items(browser: str, report: Path, items: list[tuple[str, str | None, str]], workdir: Path,
                         width: int = 1400, shots: Path | None = None) -> dict[str, tuple[int, int]]:  # fmt: skip
     """Open ``report`` at ``width`` px and, for the first page and each (category, subcategory, item) of
-    ``items`` (HTML items, shown in an iframe), the document's scrollWidth and clientWidth: a page wider than
-    its frame has the first above the second. With ``shots``, a PNG of each view there."""
+    ``items`` (HTML items, shown in an iframe as their view button shows them), the document's scrollWidth and
+    clientWidth: a page wider than its frame has the first above the second. With ``shots``, a PNG of each
+    view there. One load of the report for all of them (a 4 MB page)."""
     import base64
 
     import aiohttp
@@ -159,28 +160,24 @@ async def measure_items(browser: str, report: Path, items: list[tuple[str, str |
                         data = (await page.call("Page.captureScreenshot", format="png"))["data"]
                         (shots / f"{name}.png").write_bytes(base64.b64decode(data))
 
-                async def load() -> None:  # afresh for each item: an item's view stays open over the menu
-                    await page.call("Page.navigate", url=report.resolve().as_uri())
-                    await page.wait("typeof app !== 'undefined' && document.readyState === 'complete'", 60)
-                    await asyncio.sleep(0.5)
-
-                await load()
+                await page.call("Page.navigate", url=report.resolve().as_uri())
+                await page.wait("typeof app !== 'undefined' && document.readyState === 'complete'", 60)
+                await asyncio.sleep(0.5)
                 widths["first page"] = tuple(await page.js(WIDTH_JS))
                 await shoot("first_page")
                 for category, subcategory, item in items:
-                    await load()
-                    if subcategory:
-                        view = {"navbarMode": "subcategory", "category": category, "subcategory": subcategory}
-                        await page.js(f"app.setView({json.dumps(view)}) || 1")
-                    else:
-                        await page.js(f"app.showCategory({json.dumps(category)}) || 1")
+                    # what the item's view button does (result_view_button.js): its data URI in the content frame
                     name = json.dumps(item)
-                    find = (f"[...document.querySelectorAll('tr')].find(r => r.innerText.includes({name}))"
-                            "?.querySelector('a')")  # fmt: skip
-                    await page.wait(f"!!({find})", 30)
-                    await page.js(f"({find}).click() || 1")
-                    await page.wait("!!document.querySelector('iframe')", 30)
-                    await asyncio.sleep(1)
+                    path = await page.js(f"Object.keys(results).find(p => p.endsWith('/' + {name}))")
+                    if path is None:
+                        raise RuntimeError(f"no item {item} in {report}")
+                    view = {"navbarMode": "subcategory" if subcategory else "category", "category": category,
+                            "subcategory": subcategory, "content": "html", "resultPath": path}  # fmt: skip
+                    await page.js(f"app.setView({{...{json.dumps(view)}, contentPath: results[{json.dumps(path)}]"
+                                  ".data_uri}) || 1")  # fmt: skip
+                    uri = f"results[{json.dumps(path)}].data_uri"
+                    await page.wait(f"document.querySelector('iframe')?.src === {uri}", 30)
+                    await asyncio.sleep(0.5)
                     tree = await page.call("Page.getFrameTree")
                     frame = (tree["frameTree"].get("childFrames") or [])[0]["frame"]["id"]
                     world = await page.call("Page.createIsolatedWorld", frameId=frame)
