@@ -116,3 +116,83 @@ def open_report_item(report: Path, category: str, subcategory: str | None, item:
     if browser is None:
         raise RuntimeError(f"no browser ({', '.join(BROWSERS)}) on PATH")
     return asyncio.run(open_item(browser, report, category, subcategory, item, workdir))
+
+
+WIDTH_JS = "[document.documentElement.scrollWidth, document.documentElement.clientWidth]"
+
+
+async def measure_items(browser: str, report: Path, items: list[tuple[str, str | None, str]], workdir: Path,
+                        width: int = 1400, shots: Path | None = None) -> dict[str, tuple[int, int]]:  # fmt: skip
+    """Open ``report`` at ``width`` px and, for the first page and each (category, subcategory, item) of
+    ``items`` (HTML items, shown in an iframe as their view button shows them), the document's scrollWidth and
+    clientWidth: a page wider than its frame has the first above the second. With ``shots``, a PNG of each
+    view there. One load of the report for all of them (a 4 MB page)."""
+    import base64
+
+    import aiohttp
+
+    profile = Path(tempfile.mkdtemp(prefix="chromium-", dir=workdir))
+    proc = subprocess.Popen(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-port=0",
+         f"--user-data-dir={profile}", "--disable-site-isolation-trials", f"--window-size={width},1000",
+         "--disable-features=IsolateOrigins,site-per-process", "about:blank"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    widths: dict[str, tuple[int, int]] = {}
+    try:
+        port_file = profile / "DevToolsActivePort"
+        for _ in range(300):
+            if port_file.exists() and port_file.read_text().strip():
+                break
+            time.sleep(0.1)
+        port = int(port_file.read_text().split()[0])
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/json/list") as response:
+                target = next(t for t in await response.json() if t["type"] == "page")
+            async with session.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+                page = Page(ws)
+                await page.call("Page.enable")
+                await page.call("Emulation.setDeviceMetricsOverride", width=width, height=1000,
+                                deviceScaleFactor=1, mobile=False)  # fmt: skip
+
+                async def shoot(name: str) -> None:
+                    if shots is not None:
+                        data = (await page.call("Page.captureScreenshot", format="png"))["data"]
+                        (shots / f"{name}.png").write_bytes(base64.b64decode(data))
+
+                await page.call("Page.navigate", url=report.resolve().as_uri())
+                await page.wait("typeof app !== 'undefined' && document.readyState === 'complete'", 60)
+                await asyncio.sleep(0.5)
+                widths["first page"] = tuple(await page.js(WIDTH_JS))
+                await shoot("first_page")
+                for category, subcategory, item in items:
+                    # what the item's view button does (result_view_button.js): its data URI in the content frame
+                    name = json.dumps(item)
+                    path = await page.js(f"Object.keys(results).find(p => p.endsWith('/' + {name}))")
+                    if path is None:
+                        raise RuntimeError(f"no item {item} in {report}")
+                    view = {"navbarMode": "subcategory" if subcategory else "category", "category": category,
+                            "subcategory": subcategory, "content": "html", "resultPath": path}  # fmt: skip
+                    await page.js(f"app.setView({{...{json.dumps(view)}, contentPath: results[{json.dumps(path)}]"
+                                  ".data_uri}) || 1")  # fmt: skip
+                    uri = f"results[{json.dumps(path)}].data_uri"
+                    await page.wait(f"document.querySelector('iframe')?.src === {uri}", 30)
+                    await asyncio.sleep(0.5)
+                    tree = await page.call("Page.getFrameTree")
+                    frame = (tree["frameTree"].get("childFrames") or [])[0]["frame"]["id"]
+                    world = await page.call("Page.createIsolatedWorld", frameId=frame)
+                    widths[item] = tuple(await page.js(WIDTH_JS, world["executionContextId"]))
+                    await shoot(item.replace(".", "_"))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(profile, ignore_errors=True)
+    return widths
+
+
+def report_widths(report: Path, items: list[tuple[str, str | None, str]], workdir: Path, width: int = 1400,
+                  shots: Path | None = None) -> dict[str, tuple[int, int]]:  # fmt: skip
+    browser = find_browser()
+    if browser is None:
+        raise RuntimeError(f"no browser ({', '.join(BROWSERS)}) on PATH")
+    return asyncio.run(measure_items(browser, report, items, workdir, width, shots))

@@ -227,8 +227,9 @@ def test_plain_rendering_of_a_running_and_a_finished_run(tmp_path):
     lines = text.splitlines()
     assert lines[0].startswith("run r: 2 training job(s)")
     # columns that are "-" on every row (job, held-out, MFU, resumed) are left out; the loss is the recent mean
-    assert lines[1].split() == ["node", "state", "step", "epoch", "loss", "tok/s", "ETA", "checkpoint", "model"]
-    assert lines[2].split()[:7] == ["node0", "stopped", "8/40", "0.40", "4.9400", "1000", "16s"]
+    assert lines[1].split() == ["node", "state", "step", "epoch", "loss", "tok/s", "ETA", "checkpoint", "eval"]
+    # one vocabulary (status_view.PHASES), the training job's own word after it
+    assert lines[2].split()[:8] == ["node0", "failed", "(stopped)", "8/40", "0.40", "4.9400", "1000", "16s"]
     assert "4, 3s ago" in lines[2]
     # resumed: after a signal, plan.json names it and the job before; after a crash, the start step
     plan = prefix / "train/node0/plan.json"
@@ -237,7 +238,7 @@ def test_plain_rendering_of_a_running_and_a_finished_run(tmp_path):
     resumed = {"step": 4, "signal": "SIGURG", "time": NOW - 9, "slurm_job_id": "70"}
     plan.write_text(json.dumps(json.loads(plan.read_text()) | {"start_step": 4, "resumed_after": resumed}))
     text = render_plain("r", run_status(tmp_path, "r", now=NOW, scheduler=False), prefix, NOW)
-    assert text.splitlines()[1].split()[-2:] == ["resumed", "model"]
+    assert text.splitlines()[1].split()[-2:] == ["resumed", "eval"]
     after_checkpoint = [line.split("ago")[1].split() for line in text.splitlines()[2:4]]
     assert after_checkpoint == [["4", "-"], ["4", "SIGURG", "job", "70", "-"]]
     # finished: train_state.json, a consolidated and evaluated model, the leaderboard
@@ -319,7 +320,7 @@ def test_a_configured_node_not_started_keeps_the_run_unfinished(tmp_path, capsys
     main(["-d", str(tmp_path), "--config", "config.yaml", "--plain"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("run r: 3 training job(s)"), lines
-    assert lines[4].split()[:3] == ["node2", "waiting", "-/-"]  # no job on any row: no job column
+    assert lines[4].split()[:3] == ["node2", "queued", "-/-"]  # no job on any row: no job column
     # the folders alone (another run's config): two done is finished
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(tiny_config("other") | {"nodes": 3}))
     main(["-d", str(tmp_path), "--config", "config.yaml", "--run", "r", "--plain"])
@@ -366,7 +367,8 @@ def test_a_finished_run_shows_whole_epochs_median_throughput_recent_loss_and_hel
     assert node.tokens_per_s == 1018.0  # the median of the recent intervals, not the last one's 50
     lines = render_plain("r", [node], prefix, NOW).splitlines()
     assert lines[1].split()[:7] == ["node", "state", "step", "epoch", "loss", "held-out", "tok/s"]
-    assert lines[2].split()[:7] == ["node0", "done", "40/40", "2", "4.7800", "2.2500", "1018"]
+    # trained, not yet consolidated (no models/node0): queued for its next stage, in one vocabulary
+    assert lines[2].split()[:8] == ["node0", "queued", "(consolidation", "next)", "40/40", "2", "4.7800", "2.2500"]
 
 
 def running_at_80_columns(tmp_path):
@@ -399,16 +401,16 @@ def test_status_fits_80_columns_with_the_model_step_and_eta(tmp_path):
     table = lines[1:4]
     assert all(len(line) <= 80 for line in table), table
     header = table[0].split()
-    assert header[:3] == ["node", "state", "step"] and {"ETA", "model", "held-out", "loss"} <= set(header)
+    assert header[:3] == ["node", "state", "step"] and {"ETA", "eval", "held-out", "loss"} <= set(header)
     eta = "5m00s"  # 600 steps left at 0.5 s
-    assert table[1].split()[:3] == ["lr-3e-05/node0", "stalled", "400/1000"] and eta in table[1].split()
+    assert table[1].split()[:4] == ["lr-3e-05/node0", "training", "(stalled)", "400/1000"] and eta in table[1].split()
     assert "lr-3e-05/node0: no new step for 12m30s" in lines  # the note, moved below the table
     assert any(line.startswith("(left out at 80 columns: resumed") for line in lines)
     console = Console(width=80, file=io.StringIO(), record=True, color_system=None)
     render_rich(console, "r", nodes, tmp_path / "results" / "r", NOW)
     shown = console.export_text().splitlines()
     assert all(len(line) <= 80 for line in shown), shown
-    assert any("model" in line and "ETA" in line and "step" in line for line in shown), shown
+    assert any("eval" in line and "ETA" in line and "step" in line for line in shown), shown
     assert any("400/1000" in line and eta in line for line in shown), shown
 
 
@@ -424,8 +426,8 @@ def test_make_status_at_80_columns(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     main(["-d", str(tmp_path), "--run", "r", "--plain"])
     out = capsys.readouterr().out.splitlines()
-    assert all(len(line) <= 80 for line in out[1:4]) and "model" in out[1] and "ETA" in out[1]
-    assert out[2].split()[:3] == ["lr-3e-05/node0", "stopped", "8/40"] and "16s" in out[2]
+    assert all(len(line) <= 80 for line in out[1:4]) and "eval" in out[1] and "ETA" in out[1]
+    assert out[2].split()[:4] == ["lr-3e-05/node0", "failed", "(stopped)", "8/40"] and "16s" in out[2]
 
 
 def test_watch_ends_when_the_run_is_finished(tmp_path, capsys):
@@ -501,6 +503,13 @@ def test_evaluating_while_an_evaluation_runs_with_the_whole_runs_eta(tmp_path):
     text = render_plain("r", nodes, prefix, NOW, progress=progress)
     assert text.splitlines()[0].startswith("run r: training finished; evaluating")
     assert "running now: consolidate node1 (slurm 4242), evaluate node0" in text
+    # each node in one vocabulary: node0 consolidated and being evaluated, node1 being consolidated
+    from workflow_scripts.ops.status import assign_phases
+
+    assign_phases(nodes, tmp_path, "r")
+    assert [(n.node, n.phase) for n in nodes] == [("node0", "evaluating"), ("node1", "consolidating")]
+    rows = render_plain("r", nodes, prefix, NOW, progress=progress).splitlines()[2:4]
+    assert [row.split()[:2] for row in rows] == [["node0", "evaluating"], ["node1", "consolidating"]]
     # consolidation and evaluation measured; the summary not yet: unknown, with what is known
     assert "whole run: ETA unknown (consolidation 40s, evaluation 1m30s; not yet measured: summary" in text
     snakemake_record(tmp_path, "metadata", "results/r/eval/summary.csv",
@@ -561,3 +570,38 @@ def test_a_retrained_node_counts_the_later_stages_again(tmp_path):
     progress = run_progress(tmp_path, "r", nodes, NOW)
     assert headline(nodes, prefix, progress) == "training finished; evaluating"
     assert progress.eta_parts == ["evaluation 1m00s", "summary 5s"]
+
+
+def test_phases_in_one_vocabulary():
+    from workflow_scripts.ops.status import NodeStatus
+    from workflow_scripts.ops.status_view import PHASES, phase, state_word
+
+    def node(state, model=False, eval_loss=None):
+        return NodeStatus(variant="", node="node0", state=state, model=model, eval_loss=eval_loss)
+
+    cases = [(node("waiting"), set(), "queued"), (node("pending"), set(), "queued"),
+             (node("starting"), set(), "training"), (node("stalled"), set(), "training"),
+             (node("running"), set(), "training"), (node("done"), {"consolidate node0"}, "consolidating"),
+             (node("done", True), {"evaluate node0"}, "evaluating"), (node("done", True, 1.5), set(), "done"),
+             (node("done", True), set(), "queued"), (node("timeout"), set(), "failed"),
+             (node("stopped"), set(), "failed")]  # fmt: skip
+    for s, running, expected in cases:
+        assert phase(s, running) == expected in PHASES, (s.state, running)
+    assert state_word(node("stalled")) == "training (stalled)" and state_word(node("running")) == "training"
+    assert state_word(node("done", True)) == "queued (evaluation next)"
+
+
+def test_watch_redraws_in_place_without_a_blank_frame():
+    from rich.console import Console
+
+    from workflow_scripts.ops.status import CLEAR_BELOW, CLEAR_LINE, CLEAR_SCREEN, HOME, frame, redraw
+
+    first, later = frame("a\nbb\n", True), frame("a\nbb", False)
+    assert first.startswith(CLEAR_SCREEN + HOME) and CLEAR_SCREEN not in later  # the screen cleared once only
+    assert later == HOME + "a" + CLEAR_LINE + "\n" + "bb" + CLEAR_LINE + "\n" + CLEAR_BELOW
+    import io
+
+    out = io.StringIO()
+    console = Console(file=out, width=80, color_system=None)
+    assert redraw(console, lambda: console.print("run r: evaluating") or True, False) is True
+    assert out.getvalue() == HOME + "run r: evaluating" + CLEAR_LINE + "\n" + CLEAR_BELOW

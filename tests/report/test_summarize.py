@@ -223,8 +223,15 @@ def test_loss_curves_draw_the_smoothed_training_loss_and_the_held_out_points(tmp
     assert held_out_points(frame)["step"].tolist() == [100, 200, 300]
     assert held_out_points(frame.drop(columns=["eval_loss"])).empty  # a run without eval_every
     smooth = smoothed_loss(frame)
-    assert smooth.iloc[0] == frame["loss"].iloc[0] and smooth.iloc[-1] == pytest.approx(frame["loss"].iloc[-10:].mean())
+
+    # centred: each point the geometric mean of the 5 logged losses around it (2 each side; fewer at the ends)
+    def geometric(losses):
+        return math.exp(sum(map(math.log, losses)) / len(losses))
+
+    assert smooth.iloc[0] == pytest.approx(geometric(frame["loss"].iloc[:3]))
+    assert smooth.iloc[15] == pytest.approx(geometric(frame["loss"].iloc[13:18]))
+    assert smooth.iloc[-1] == pytest.approx(geometric(frame["loss"].iloc[-3:]))
     assert steps_per_epoch(frame) == pytest.approx(28) and steps_per_epoch(frame.drop(columns=["epoch"])) is None
     labels = plot_curves({"node0": frame, "node1": frame.drop(columns=["eval_loss"])}, tmp_path / "c.png")
-    assert labels == ["node0 training (mean of 10)", "node0 held-out", "node1 training (mean of 10)"]
+    assert labels == ["node0 training (centred mean of 5)", "node0 held-out", "node1 training (centred mean of 5)"]
     assert (tmp_path / "c.png").stat().st_size > 10_000

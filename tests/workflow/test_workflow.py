@@ -3,6 +3,7 @@
 import json
 import re
 import subprocess
+from html import escape
 
 import pytest
 import yaml
@@ -121,8 +122,31 @@ def test_report_builds(ddp_run):
     page = json.loads(re.search(r"var workflow_desc = (\".*\");", html).group(1))
     board = (workdir / "results" / "t" / "eval" / "leaderboard.txt").read_text()
     assert "System Message" not in page and "white-space: pre-wrap" in page
-    assert board.splitlines()[1].replace("<", "&lt;").replace(">", "&gt;") in page
+    # it opens with the verdict (leaderboard.txt's first block, a sentence a bullet), then the leaderboard's lines
+    assert board.startswith("Verdict:\n- Overall: ") and page.index("Verdict") < page.index("Fine-tuning run")
+    first = board.split("\n- ")[1].split("\n- ")[0].replace("\n  ", " ")
+    assert first in page, first
+    best = next(line for line in board.splitlines() if line.startswith("Best model per metric"))
+    assert escape(best) in page
+    assert board.split("\n\n")[0] == verdict_of(workdir / "results" / "t")  # the sentences are the files'
     assert page.count('src="data:image/png;base64,') == 3
+
+
+def verdict_of(root) -> str:
+    """The verdict recomputed from what summarize read and wrote: summary.csv, tasks.csv, each node's
+    metrics.jsonl, the eval results' exact match per category and the eval split's categories."""
+    import pandas as pd
+
+    from workflow_scripts.report.summarize import category_counts
+    from workflow_scripts.report.summary_plots import read_curve
+    from workflow_scripts.report.verdict import verdict_lines, verdict_text
+
+    summary, tasks = pd.read_csv(root / "eval" / "summary.csv"), pd.read_csv(root / "eval" / "tasks.csv")
+    curves = {p.parent.name: read_curve(p) for p in sorted((root / "train").glob("*/metrics.jsonl"))}
+    results = [json.loads((root / "eval" / f"{m}.json").read_text()) for m in summary["model"]]
+    by_category = {r["model"]: r["exact_match_by_category"] for r in results if r.get("exact_match_by_category")}
+    counts = category_counts(root / "data" / "eval.parquet")
+    return verdict_text(verdict_lines(summary, tasks, curves, by_category, counts))
 
 
 @pytest.mark.e2e
@@ -144,11 +168,40 @@ def test_report_shows_the_summary_in_the_page(ddp_run, tmp_path):
     rows = (root / "summary.csv").read_text().splitlines()
     summary = pd.read_csv(root / "summary.csv")
     assert {"eval_loss_lo", "eval_loss_hi", "exact_match_lo", "exact_match_hi", "chrf_stderr"} <= set(summary)
-    shown = [line.split("\t") for line in text.splitlines()]
-    for row in rows:
-        assert row.split(",") in shown, (row, text[:2000])
+    # on its side (a column per model, a row per column of the CSV), each score with its interval in one cell
+    header, *_ = rows
+    assert text.splitlines()[1].split("\t")[1:] == summary["model"].tolist(), text[:2000]
+    eval_loss = next(line.split("\t") for line in text.splitlines() if line.startswith("eval_loss\t"))
+    for shown, (_, row) in zip(eval_loss[1:], summary.iterrows(), strict=True):
+        assert shown == f"{row['eval_loss']:#.3g} [{row['eval_loss_lo']:#.3g}, {row['eval_loss_hi']:#.3g}]", shown
+    assert "eval_loss_lo" in header and "eval_loss_lo" not in text  # in the CSV, not on the page
     download, _ = open_report_item(report, "Evaluation", "Other", "samples.html", tmp_path)  # no subcategory
     assert download is None
+
+
+@pytest.mark.e2e
+def test_no_report_page_is_wider_than_its_frame(ddp_run, tmp_path):
+    """Headless Chromium at 1,400 px: the first page and every page the report shows in a frame (each row of
+    core/pages.py) fit it, document.scrollWidth no wider than clientWidth (summary.html was 3,636 px in a frame
+    of about 1,000); a screenshot of each under tmp_path."""
+    from browser import find_browser, report_widths
+
+    from workflow_scripts.core.pages import made
+
+    if find_browser() is None:
+        pytest.skip("no Chromium or Chrome on PATH (CI installs chromium: .ci/run; here: apt-get install chromium)")
+    workdir, config = ddp_run
+    report = workdir / "report.html"
+    if not report.exists():
+        snakemake(workdir, config, "--report", str(report))
+    pages = made(grid=False)
+    split = {page.category for page in pages if page.subcategory}  # a category with subcategories: "Other"
+    items = [(p.category, p.subcategory or ("Other" if p.category in split else None), p.path.split("/")[-1])
+             for p in pages]  # fmt: skip
+    widths = report_widths(report, items, tmp_path, width=1400, shots=tmp_path)
+    assert len(widths) == len(items) + 1 and len(list(tmp_path.glob("*.png"))) == len(widths)
+    wide = {name: w for name, w in widths.items() if w[0] > w[1]}
+    assert not wide, f"wider than the frame (scrollWidth, clientWidth): {wide}"
 
 
 @pytest.mark.parametrize(

@@ -157,7 +157,12 @@ def draw_packing(ax, shards: dict[str, dict]) -> None:
 
 
 def plot(report: dict, counts: dict[str, dict[int, int]], path: Path, before: bool = False) -> None:
-    fig, (ax_len, ax_rej, ax_fun, ax_tok, ax_pack) = plt.subplots(1, 5, figsize=(22, 4))
+    """overview.png: five panels in the funnel's order (rows through the stages, the rejects, lengths, tokens,
+    packing), two a row at 11 inches wide: the report shows an image in a frame of about 1,000 px, where one
+    row of five (22 x 4 inches) shrank its text to a few pixels."""
+    fig, axes = plt.subplots(3, 2, figsize=(11, 11))
+    (ax_fun, ax_rej), (ax_len, ax_tok), (ax_pack, ax_off) = axes
+    ax_off.axis("off")
     draw_lengths(ax_len, counts, report.get("max_seq_len"), before)
     draw_rejects(ax_rej, report)
     draw_funnel(ax_fun, report)

@@ -40,7 +40,7 @@ from workflow_scripts.core.layout import (
 )
 from workflow_scripts.core.pipeline_io import UserError, cli, duration, read_metrics
 from workflow_scripts.ops.jobs import SLURM_ACTIVE, Job, job_comment_matches, local_job, local_processes, slurm_jobs
-from workflow_scripts.ops.status_view import RunProgress, headline, render_plain, render_rich
+from workflow_scripts.ops.status_view import RunProgress, headline, phase, render_plain, render_rich
 
 RECENT = 10  # step intervals the ETA, the stall rule and tok/s take the median of, and the loss the mean of
 STALL_FACTOR = 5.0  # no new step for this many expected intervals: stalled
@@ -72,7 +72,7 @@ def recent_median(records: list[dict], key: str, recent: int = RECENT) -> float 
 
 
 def recent_loss(records: list[dict], recent: int = RECENT) -> float | None:
-    """The mean training loss of the last ``recent`` records (summary_plots.py's smoothed curve ends there)."""
+    """The mean training loss of the last ``recent`` records."""
     values = [r["loss"] for r in records[-recent:] if isinstance(r.get("loss"), int | float)]
     return statistics.fmean(values) if values else None
 
@@ -162,7 +162,8 @@ def variant_folder(folder: Path) -> Path:
 class NodeStatus:
     variant: str
     node: str
-    state: str  # done, running, starting, stalled, pending, stopped, failed, ...
+    state: str  # the training job's: done, running, starting, stalled, pending, stopped, failed, ...
+    phase: str = ""  # the node's in status_view.PHASES (queued ... done, failed), set by assign_phases
     job: str = ""  # "slurm 123 RUNNING", "pid 456", ""
     step: int | None = None
     total: int | None = None
@@ -471,6 +472,16 @@ def run_progress(root: Path, run: str, nodes: list[NodeStatus], now: float | Non
 # ---------------------------------------------------------------- main
 
 
+def assign_phases(nodes: list[NodeStatus], root: Path, run: str) -> None:
+    """Each node's phase (status_view.phase) from its training state, the jobs Snakemake runs now (where one holds
+    the work dir's lock) and its files."""
+    locks = root / ".snakemake" / "locks"
+    alive = locks.is_dir() and any(locks.iterdir())
+    running = {job for _, job, _ in running_jobs(root, run)} if alive else set()
+    for s in nodes:
+        s.phase = phase(s, running)
+
+
 def run_and_config(path: Path, run: str | None) -> tuple[str, dict | None]:
     """The run to show (``run``, else the `run:` of config file ``path``) and the config when it is that run's."""
     try:
@@ -512,6 +523,7 @@ def show(a: argparse.Namespace, run: str, console, config: dict | None = None) -
     """Print the status once; whether the run is finished (trained, and its models compared)."""
     now = time.time()
     nodes = run_status(a.root, run, now, a.stall_factor, config=config)
+    assign_phases(nodes, a.root, run)
     results = a.root / "results" / run
     progress = run_progress(a.root, run, nodes, now)
     if console is None:
@@ -519,6 +531,26 @@ def show(a: argparse.Namespace, run: str, console, config: dict | None = None) -
     else:
         render_rich(console, run, nodes, results, now, progress)
     return headline(nodes, results, progress) == "finished"
+
+
+HOME, CLEAR_LINE, CLEAR_BELOW, CLEAR_SCREEN = "\x1b[H", "\x1b[K", "\x1b[J", "\x1b[2J"
+
+
+def frame(text: str, first: bool) -> str:
+    """One --watch frame: the cursor home, each line cleared to its end after its text, the screen below the last
+    line cleared: the old frame is overwritten in place, never blanked first (clearing the screen and then
+    drawing flashed an empty terminal each refresh). The first frame clears the screen once."""
+    body = "".join(line + CLEAR_LINE + "\n" for line in text.rstrip("\n").split("\n"))
+    return (CLEAR_SCREEN if first else "") + HOME + body + CLEAR_BELOW
+
+
+def redraw(console, draw, first: bool) -> bool:
+    """``draw()`` (show, printing to ``console``) captured, then written as one frame; returns draw's value."""
+    with console.capture() as captured:
+        value = draw()
+    console.file.write(frame(captured.get(), first))
+    console.file.flush()
+    return value
 
 
 @cli
@@ -532,10 +564,13 @@ def main(argv=None) -> None:
 
         console = Console(width=a.width)
     try:
+        first = True
         while True:
             if a.watch and console is not None:
-                console.clear()
-            finished = show(a, run, console, settings)
+                finished = redraw(console, lambda: show(a, run, console, settings), first)
+                first = False
+            else:
+                finished = show(a, run, console, settings)
             if not a.watch:
                 return
             if finished:

@@ -43,12 +43,46 @@ def stages(results: Path) -> dict:
 
 
 def leaderboard_head(results: Path) -> list[str]:
-    """The best-model lines of eval/leaderboard.txt (up to its first blank line)."""
+    """The best-model lines of eval/leaderboard.txt (its first block after the verdict, up to a blank line)."""
     try:
         text = file(results, "LEADERBOARD_TEXT").read_text()
     except OSError:
         return []
-    return text.split("\n\n", 1)[0].strip().splitlines()
+    blocks = text.split("\n\n")
+    if blocks[0].startswith("Verdict:") and len(blocks) > 1:  # the verdict's sentences: the report's first page
+        blocks = blocks[1:]
+    return blocks[0].strip().splitlines()
+
+
+# Every node's state in one vocabulary, in the order a node goes through them (status.assign_phases): waiting for
+# its job or the next stage's, its training job running, its consolidation or evaluation job running, evaluated,
+# or its training job ended without finishing. The scheduler's or the stall rule's word follows in parentheses.
+PHASES = ("queued", "training", "consolidating", "evaluating", "done", "failed")
+TRAINING_PHASE = {"waiting": "queued", "pending": "queued", "starting": "training", "running": "training",
+                  "stalled": "training"}  # fmt: skip
+
+
+def phase(s, running: set[str]) -> str:
+    """A NodeStatus's phase (PHASES) from its training state, the jobs running now (status.running_jobs' names:
+    "consolidate node0", "evaluate lr-1e-05/node1") and its files: "done" only once trained, consolidated and
+    evaluated; a trained node whose next job is not running is queued."""
+    if s.state != "done":
+        return TRAINING_PHASE.get(s.state, "failed")  # failed, timeout, cancelled, stopped, ...
+    if f"consolidate {name(s)}" in running:
+        return "consolidating"
+    if f"evaluate {name(s)}" in running:
+        return "evaluating"
+    return "done" if s.model and s.eval_loss is not None else "queued"
+
+
+def state_word(s) -> str:
+    """The state cell's word: the phase, and the training state where it says more (pending, starting,
+    stalled, timeout, ...)."""
+    word = s.phase or phase(s, set())
+    detail = s.state if s.state not in ("running", "done", "waiting", word) else ""
+    if word == "queued" and s.state == "done":
+        detail = "consolidation next" if not s.model else "evaluation next"
+    return f"{word} ({detail})" if detail else word
 
 
 def number(value, fmt: str) -> str:
@@ -64,10 +98,11 @@ def epochs(value: float | None) -> str:
 
 # loss: the mean of the recent logged losses; held-out: the latest held-out loss logged during training
 # (training.eval_every); tok/s: the median of the recent intervals; checkpoint: the newest complete one's step
-# and age; resumed: the step (signal, job) this job took over from; model: consolidated, then its eval loss
+# and age; resumed: the step (signal, job) this job took over from; eval: the model's held-out eval loss once
+# evaluated (the state says where it is before that)
 COLUMNS = ["node", "job", "state", "step", "epoch", "loss", "held-out", "tok/s", "MFU", "ETA", "checkpoint",
-           "resumed", "model"]  # fmt: skip
-KEPT = {"node", "state", "step", "ETA", "model"}  # never left out
+           "resumed", "eval"]  # fmt: skip
+KEPT = {"node", "state", "step", "ETA", "eval"}  # never left out
 LEAVE_OUT = ["resumed", "MFU", "job", "checkpoint", "epoch", "tok/s", "loss", "held-out"]  # first left out first
 RIGHT = {"step", "epoch", "loss", "held-out", "tok/s", "MFU", "ETA"}
 
@@ -80,9 +115,8 @@ def row(s, now: float, notes: bool = True) -> list[str]:
         r = s.resumed_after
         resumed = f"{r.get('step')}" + (f" {r['signal']}" if r.get("signal") else "")
         resumed += f" job {r['slurm_job_id']}" if r.get("slurm_job_id") else ""
-    # the model's later stages: consolidated (models/<node>/), evaluated (its held-out eval loss)
-    model = "-" if not s.model else "yes" if s.eval_loss is None else f"eval {s.eval_loss:.3f}"
-    state = s.state + (f": {'; '.join(s.notes)}" if s.notes and notes else "")
+    model = "-" if s.eval_loss is None else f"{s.eval_loss:.3f}"
+    state = state_word(s) + (f": {'; '.join(s.notes)}" if s.notes and notes else "")
     return [
         name(s),
         s.job or "-",
@@ -129,7 +163,7 @@ def fit(nodes: list, now: float, width: int | None, sep: int = 2) -> tuple[list[
     state = columns.index("state")
     for r, s in zip(rows, nodes, strict=True):
         if s.notes:
-            r[state] = s.state
+            r[state] = state_word(s)
             below.append(f"{name(s)}: {'; '.join(s.notes)}")
         if "job" in columns:  # the SLURM job's id without its state, which the state column says
             r[columns.index("job")] = r[columns.index("job")].split()[0]
@@ -230,7 +264,8 @@ def render_plain(run: str, nodes: list, results: Path, now: float, width: int | 
     return "\n".join(lines)
 
 
-STATE_STYLE = {"done": "green", "running": "cyan", "starting": "yellow", "pending": "yellow", "stalled": "bold red"}
+STATE_STYLE = {"done": "green", "training": "cyan", "consolidating": "cyan", "evaluating": "cyan", "queued": "yellow",
+               "failed": "red"}  # fmt: skip
 
 
 def render_rich(console, run: str, nodes: list, results: Path, now: float, progress: RunProgress | None = None) -> None:
@@ -253,7 +288,7 @@ def render_rich(console, run: str, nodes: list, results: Path, now: float, progr
         table.add_column(c, justify="right" if c in RIGHT else "left", no_wrap=True, min_width=len(c))
     state = columns.index("state")
     for s, cells in zip(nodes, rows, strict=True):
-        style = STATE_STYLE.get(s.state, "red" if s.state in {"failed", "stopped", "timeout"} else "")
+        style = "bold red" if s.state == "stalled" else STATE_STYLE.get(s.phase or s.state, "")
         cells[state] = f"[{style}]{cells[state]}[/]" if style else cells[state]
         table.add_row(*cells)
     console.print(table if nodes else f"run {run}: no training folder yet")

@@ -22,6 +22,7 @@ from workflow_scripts.report.summary_plots import (
     plot_throughput,
     read_curve,
 )
+from workflow_scripts.report.verdict import noise_metrics, verdict_lines, verdict_text
 from workflow_scripts.report.winners import best_model_lines, score_table, winner_lines
 
 COLUMNS = ["model", *LOSSES, *SCORES]  # summary.csv's first columns; HELDOUT is the held-out set's task in tasks.csv
@@ -107,17 +108,23 @@ def tasks_table(results: list[dict]) -> pd.DataFrame:
     return table
 
 
-def leaderboard_text(table: pd.DataFrame, tasks: pd.DataFrame | None = None, folders: dict | None = None) -> str:
-    """What the end of a run says: the best model per metric with its interval, ties and forgetting flags
-    (winners.py; the held-out metrics, then every extra task's of ``tasks``), every model's numbers, then
-    where the model to use is and how to load it (``folders``: model -> its folder). `make run` prints it;
-    the report's first page shows it."""
+def leaderboard_text(table: pd.DataFrame, tasks: pd.DataFrame | None = None, folders: dict | None = None,
+                     verdict: list[str] | None = None) -> str:  # fmt: skip
+    """What the end of a run says: the verdict's sentences (verdict.py) where given, the best model per metric with
+    its interval, ties and forgetting flags (winners.py; the held-out metrics, then every extra task's of
+    ``tasks``; a metric within noise of zero for every model is left out, the verdict says so), every model's
+    numbers, then where the model to use is and how to load it (``folders``: model -> its folder). `make run`
+    prints it; the report's first page shows it."""
     scores = score_table(table, tasks)
-    columns = [c for c in ("model", "eval_loss", *SCORES) if c in table]
+    noise = noise_metrics(scores)
+    scores = scores[~scores["metric"].isin(noise)]
+    columns = [c for c in ("model", "eval_loss", *SCORES) if c in table and c not in noise]
     lines = [
+        *([verdict_text(verdict), ""] if verdict else []),
         *winner_lines(scores),
         "",
-        f"{LOSSES[0]}: {direction(LOSSES[0])}; {', '.join(SCORES)}: 0-1, {direction(SCORES[0])}",
+        f"{LOSSES[0]}: {direction(LOSSES[0])}; {', '.join(c for c in SCORES if c in columns)}: 0-1,"
+        f" {direction(SCORES[0])}",
         table[columns].to_string(index=False, float_format="{:.3f}".format),
     ]
     if tasks is not None:  # eval.limit: a task scored on its first documents only, said on its lines
@@ -205,6 +212,16 @@ def last_user_turns(split: Path) -> dict[str, str]:
     return turns
 
 
+def category_counts(split: Path | None) -> dict[str, int]:
+    """The eval split's examples per category (the n of each per-category exact match); {} without one."""
+    if split is None:
+        return {}
+    frame = pd.read_parquet(split)
+    if "category" not in frame:
+        return {}
+    return {str(c): int(n) for c, n in frame["category"].value_counts(sort=False).items() if c}
+
+
 def samples_table(results: list[dict], questions: dict[str, str] | None = None) -> pd.DataFrame:
     """Prompt (the last user turn where ``questions`` has the example, else the rendered prompt's end), reference,
     and every model's answer with ``<model>_correct`` beside it (its exact match: evaluation's per-example
@@ -267,14 +284,17 @@ def main(argv=None) -> None:
     tasks = tasks_table(results)
     with atomic_path(a.tasks) as tmp:
         tasks.to_csv(tmp, index=False, float_format="%.6g")
-    plot_tasks(tasks, a.tasks_plot)
+    noise = noise_metrics(score_table(table, tasks))
+    plot_tasks(tasks, a.tasks_plot, leave_out=noise)
     curves = {p.parent.name: read_curve(p) for p in a.metrics}
     plot_curves(curves, a.curves)
     for node, tps in plot_throughput(curves, a.throughput).items():
         print(f"{node}: median {tps:,.0f} tokens/s")
     plot_categories(results, a.categories)
     plot_leaderboard(table, a.leaderboard)
-    board = leaderboard_text(table, tasks, {r["model"]: r["path"] for r in results if r.get("path")})
+    by_category = {r["model"]: r["exact_match_by_category"] for r in results if r.get("exact_match_by_category")}
+    verdict = verdict_lines(table, tasks, curves, by_category, category_counts(a.eval_split))
+    board = leaderboard_text(table, tasks, {r["model"]: r["path"] for r in results if r.get("path")}, verdict)
     board += selection_lines(a.models)  # consolidate.select best: the exported step
     board += decontamination_line(json.loads(a.decontamination.read_text()) if a.decontamination else None)
     with atomic_path(a.leaderboard_text) as tmp:

@@ -10,6 +10,8 @@ import pandas as pd
 from workflow_scripts.core.pipeline_io import read_metrics
 from workflow_scripts.core.plotting import model_color, plt, save_png
 from workflow_scripts.evals.metrics import HELDOUT, SCORES
+from workflow_scripts.report.verdict import SMOOTH, smoothed
+from workflow_scripts.report.winners import score_table, winners
 
 
 def read_curve(path: Path) -> pd.DataFrame:
@@ -17,12 +19,9 @@ def read_curve(path: Path) -> pd.DataFrame:
     return pd.DataFrame(read_metrics(path))
 
 
-SMOOTH = 10  # logged training losses the smoothed curve averages (status.py's loss column takes the same)
-
-
 def smoothed_loss(frame: pd.DataFrame, window: int = SMOOTH) -> pd.Series:
-    """The training loss, each point the mean of the last ``window`` logged losses (fewer at the start)."""
-    return frame["loss"].rolling(window, min_periods=1).mean()
+    """The training loss, each point the mean of the ``window`` logged losses around it (verdict.smoothed)."""
+    return smoothed(frame["loss"].astype(float), window)
 
 
 def held_out_points(frame: pd.DataFrame) -> pd.DataFrame:
@@ -44,24 +43,31 @@ def steps_per_epoch(frame: pd.DataFrame) -> float | None:
 
 def plot_curves(curves: dict[str, pd.DataFrame], path: Path) -> list[str]:
     """Training loss (faint: as logged; solid: smoothed) and the held-out loss during training per node, with
-    the epochs on the top axis; the learning rate beside. Returns the loss panel's legend labels."""
+    the epochs on the top axis; the gradient norm beside (the learning rate, the same schedule on every node,
+    hid one node's line behind another's; it stays in metrics.jsonl and TensorBoard). Returns the loss panel's
+    legend labels."""
     fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
     for name, frame in curves.items():
         colour = model_color(name)
         ax_loss.plot(frame["step"], frame["loss"], color=colour, alpha=0.25, lw=1)
-        ax_loss.plot(frame["step"], smoothed_loss(frame), color=colour, label=f"{name} training (mean of {SMOOTH})")
+        ax_loss.plot(
+            frame["step"], smoothed_loss(frame), color=colour, label=f"{name} training (centred mean of {SMOOTH})"
+        )
         points = held_out_points(frame)
         if len(points):
             ax_loss.plot(points["step"], points["eval_loss"], color=colour, ls="--", marker="o", ms=4,
                          label=f"{name} held-out")  # fmt: skip
-        ax_lr.plot(frame["step"], frame["lr"], color=colour, label=name)
+        if "grad_norm" in frame and frame["grad_norm"].notna().any():
+            ax_lr.plot(frame["step"], frame["grad_norm"], color=colour, alpha=0.25, lw=1)
+            ax_lr.plot(frame["step"], smoothed(frame["grad_norm"].astype(float)), color=colour,
+                       label=name)  # fmt: skip
     ax_loss.set(xlabel="step", ylabel="loss", title="Training and held-out loss per node", yscale="log")
     # 0.5, 2, not 5 x 10^-1; between the powers of ten, 2, 3 and 5 only
     ax_loss.yaxis.set_major_formatter(lambda y, _: f"{y:g}")
     ax_loss.yaxis.set_minor_formatter(
         lambda y, _: f"{y:g}" if round(y / 10 ** math.floor(math.log10(y))) in (2, 3, 5) else ""
     )
-    ax_lr.set(xlabel="step", ylabel="learning rate", title="Learning rate")
+    ax_lr.set(xlabel="step", ylabel="gradient norm", title="Gradient norm per node (faint: as logged)")
     per_epoch = {steps_per_epoch(frame) for frame in curves.values()}
     if len(per_epoch) == 1 and None not in per_epoch:  # the epochs on top where every node has the same
         spe = per_epoch.pop()
@@ -69,7 +75,8 @@ def plot_curves(curves: dict[str, pd.DataFrame], path: Path) -> list[str]:
         top.set_xlabel("epoch")
     for ax in (ax_loss, ax_lr):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
     labels = [t.get_text() for t in ax_loss.get_legend().get_texts()]
     save_png(fig, path, dpi=110)
     return labels
@@ -100,10 +107,34 @@ def plot_throughput(curves: dict[str, pd.DataFrame], path: Path) -> dict[str, fl
     return medians
 
 
+def leaderboard_title(table: pd.DataFrame) -> tuple[str, list[str]]:
+    """leaderboard.png's title and the models it outlines, in the verdict's words: the lowest eval loss, or the
+    models tied with it within the 95% interval (winners.winners, as the text says); the highest exact match on
+    a second line where that is another model or tie."""
+    scores = score_table(table)
+    board = winners(scores).set_index("metric")
+    loss = board.loc["eval_loss"]
+    best = table.set_index("model").loc[loss["best"]]
+    vs_base = f", {best['eval_loss_vs_base']:.2f}x the base model's loss" if "eval_loss_vs_base" in best else ""
+    tied = [loss["best"], *loss["ties"]]
+    if loss["ties"]:
+        title = (
+            f"Eval loss: {' and '.join(tied)} tied within the 95% interval (lowest {best['eval_loss']:.3f}{vs_base})"
+        )
+    else:
+        title = f"Lowest eval loss: {loss['best']} ({best['eval_loss']:.3f}{vs_base})"
+    if "exact_match" in board.index:
+        em = board.loc["exact_match"]
+        top = [em["best"], *em["ties"]]
+        if set(top) != set(tied):
+            title += f"\nexact match: {' and '.join(top)} tied" if em["ties"] else f"\nhighest exact match: {top[0]}"
+    return title, tied
+
+
 def plot_leaderboard(table: pd.DataFrame, path: Path) -> str:
-    """Eval loss per model with its 95% interval (where summary.csv has one), the lowest outlined and named in
-    the title with the model of highest exact match when that is another. Returns the lowest's name."""
-    best = table.loc[table["eval_loss"].idxmin()]
+    """Eval loss per model with its 95% interval (where summary.csv has one), the lowest outlined (and every
+    model tied with it) and named in the title (leaderboard_title). Returns the title."""
+    title, outlined = leaderboard_title(table)
     fig, ax = plt.subplots(figsize=(11, 0.6 * len(table) + 1.6))
     errors = None
     if {"eval_loss_lo", "eval_loss_hi"} <= set(table):
@@ -112,22 +143,17 @@ def plot_leaderboard(table: pd.DataFrame, path: Path) -> str:
             (table["eval_loss_hi"] - table["eval_loss"]).tolist(),
         ]
     ax.barh(table["model"], table["eval_loss"], xerr=errors, capsize=4, color=[model_color(m) for m in table["model"]],
-            edgecolor=["black" if m == best["model"] else "none" for m in table["model"]], linewidth=2)  # fmt: skip
+            edgecolor=["black" if m in outlined else "none" for m in table["model"]], linewidth=2)  # fmt: skip
     for y, (loss, em) in enumerate(zip(table["eval_loss"], table["exact_match"], strict=True)):
         ax.text(loss, y, f"  loss {loss:.3f}   exact match {em:.3f}", va="bottom")
     ax.invert_yaxis()
     ax.set_xlim(0, table["eval_loss"].max() * 1.45)
-    vs_base = f", {best['eval_loss_vs_base']:.2f}x the base model's loss" if "eval_loss_vs_base" in best else ""
-    title = f"Lowest eval loss: {best['model']} ({best['eval_loss']:.3f}{vs_base})"
-    top_em = table.loc[table["exact_match"].idxmax(), "model"] if table["exact_match"].notna().any() else None
-    if top_em is not None and top_em != best["model"]:
-        title += f"\nhighest exact match: {top_em}"
     ax.set_title(title, fontweight="bold")
     ax.set_xlabel(
         "held-out loss, 95% bootstrap interval (lower is better)" if errors else "held-out loss (lower is better)"
     )
     save_png(fig, path)
-    return str(best["model"])
+    return title
 
 
 def plot_categories(results: list[dict], path: Path) -> None:
@@ -141,22 +167,23 @@ def plot_categories(results: list[dict], path: Path) -> None:
     save_png(fig, path)
 
 
-def task_panels(tasks: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """What tasks.png draws, one panel per task: the held-out set's 0-1 scores (its loss is in leaderboard.png),
-    then every extra task's metrics; a panel only where some model has a value."""
+def task_panels(tasks: pd.DataFrame, leave_out: list[str] = ()) -> dict[str, pd.DataFrame]:
+    """What tasks.png draws, one panel per task: the held-out set's 0-1 scores (its loss is in leaderboard.png;
+    ``leave_out``: the scores within noise of zero for every model, verdict.noise_metrics), then every extra
+    task's metrics; a panel only where some model has a value."""
     panels = {}
     for task, rows in tasks.groupby("task", sort=False):
         if task == HELDOUT:
-            rows = rows[rows["metric"].isin(SCORES)]
+            rows = rows[rows["metric"].isin([m for m in SCORES if m not in leave_out])]
         if rows["value"].notna().any():
             panels[task] = rows
     return panels
 
 
-def plot_tasks(tasks: pd.DataFrame, path: Path) -> list[str]:
+def plot_tasks(tasks: pd.DataFrame, path: Path, leave_out: list[str] = ()) -> list[str]:
     """One panel per task, bars per model grouped by metric with stderr error bars; the base model's bars hatched
-    and grey, its value a dashed line across the group. Returns the tasks drawn."""
-    panels = task_panels(tasks)
+    and grey, its value a dashed line across the group (``leave_out``: task_panels'). Returns the tasks drawn."""
+    panels = task_panels(tasks, leave_out)
     models = list(dict.fromkeys(tasks["model"]))
     fig, axes = plt.subplots(len(panels) or 1, 1, figsize=(11, 3.6 * max(len(panels), 1)), squeeze=False)
     if not panels:
