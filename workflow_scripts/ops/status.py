@@ -389,7 +389,9 @@ def running_jobs(root: Path, run: str) -> list[tuple[str, str, str]]:
 
 # the rules whose finished jobs measure a later stage (their durations from Snakemake's metadata)
 RULE_STAGE = {"consolidate_node": "consolidating", "make_soup": "consolidating", "evaluate_model": "evaluating",
-              "copy_base_eval": "evaluating", "summarize": "summarizing", "compare_grid": "summarizing"}  # fmt: skip
+              "copy_base_eval": "evaluating", "consolidate_checkpoint": "evaluating",
+              "evaluate_checkpoint": "evaluating", "checkpoint_scores": "evaluating",
+              "summarize": "summarizing", "compare_grid": "summarizing"}  # fmt: skip
 
 
 def stage_durations(root: Path, run: str) -> dict[str, float]:
