@@ -84,8 +84,7 @@ def pair_assets(tmp_path_factory, demo_assets):
     return assets
 
 
-# DeepSpeed (ZeRO-2) passes this too, in 200 s on 2 shared cores (FSDP2 in 40 s): left out for their time; FSDP2 runs
-# the cached reference below
+# adapters_off on DDP; the cached reference on every strategy below (ZeRO-3, FSDP2), full and LoRA
 @pytest.mark.torchrun
 def test_dpo_with_lora_trains_on_ddp_and_the_loss_falls(tmp_path, pair_assets):
     """Two CPU ranks, DPO's sigmoid loss against the model with its adapters off: log 2 at the first step (the
