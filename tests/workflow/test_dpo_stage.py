@@ -95,8 +95,8 @@ def test_the_objective_is_the_same_for_every_variant():
 
 @pytest.mark.e2e
 def test_dpo_on_a_stage1_model_learns_the_rule_and_a_new_beta_reuses_the_reference(ddp_run, tmp_path):
-    """The demo's third stage in small (config/demo_dpo.yaml on the tiny stage-1 run's node0, 12 steps): the
-    held-out pairs' preference accuracy goes from 0 (base, the reference itself) to most pairs, beside the SFT
+    """The demo's third stage in small (config/demo_dpo.yaml on the tiny stage-1 run's node0, 12 steps, 192 pairs):
+    the held-out pairs' preference accuracy goes from 0 (base, the reference itself) to most, beside the SFT
     scores, in summary.csv and the leaderboard (this base finds the chosen answer likelier already: 12 steps of
     stage 1 are not the demo's node0, whose share is about half); then a new beta trains again but reuses the
     cached reference: no reference_logps job in its dry run (the stage's key is the model and the tokenized pairs
@@ -107,7 +107,9 @@ def test_dpo_on_a_stage1_model_learns_the_rule_and_a_new_beta_reuses_the_referen
     config = tiny_config("t-dpo", objective="dpo", dpo=dpo, packing=False, micro_batch_size=4, lr=1e-3)
     config["training"] |= {"max_steps": 12, "log_every": 4, "checkpoint_every": 12, "warmup_ratio": 0.0}
     config |= {"nodes": 1, "model": {"name_or_path": str(base)}}
-    config["data"] |= {"path": str(PAIRS), "mapping": "preference"}
+    pairs = tmp_path / "pairs.jsonl"  # the demo's first 192 pairs: less to tokenize, score and evaluate
+    pairs.write_text("".join(PAIRS.read_text(encoding="utf-8").splitlines(keepends=True)[:192]), encoding="utf-8")
+    config["data"] |= {"path": str(pairs), "mapping": "preference"}
     snakemake(tmp_path, config)
     root = tmp_path / "results" / "t-dpo"
     summary = pd.read_csv(root / "eval" / "summary.csv").set_index("model")
