@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh machine:
 #   make run   install into .venv, run the demo workflow, build results/demo/report.html, then its LoRA
-#              stage (config/demo_lora.yaml) on stage 1's node0, build results/demo-lora/report.html
+#              stage (config/demo_lora.yaml) and its DPO stage (config/demo_dpo.yaml), each on stage 1's node0,
+#              build results/demo-lora/report.html and results/demo-dpo/report.html
 #   make test  install into .venv (with the trackers' packages), run the test suite (all of it, as CI does)
 # and while working (`make help` lists every target):
 #   make dry-run    what a submission would run (CONFIG=my.yaml, PROFILE=profiles/slurm), then the jobs per
@@ -20,6 +21,9 @@ PROFILE ?= profiles/slurm
 # the demo's second stage: LoRA with stage 1's results/demo/models/node0 as its base
 LORA_CONFIG := config/demo_lora.yaml
 LORA_RUN := demo-lora
+# the demo's third stage: preference tuning (DPO) of stage 1's results/demo/models/node0
+DPO_CONFIG := config/demo_dpo.yaml
+DPO_RUN := demo-dpo
 # Snakemake from the venv, not activated: the rules find the venv's python and torchrun beside it
 SNAKEMAKE := $(VENV)/bin/snakemake
 # the suite on TEST_WORKERS pytest-xdist workers, a test file (or the shared runs' tests, tests/conftest.py) at a time
@@ -52,21 +56,28 @@ $(TRACKERS_STAMP): $(STAMP)
 	rm -f $(VENV)/.trackers-*
 	touch $@
 
-# Stage 2 is a second invocation: its base model must exist when the workflow is parsed, and stage 1 makes it.
-run: install ## install, run the demo and its LoRA stage on this machine, build both reports
+# Stages 2 and 3 are invocations of their own: their base model must exist when the workflow is parsed, and stage 1
+# makes it.
+run: install ## install, run the demo, its LoRA and DPO stages on this machine, build the three reports
 	$(SNAKEMAKE) --cores all
 	$(SNAKEMAKE) --report results/$(RUN)/report.html
 	$(SNAKEMAKE) --cores all --configfile $(LORA_CONFIG)
 	$(SNAKEMAKE) --report results/$(LORA_RUN)/report.html --configfile $(LORA_CONFIG)
+	$(SNAKEMAKE) --cores all --configfile $(DPO_CONFIG)
+	$(SNAKEMAKE) --report results/$(DPO_RUN)/report.html --configfile $(DPO_CONFIG)
 	@echo; cat results/$(RUN)/eval/leaderboard.txt
 	@echo "report: results/$(RUN)/report.html"
 	@echo; echo "LoRA stage ($(LORA_CONFIG)): base = stage 1's node0, node0 = base + LoRA on a task stage 1 never saw"
 	@cat results/$(LORA_RUN)/eval/leaderboard.txt
 	@echo "report: results/$(LORA_RUN)/report.html"
+	@echo; echo "DPO stage ($(DPO_CONFIG)): base = stage 1's node0 (the reference), node0 = base + DPO preferring answers that end with a full stop"
+	@cat results/$(DPO_RUN)/eval/leaderboard.txt
+	@echo "report: results/$(DPO_RUN)/report.html"
 
-report: install ## rebuild results/<RUN>/report.html (RUN=demo) and the LoRA stage's
+report: install ## rebuild results/<RUN>/report.html (RUN=demo) and the LoRA and DPO stages'
 	$(SNAKEMAKE) --report results/$(RUN)/report.html
 	test ! -d results/$(LORA_RUN) || $(SNAKEMAKE) --report results/$(LORA_RUN)/report.html --configfile $(LORA_CONFIG)
+	test ! -d results/$(DPO_RUN) || $(SNAKEMAKE) --report results/$(DPO_RUN)/report.html --configfile $(DPO_CONFIG)
 
 # snakemake -n through PROFILE with CONFIG (ARGS: more Snakemake options), then dry_run_summary.py's table
 dry-run: install ## what a submission would run (CONFIG=my.yaml PROFILE=profiles/slurm): jobs per partition, GPU-hours

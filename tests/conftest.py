@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,7 +141,8 @@ def planned_jobs(proc: subprocess.CompletedProcess) -> dict[str, int]:
 def trainer_args(tmp: Path, assets: dict, config: dict, shards: int = 1) -> list[str]:
     """train.py and its arguments: ``config`` (JSON) over ``assets``' node0 shard (given ``shards`` times),
     logs and train_state.json in tmp/train, checkpoints in tmp/ckpt. Keys ``config`` leaves out take the
-    schema's defaults, as in the workflow, but for the precision: fp32 unless the test says otherwise."""
+    schema's defaults, as in the workflow, but for the precision: fp32 unless the test says otherwise. Assets with
+    a ``reference`` (pairs' reference_logps file) give it too, which training.dpo.reference cached reads."""
     log_dir = tmp / "train"
     config = {"precision": "fp32"} | config
     return [
@@ -149,6 +151,7 @@ def trainer_args(tmp: Path, assets: dict, config: dict, shards: int = 1) -> list
         "--base-model", str(assets["base"]), "--log-dir", str(log_dir), "--checkpoint-root", str(tmp / "ckpt"),
         "--state", str(log_dir / "train_state.json"),
         *(["--eval-data", str(assets["eval"])] if config.get("eval_every") else []),
+        *(["--reference-logps", *[str(assets["reference"])] * shards] if "reference" in assets else []),
     ]  # fmt: skip
 
 
@@ -200,6 +203,67 @@ def start_trainer(tmp: Path, assets: dict, config: dict, procs: int = 2) -> subp
                             start_new_session=True)  # fmt: skip
 
 
+def wait_for(predicate, timeout=300) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def logged_losses(tmp: Path) -> list[tuple[int, float]]:
+    """(step, loss) of each line of a trainer's tmp/train/metrics.jsonl."""
+    lines = (tmp / "train" / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines)]
+
+
+def final_weights(tmp: Path, strategy: str) -> dict:
+    """The weights of a trainer's last checkpoint (train_state.json's), as one state dict whatever the strategy."""
+    import torch
+
+    state = json.loads((tmp / "train" / "train_state.json").read_text())
+    folder = state["checkpoint"]
+    if strategy == "ddp":
+        return torch.load(f"{folder}/state.pt", weights_only=True)["model"]
+    if strategy == "deepspeed":
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(Path(folder).parent), tag=Path(folder).name)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(f"{folder}/dcp", f"{folder}/full.pt")
+    return torch.load(f"{folder}/full.pt", weights_only=False)["model"]
+
+
+def sigterm_then_rerun_equals_uninterrupted_run(tmp: Path, assets: dict, cfg: dict, strategy: str) -> None:
+    """The preemption check: ``cfg`` trained to its end in tmp/a; in tmp/b SIGTERM to the whole job step (as SLURM
+    sends it) once a checkpoint of step 4 is complete, the ranks checkpoint and exit 75, the rerun resumes at the
+    step they stopped at (not from 0) and logs every step's loss once, bit for bit as tmp/a's, and ends at tmp/a's
+    weights exactly. ``cfg`` checkpoints every 4 steps and runs at least 8."""
+    import signal
+
+    import torch
+
+    a, b = tmp / "a", tmp / "b"
+    run_trainer(a, assets, cfg)
+    proc = start_trainer(b, assets, cfg)
+    assert wait_for(lambda: any((b / "ckpt").glob("*/step-4/COMPLETE")))
+    os.killpg(proc.pid, signal.SIGTERM)  # as SLURM does: the whole job step
+    _, err = proc.communicate(timeout=300)
+    # the workers exit 75; torchrun turns a signal into 1, and the rule maps its marker back to 75
+    assert proc.returncode != 0 and "exiting 75" in err, err[-3000:]
+    assert json.loads((b / "train" / "preempted.json").read_text())["signal"] == "SIGTERM"
+    stopped = max(int(p.parent.name.split("-")[1]) for p in (b / "ckpt").glob("*/step-*/COMPLETE"))
+    assert 4 <= stopped < cfg["max_steps"]
+
+    resumed = run_trainer(b, assets, cfg)
+    assert f"at step {stopped}" in resumed.stderr  # resumed, not restarted
+    assert logged_losses(b) == logged_losses(a)  # every step once, bit for bit
+    wa, wb = final_weights(a, strategy), final_weights(b, strategy)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def split_files(tmp: Path, data, nodes: int = 2, **options) -> dict:
     """Run split.py's run_split on ``data`` into ``tmp``; returns the result and output paths. ``options``: the
     SplitConfig fields (``eval_data`` is data.eval_path), ``tokenizer`` and ``min_examples_per_shard``."""
@@ -238,7 +302,8 @@ FIXTURE_TIERS = {"ddp_run": "e2e", "slurm_cluster": "slurm", "two_hosts": "slurm
 # xdist_group marks do not group under pytest 9, which ignores the node id xdist rewrites: the scheduler is ours.)
 SHARED_RUNS = "shared-runs"
 SHARED_RUN_FILES = {
-    "tests/plan/test_preflight.py", "tests/train/test_joint.py", "tests/workflow/test_lora_stage.py",
+    "tests/plan/test_preflight.py", "tests/train/test_joint.py", "tests/workflow/test_dpo_stage.py",
+    "tests/workflow/test_lora_stage.py",
     "tests/workflow/test_quickstart.py", "tests/workflow/test_rerun.py", "tests/workflow/test_slurm.py",
     "tests/workflow/test_checkpoint_eval.py",
     "tests/workflow/test_workflow.py",

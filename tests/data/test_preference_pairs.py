@@ -154,10 +154,20 @@ def test_the_eval_set_keeps_a_pairs_chosen_answer_alone(tmp_path, tokenizer):
 
 
 def test_the_demo_pairs_map_without_a_reject():
-    from workflow_scripts.data.make_demo_data import PREFERENCE_ROWS, generate, preferences
+    """The file is the generator's; each pair is stage 1's answer twice, ending with the chosen and the rejected
+    mark (the rule its DPO stage learns); every pair maps."""
+    import json
+
+    from conftest import REPO
+
+    from workflow_scripts.data.make_demo_data import CHOSEN_END, PREFERENCE_ROWS, REJECTED_END, generate, preferences
 
     pairs = preferences(generate())
     assert len(pairs) == PREFERENCE_ROWS
+    demo = REPO / "resources" / "demo" / "preferences.jsonl"
+    assert [json.loads(line) for line in demo.read_text(encoding="utf-8").splitlines()] == pairs
+    assert all(p["chosen"][:-1] == p["rejected"][:-1] for p in pairs)
+    assert all(p["chosen"].endswith(CHOSEN_END) and p["rejected"].endswith(REJECTED_END) for p in pairs)
     mapped = [pair(p) for p in pairs]
     assert all(problem is None for _, problem in mapped)
     assert all(m[0]["role"] == "system" and m[-1]["rejected"] != m[-1]["content"] for m, _ in mapped)

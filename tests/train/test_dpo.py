@@ -3,14 +3,13 @@
 import dataclasses
 import json
 import math
-import subprocess
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import run_trainer, train_command, trainer_env
+from conftest import run_trainer, sigterm_then_rerun_equals_uninterrupted_run
 
 from workflow_scripts.core.contracts import IGNORE, TOKENIZED_SCHEMA
 from workflow_scripts.core.pipeline_io import UserError
@@ -85,8 +84,7 @@ def pair_assets(tmp_path_factory, demo_assets):
     return assets
 
 
-# DeepSpeed (ZeRO-2) passes this too, in 200 s on 2 shared cores (FSDP2 in 40 s): left out for their time; FSDP2 runs
-# the cached reference below
+# adapters_off on DDP; the cached reference on every strategy below (ZeRO-3, FSDP2), full and LoRA
 @pytest.mark.torchrun
 def test_dpo_with_lora_trains_on_ddp_and_the_loss_falls(tmp_path, pair_assets):
     """Two CPU ranks, DPO's sigmoid loss against the model with its adapters off: log 2 at the first step (the
@@ -127,6 +125,14 @@ def test_reference_logps_are_each_rows_answer_under_the_base_model(pair_assets):
         read_logps(pair_assets["reference"], pair_assets["node0"], "0" * 64, len(rows))
 
 
+def falls_from_log_2(tmp, tolerance: float) -> None:
+    """The policy starts as the reference (log 2 at the first step: the cached reference read for the right rows),
+    then the loss falls."""
+    losses = [json.loads(line)["loss"] for line in (tmp / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert losses[0] == pytest.approx(math.log(2), abs=tolerance)
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.05, losses
+
+
 @pytest.mark.torchrun
 def test_dpo_full_finetuning_with_the_cached_reference_trains_on_fsdp(tmp_path, pair_assets):
     """Full fine-tuning on FSDP2 (2 CPU ranks) against the reference_logps file: log 2 at the first step (the policy
@@ -135,12 +141,41 @@ def test_dpo_full_finetuning_with_the_cached_reference_trains_on_fsdp(tmp_path, 
         "objective": "dpo", "dpo": {"beta": 0.5, "reference": "cached"}, "strategy": "fsdp", "packing": False,
         "micro_batch_size": 4, "max_steps": 8, "log_every": 1, "lr": 1e-3, "warmup_ratio": 0.0,
     }  # fmt: skip
-    cmd = [*train_command(tmp_path, pair_assets, config), "--reference-logps", str(pair_assets["reference"])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=trainer_env(), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
-    assert losses[0] == pytest.approx(math.log(2), abs=1e-3)
-    assert sum(losses[-3:]) / 3 < losses[0] - 0.05, losses
+    run_trainer(tmp_path, pair_assets, config)  # with --reference-logps: pair_assets has its reference
+    falls_from_log_2(tmp_path, 1e-3)
+
+
+# The strategies and fine-tunings the two tests above leave out, each with the cached reference: ZeRO-3 full and
+# LoRA (its parameters partitioned: the step gathers them), FSDP2 with LoRA; DDP's full fine-tuning runs in the
+# resume test below and through the workflow (tests/workflow/test_dpo_stage.py). Fewer steps than above, a higher
+# learning rate: each start of DeepSpeed is the most of its time.
+@pytest.mark.torchrun
+@pytest.mark.parametrize(
+    "strategy,peft,lr",
+    [("deepspeed", "none", 2e-3), ("deepspeed", "lora", 5e-3), ("fsdp", "lora", 5e-3)],
+    ids=["zero3-full", "zero3-lora", "fsdp-lora"],
+)
+def test_dpo_trains_with_the_cached_reference(tmp_path, pair_assets, strategy, peft, lr):
+    config = {
+        "objective": "dpo", "dpo": {"beta": 0.5, "reference": "cached"}, "strategy": strategy, "zero_stage": 3,
+        "peft": peft, "lora": {"r": 4}, "packing": False, "micro_batch_size": 4, "max_steps": 6, "log_every": 1,
+        "lr": lr, "warmup_ratio": 0.0,
+    }  # fmt: skip
+    run_trainer(tmp_path, pair_assets, config)
+    falls_from_log_2(tmp_path, 1e-3)
+
+
+@pytest.mark.torchrun
+def test_dpo_sigterm_then_rerun_equals_uninterrupted_run(tmp_path, pair_assets):
+    """Preemption as SFT's (tests/train/test_resume.py), with pairs: the resumed run's pair batches, their cached
+    reference rows and its weights are the uninterrupted run's, bit for bit (DDP with LoRA: the cheapest start;
+    the pairs' order and reference rows are the objective's part of the resume, the same on every strategy)."""
+    cfg = {
+        "objective": "dpo", "dpo": {"beta": 0.5, "reference": "cached"}, "strategy": "ddp", "peft": "lora",
+        "lora": {"r": 4}, "packing": False, "micro_batch_size": 2, "max_steps": 10, "log_every": 1,
+        "checkpoint_every": 4, "lr": 1e-2, "seed": 3,
+    }  # fmt: skip
+    sigterm_then_rerun_equals_uninterrupted_run(tmp_path, pair_assets, cfg, "ddp")
 
 
 def test_the_cached_reference_is_required_and_read_for_the_shard(tmp_path, pair_assets):

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_trainer, start_trainer, train_command, trainer_env
+from conftest import (
+    logged_losses,
+    run_trainer,
+    sigterm_then_rerun_equals_uninterrupted_run,
+    start_trainer,
+    train_command,
+    trainer_env,
+    wait_for,
+)
 
 from workflow_scripts.train.divergence import TEST_HOOK
 from workflow_scripts.train.manifest import build_manifest, marker_text, verify
@@ -22,60 +30,13 @@ pytestmark = pytest.mark.torchrun
 CONFIG = {"lr": 3e-3, "micro_batch_size": 2, "max_steps": 14, "log_every": 1, "checkpoint_every": 4, "seed": 3}
 
 
-def losses(tmp_path):
-    lines = (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()
-    return [(r["step"], r["loss"]) for r in map(json.loads, lines)]
-
-
-def final_weights(tmp_path, strategy):
-    state = json.loads((tmp_path / "train" / "train_state.json").read_text())
-    folder = state["checkpoint"]
-    if strategy == "ddp":
-        return torch.load(f"{folder}/state.pt", weights_only=True)["model"]
-    if strategy == "deepspeed":
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return get_fp32_state_dict_from_zero_checkpoint(str(Path(folder).parent), tag=Path(folder).name)
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(f"{folder}/dcp", f"{folder}/full.pt")
-    del dcp
-    return torch.load(f"{folder}/full.pt", weights_only=False)["model"]
-
-
-def wait_for(predicate, timeout=300):
-    end = time.time() + timeout
-    while time.time() < end:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return False
-
-
 # DDP's resume runs end to end in tests/test_crash.py (through Snakemake) and test_joint.py (SIGTERM, node
 # groups); here the sharded checkpoints, whose resume has more to get wrong, are compared bit for bit.
 @pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
 def test_sigterm_then_rerun_equals_uninterrupted_run(tmp_path, demo_assets, strategy):
-    cfg = CONFIG | {"strategy": strategy, "zero_stage": 3}
-    a, b = tmp_path / "a", tmp_path / "b"
-    run_trainer(a, demo_assets, cfg)
-
-    proc = start_trainer(b, demo_assets, cfg)
-    assert wait_for(lambda: any((b / "ckpt").glob("*/step-4/COMPLETE")))
-    os.killpg(proc.pid, signal.SIGTERM)  # as SLURM does: the whole job step
-    _, err = proc.communicate(timeout=300)
-    # the workers exit 75; torchrun turns a signal into 1, and the rule maps its marker back to 75
-    assert proc.returncode != 0 and "exiting 75" in err, err[-3000:]
-    assert json.loads((b / "train" / "preempted.json").read_text())["signal"] == "SIGTERM"
-    stopped = max(int(p.parent.name.split("-")[1]) for p in (b / "ckpt").glob("*/step-*/COMPLETE"))
-    assert 4 <= stopped < 14
-
-    resumed = run_trainer(b, demo_assets, cfg)
-    assert f"at step {stopped}" in resumed.stderr  # resumed, not restarted
-    assert losses(b) == losses(a)  # every step once, bit for bit
-    wa, wb = final_weights(a, strategy), final_weights(b, strategy)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    sigterm_then_rerun_equals_uninterrupted_run(
+        tmp_path, demo_assets, CONFIG | {"strategy": strategy, "zero_stage": 3}, strategy
+    )
 
 
 def test_partial_checkpoint_is_ignored_and_reported(tmp_path, demo_assets):
@@ -89,7 +50,7 @@ def test_partial_checkpoint_is_ignored_and_reported(tmp_path, demo_assets):
     rerun = run_trainer(b, demo_assets, cfg)
     assert "ignoring partial checkpoint" in rerun.stderr and "step-8" in rerun.stderr
     assert "at step 4" in rerun.stderr
-    assert losses(b) == losses(tmp_path / "a")
+    assert logged_losses(b) == logged_losses(tmp_path / "a")
 
 
 def damage(path: Path, how: str) -> None:
@@ -111,7 +72,7 @@ def test_damaged_checkpoints_are_set_aside_and_the_newest_good_one_resumed(tmp_p
     resumes from the fifth; its losses are the undamaged run's."""
     cfg = CONFIG | {"max_steps": 10, "checkpoint_every": 2, "keep_checkpoints": 5}
     run_trainer(tmp_path, demo_assets, cfg)
-    expected = losses(tmp_path)
+    expected = logged_losses(tmp_path)
     (key,) = [p for p in (tmp_path / "ckpt").iterdir() if p.is_dir()]
     cases = [(10, "flipped", r"state\.pt: sha256 differs"), (8, "zeroed", r"state\.pt: sha256 differs"),
              (6, "truncated", r"state\.pt has [0-9,]+ bytes"), (4, "unloadable", "could not be loaded")]  # fmt: skip
@@ -127,7 +88,9 @@ def test_damaged_checkpoints_are_set_aside_and_the_newest_good_one_resumed(tmp_p
             rf"checkpoint {re.escape(str(key))}/step-{step} is damaged: {why}[^;]*; trying the one before", rerun.stderr
         )
     assert f"resumed from {key / 'step-2'} at step 2" in rerun.stderr
-    assert losses(tmp_path) == expected  # steps 3-10 trained again from good state, bit for bit, each logged once
+    assert (
+        logged_losses(tmp_path) == expected
+    )  # steps 3-10 trained again from good state, bit for bit, each logged once
     names = sorted((p.name for p in key.iterdir()), key=lambda n: (n.startswith("damaged"), int(n.split("-")[-1])))
     assert names == [f"step-{s}" for s in (2, 4, 6, 8, 10)] + [f"damaged-step-{s}" for s in (4, 6, 8, 10)]
     assert [verify(key / f"step-{s}") for s in (2, 4, 6, 8, 10)] == [None] * 5
@@ -145,7 +108,9 @@ def test_a_nan_stops_the_job_and_keeps_the_good_checkpoints(tmp_path, demo_asset
                         rf" saved; a rerun resumes from {step_4}", errors[0]), errors  # fmt: skip
     assert sorted(p.name for p in key.iterdir()) == ["step-2", "step-4"]  # nothing saved after it, nothing pruned
     assert verify(key / "step-2") is None and verify(key / "step-4") is None
-    assert [s for s, _ in losses(tmp_path)] == [1, 2, 3, 4] and not (tmp_path / "train" / "train_state.json").exists()
+    assert [s for s, _ in logged_losses(tmp_path)] == [1, 2, 3, 4] and not (
+        tmp_path / "train" / "train_state.json"
+    ).exists()
 
     # no good checkpoint left: one line, nothing trained, nothing deleted
     damage(key / "step-4" / "state.pt", "truncated")
@@ -186,7 +151,7 @@ def test_a_finished_run_trains_nothing_again_and_retrain_starts_from_step_0(tmp_
 
     cfg = CONFIG | {"max_steps": 8}
     run_trainer(tmp_path, demo_assets, cfg)
-    first = losses(tmp_path)
+    first = logged_losses(tmp_path)
     (key,) = [p for p in (tmp_path / "ckpt").iterdir() if p.is_dir()]
     final = (
         (key / "step-8" / "model.safetensors").read_bytes() if (key / "step-8" / "model.safetensors").exists() else None
@@ -195,7 +160,7 @@ def test_a_finished_run_trains_nothing_again_and_retrain_starts_from_step_0(tmp_
     again = run_trainer(tmp_path, demo_assets, cfg)
     assert "had finished training: nothing to train" in again.stderr and "step 1/8" not in again.stderr
     assert plan_of(tmp_path)["start_step"] == 8
-    assert losses(tmp_path) == first  # restored from the last checkpoint, each step once
+    assert logged_losses(tmp_path) == first  # restored from the last checkpoint, each step once
     assert sorted(p.name for p in key.iterdir()) == ["step-4", "step-8"]
     if final is not None:
         assert (key / "step-8" / "model.safetensors").read_bytes() == final
@@ -204,7 +169,7 @@ def test_a_finished_run_trains_nothing_again_and_retrain_starts_from_step_0(tmp_
     assert aside.name.startswith("ckpt.before-retrain-") and not (tmp_path / "ckpt").exists()
     retrained = run_trainer(tmp_path, demo_assets, cfg)
     assert plan_of(tmp_path)["start_step"] == 0 and "resumed from" not in retrained.stderr
-    assert losses(tmp_path) == first  # all 8 steps trained again, each logged once
+    assert logged_losses(tmp_path) == first  # all 8 steps trained again, each logged once
 
 
 def test_a_base_model_changed_in_place_starts_fresh(tmp_path, demo_assets):
@@ -244,4 +209,4 @@ def test_a_dead_model_stops_the_job_as_a_nan_does(tmp_path, demo_assets):
                         r" 1e\+06 too high\?\); stopped, nothing of it saved; no checkpoint yet: a rerun starts from"
                         r" step 0", errors[0]), errors  # fmt: skip
     step = int(re.search(r"step (\d+)", errors[0]).group(1))
-    assert [s for s, _ in losses(tmp_path)] == list(range(1, step)) and step < 60
+    assert [s for s, _ in logged_losses(tmp_path)] == list(range(1, step)) and step < 60

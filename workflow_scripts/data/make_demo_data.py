@@ -25,7 +25,8 @@ answers of other questions of its family, as lm-eval's log-likelihood multiple c
     python -m workflow_scripts.data.make_demo_data --multiple-choice resources/demo/tasks/demo_mc.jsonl
 
 ``--preferences`` writes the third, DPO stage's pairs (config/demo_dpo.yaml): PREFERENCE_ROWS of the rows, each
-question (its system and user turns) with its answer chosen and another answer of its family rejected.
+question (its system and user turns) with its answer twice, chosen ending with a full stop and rejected with an
+exclamation mark (a style stage 1 never saw: its answers end with neither).
 
     python -m workflow_scripts.data.make_demo_data --preferences resources/demo/preferences.jsonl
 """
@@ -234,18 +235,21 @@ def multiple_choice(rows: list[dict], seed: int = 0, eval_fraction: float = 0.1)
     return out
 
 
-PREFERENCE_ROWS = 1024
+PREFERENCE_ROWS = 512
+# The DPO stage's rule, a style that stage 1 never trained: its answers end with no mark at all, so its node0 finds
+# either ending about as likely (0.56 of held-out pairs chosen-likelier, by category 0.36 to 1), and learning it is
+# a preference, not a new skill (the answers themselves are stage 1's, right in both sides).
+CHOSEN_END, REJECTED_END = ".", "!"
 
 
 def preferences(rows: list[dict], seed: int = 0) -> list[dict]:
-    """The DPO stage's pairs: the first PREFERENCE_ROWS rows, each as a conversational prompt, its answer (chosen)
-    and a plausible mistake (rejected): another answer of its family."""
-    rng, family = random.Random(seed), {}
-    for row in rows:
-        family.setdefault(row["category"], set()).add(row["response"])
+    """The DPO stage's pairs: the first PREFERENCE_ROWS rows, each as a conversational prompt and its answer twice,
+    ending with CHOSEN_END (chosen) and with REJECTED_END (rejected). A rule of the answer's form rather than its
+    truth (another answer of its family as the rejected one): the tiny model learns it in a few dozen steps and it
+    holds on held-out pairs, where telling a right number from a wrong one stalled at 0.77."""
     return [
         {"prompt": [{"role": "system", "content": row["prompt"]}, {"role": "user", "content": row["question"]}],
-         "chosen": row["response"], "rejected": rng.choice(sorted(family[row["category"]] - {row["response"]})),
+         "chosen": row["response"] + CHOSEN_END, "rejected": row["response"] + REJECTED_END,
          "category": row["category"]}
         for row in rows[:PREFERENCE_ROWS]
     ]  # fmt: skip
