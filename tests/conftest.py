@@ -238,9 +238,9 @@ FIXTURE_TIERS = {"ddp_run": "e2e", "slurm_cluster": "slurm", "two_hosts": "slurm
 # xdist_group marks do not group under pytest 9, which ignores the node id xdist rewrites: the scheduler is ours.)
 SHARED_RUNS = "shared-runs"
 SHARED_RUN_FILES = {
-    "tests/plan/test_preflight.py", "tests/train/test_joint.py", "tests/workflow/test_lora_stage.py",
-    "tests/workflow/test_quickstart.py", "tests/workflow/test_rerun.py", "tests/workflow/test_slurm.py",
-    "tests/workflow/test_workflow.py",
+    "tests/plan/test_preflight.py", "tests/train/test_joint.py", "tests/workflow/test_examples.py",
+    "tests/workflow/test_lora_stage.py", "tests/workflow/test_quickstart.py", "tests/workflow/test_rerun.py",
+    "tests/workflow/test_slurm.py", "tests/workflow/test_workflow.py",
 }  # fmt: skip
 
 
