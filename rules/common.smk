@@ -171,7 +171,7 @@ except UserError as e:
     fail(e)
 
 
-# exactly these names, each as a short regex (core/wildcards.py: an alternation of 256 nodes is 0.3 s of a dry run)
+# exactly these names, each as a short regex (core/wildcards.py: an alternation of 256 names is slow to compile and match)
 wildcard_constraints:
     node=one_of(TRAINED),
     model=one_of(MODELS),

@@ -2,9 +2,10 @@
 
 The rules hold {node}, {shard} and {model} to the run's own names (rules/common.smk's wildcard_constraints).
 Written as an alternation of every name ("node0|node1|...|node255"), Snakemake compiles that into each output
-pattern of each rule and tries it on every file it looks up: at 256 nodes, about 0.3-0.4 s of a 1,044-job dry
-run (docs/benchmarks/parse-time.md). ``one_of`` matches exactly the same names: a run of numbered names
-(node0 ... node255) becomes the prefix and a range of numbers, every other name stays itself.
+pattern of each rule and tries it on every file it looks up: at 256 nodes, 1.0 s of a 12 s cProfile of the 1,044-job
+dry run (0.46 s with these), about 0.1-0.3 s of the real run (docs/benchmarks/parse-time.md). ``one_of`` matches
+exactly the same names: a run of numbered names (node0 ... node255) becomes the prefix and a range of numbers, every
+other name stays itself.
 """
 
 import re
