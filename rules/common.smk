@@ -22,6 +22,7 @@ from workflow_scripts.core.settings import ConsolidateConfig, DemoModelConfig, E
 from workflow_scripts.core.settings import TEMPLATE_KEYS, DecontaminateConfig, PlanConfig, SplitConfig, TokenizeConfig
 from workflow_scripts.core.variants import expand_grid, variant_training
 from workflow_scripts.core.layout import patterns
+from workflow_scripts.core.wildcards import one_of
 from workflow_scripts.evals.task_data import check_names as check_task_names
 from workflow_scripts.evals.task_index import check_tasks
 from workflow_scripts.train.trainer_lock import running_holder
@@ -171,11 +172,12 @@ except UserError as e:
     fail(e)
 
 
+# exactly these names, each as a short regex (core/wildcards.py: an alternation of 256 names is slow to compile and match)
 wildcard_constraints:
-    node="|".join(TRAINED),
-    model="|".join(MODELS),
-    shard="|".join(NODES),
-    variant="|".join(map(re.escape, VARIANTS)) or "(?!)",  # without a grid nothing is a variant
+    node=one_of(TRAINED),
+    model=one_of(MODELS),
+    shard=one_of(NODES),
+    variant=one_of(VARIANTS),  # without a grid nothing is a variant
     run=re.escape(RUN),  # PAGES' {run}: the config's run only
 
 

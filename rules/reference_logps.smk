@@ -11,7 +11,7 @@ rule reference_logps:
     log:
         f"{LOGS}/reference_logps/{{shard}}.log",
     wildcard_constraints:
-        shard="|".join([*NODES, EVAL_PAIRS]),
+        shard=one_of([*NODES, EVAL_PAIRS]),
     conda:
         "../envs/train.yaml"
     params:

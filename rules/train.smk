@@ -15,7 +15,7 @@ rule train_node:
     log:
         f"{VLOGS}/train_node/{{node}}.log",
     wildcard_constraints:
-        node="|".join(NODES),
+        node=one_of(NODES),
     conda:
         "../envs/train.yaml"
     threads: config["training"]["procs_per_node"]

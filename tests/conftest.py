@@ -297,23 +297,18 @@ FIXTURE_TIERS = {"ddp_run": "e2e", "slurm_cluster": "slurm", "two_hosts": "slurm
 
 
 # Under `pytest -n N --dist loadgroup` (make test) a worker takes one group at a time: a test file (its module
-# fixtures are made once), but the files whose tests take the finished shared run or a throwaway SLURM cluster are
-# one group, SHARED_RUNS: those fixtures are made once, and no two clusters start side by side. (xdist's own
-# xdist_group marks do not group under pytest 9, which ignores the node id xdist rewrites: the scheduler is ours.)
-SHARED_RUNS = "shared-runs"
-SHARED_RUN_FILES = {
-    "tests/plan/test_preflight.py", "tests/train/test_joint.py", "tests/workflow/test_dpo_stage.py",
-    "tests/workflow/test_lora_stage.py",
-    "tests/workflow/test_quickstart.py", "tests/workflow/test_rerun.py", "tests/workflow/test_slurm.py",
-    "tests/workflow/test_checkpoint_eval.py",
-    "tests/workflow/test_workflow.py",
-}  # fmt: skip
+# fixtures are made once), but the files whose tests take a throwaway SLURM cluster are one group, CLUSTERS, so that
+# no two clusters start side by side. The finished shared run (ddp_run) is made once for all workers (under a file
+# lock) and each worker works on its own copy. (xdist's own xdist_group marks do not group under pytest 9, which
+# ignores the node id xdist rewrites: the scheduler is ours.)
+CLUSTERS = "slurm-clusters"
+CLUSTER_FILES = {"tests/train/test_joint.py", "tests/workflow/test_quickstart.py", "tests/workflow/test_slurm.py"}
 
 
 def run_group(nodeid: str) -> str:
     """The group of the test ``nodeid`` (rootdir-relative) under --dist loadgroup."""
     path = nodeid.split("::", 1)[0]
-    return SHARED_RUNS if path in SHARED_RUN_FILES else path
+    return CLUSTERS if path in CLUSTER_FILES else path
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -337,8 +332,8 @@ def pytest_collection_modifyitems(config, items):
         for fixture, marker in FIXTURE_TIERS.items():
             if fixture in fixtures and not item.get_closest_marker(marker):
                 raise pytest.UsageError(f"{item.nodeid} takes the {fixture} fixture: mark it @pytest.mark.{marker}")
-        if fixtures & set(FIXTURE_TIERS) and run_group(item.nodeid) != SHARED_RUNS:
-            raise pytest.UsageError(f"{item.nodeid} takes a shared run or cluster: add its file to SHARED_RUN_FILES")
+        if fixtures & {"slurm_cluster", "two_hosts"} and run_group(item.nodeid) != CLUSTERS:
+            raise pytest.UsageError(f"{item.nodeid} takes a SLURM cluster: add its file to CLUSTER_FILES")
 
 
 @pytest.fixture(scope="session")
@@ -428,11 +423,24 @@ def check_outputs(root, nodes=("node0", "node1"), soups=False, shards=("node0", 
 
 @pytest.fixture(scope="session")
 def ddp_run(tmp_path_factory):
-    """One local run of tiny_config("t") (DDP), shared by the workflow tests and the SLURM comparison."""
-    workdir = tmp_path_factory.mktemp("ddp")
+    """One local run of tiny_config("t") (DDP), shared by the workflow tests and the SLURM comparison. Under
+    pytest-xdist the run is made once, by the first worker that needs it (the others wait on its lock), in the
+    workers' common temp folder, and each worker gets its own copy (copy_of_run: as finished as the run), so a
+    test that changes its run in place changes only its worker's."""
     config = tiny_config("t")
-    snakemake(workdir, config)
-    return workdir, config
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        workdir = tmp_path_factory.mktemp("ddp")
+        snakemake(workdir, config)
+        return workdir, config
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent / "ddp-shared"
+    with FileLock(f"{shared}.lock"):
+        if not (shared / "finished").exists():
+            shutil.rmtree(shared, ignore_errors=True)
+            snakemake(shared / "work", config)
+            (shared / "finished").write_text("")
+    return copy_of_run(shared / "work", tmp_path_factory.mktemp("ddp") / "work"), config
 
 
 def copy_of_run(workdir: Path, dest: Path, drop: tuple[str, ...] = ()) -> Path:

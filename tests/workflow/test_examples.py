@@ -24,7 +24,18 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, DEMO_CSV, REPO, check_outputs, job_logs, snakemake, tiny_config, tool_env
+from conftest import (
+    BIN,
+    DEMO_CSV,
+    REPO,
+    check_outputs,
+    copy_of_run,
+    job_logs,
+    planned_jobs,
+    snakemake,
+    tiny_config,
+    tool_env,
+)
 
 from workflow_scripts.core.settings import PlanConfig
 
@@ -518,15 +529,21 @@ ONE_NODE_TWINS = {"001-llama3-8b-fsdp.yaml"}
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", TWINS)
-def test_cpu_twin_runs_end_to_end(name, tmp_path):
+def test_cpu_twin_runs_end_to_end(name, tmp_path, ddp_run):
+    """From a copy of the shared demo run (ddp_run: tiny_config "t", as the twins): Snakemake reruns what the
+    twin's keys change (its training, plan, environment check and all after them; with 001's template or one
+    node, its data stages too) and keeps the rest, as identical (the demo model, the data stages of 000, its base
+    evaluation): the twin's own stages run end to end, the shared ones once in the session."""
     twin = cpu_twin(name)
     twin["eval"]["soup"] = name in SOUP_TWINS
     if name in ONE_NODE_TWINS:
         twin["nodes"] = 1
+    workdir = copy_of_run(ddp_run[0], tmp_path / "work", drop=("plan", "train", "checkpoints", "models"))
     start = time.monotonic()
-    snakemake(tmp_path, twin)
+    proc = snakemake(workdir, twin)
     print(f"{name} twin: {time.monotonic() - start:.0f} s")
-    root = tmp_path / "results" / "t"
+    print("rerun:", planned_jobs(proc))
+    root = workdir / "results" / "t"
     models = tuple(f"node{i}" for i in range(twin["nodes"]))
     check_outputs(root, nodes=models, soups=name in SOUP_TWINS, shards=models)
     # the trainer ran with the example's setup

@@ -16,8 +16,12 @@ has the input row (``record``) and, once the row is a conversation, its ``messag
 it and training and evaluation read it.
 """
 
+from typing import TYPE_CHECKING
+
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+if TYPE_CHECKING:  # pyarrow.parquet (and pyarrow.fs with it) loads on first use: the rules import this at parse time
+    import pyarrow.parquet as pq
 
 IGNORE = -100  # label of a position that is not trained (PyTorch's cross_entropy ignore_index)
 
@@ -64,9 +68,17 @@ REJECT_SCHEMA = pa.schema(
 )
 
 
-def batches(file: pq.ParquetFile, batch_rows: int, columns: list[str] | None = None):
+def batches(file: "pq.ParquetFile", batch_rows: int, columns: list[str] | None = None):
     """A Parquet file's record batches, one reader per row group: pyarrow 26's reader over a whole file keeps
     what it has decoded until it ends (measured: RSS +500 MB over 200 row groups of 8k conversations; flat
     per row group), so memory would grow with the file."""
     for group in range(file.num_row_groups):
         yield from file.iter_batches(batch_size=batch_rows, row_groups=[group], columns=columns)
+
+
+def parquet_file(path) -> "pq.ParquetFile":
+    """A Parquet file opened for reading, pyarrow.parquet imported here: about 0.1 s with pyarrow.fs, which the
+    parse-time checks (rules/common.smk: data's columns and rows) pay only for a Parquet data file."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path)

@@ -21,9 +21,8 @@ import ijson
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
-import pyarrow.parquet as pq
 
-from workflow_scripts.core.contracts import batches
+from workflow_scripts.core.contracts import batches, parquet_file
 from workflow_scripts.core.pipeline_io import UserError
 
 
@@ -233,7 +232,7 @@ def _json_batches(path: Path, batch_rows: int) -> Iterator[list[dict | tuple]]:
 
 def _parquet_batches(path: Path, batch_rows: int) -> Iterator[list[dict | tuple]]:
     try:
-        file = pq.ParquetFile(path)
+        file = parquet_file(path)
     except (pa.ArrowInvalid, OSError) as e:
         raise UserError(f"{path}: cannot read as Parquet: {str(e).splitlines()[0]}") from None
     for batch in batches(file, batch_rows):
@@ -260,7 +259,7 @@ def _csv_columns(path: Path, delimiter: str) -> list[str]:
 
 def _parquet_columns(path: Path, delimiter: str | None) -> list[str]:
     try:
-        return pq.ParquetFile(path).schema_arrow.names
+        return parquet_file(path).schema_arrow.names
     except (pa.ArrowInvalid, OSError) as e:
         raise UserError(f"{path}: cannot read as Parquet: {str(e).splitlines()[0]}") from None
 
@@ -321,7 +320,7 @@ def rows_at_most(spec: str, fmt: str, limit: int, chunk: int = 1 << 20) -> int |
             return None
         if reader.count == "metadata":
             try:
-                total += pq.ParquetFile(path).metadata.num_rows
+                total += parquet_file(path).metadata.num_rows
             except (pa.ArrowInvalid, OSError):
                 return None  # the reader says why
         else:
@@ -347,7 +346,7 @@ def estimate_rows(spec: str, fmt: str = "auto") -> tuple[int | None, bool]:
             return None, False
         if reader.count == "metadata":
             try:
-                total += pq.ParquetFile(path).metadata.num_rows
+                total += parquet_file(path).metadata.num_rows
             except (pa.ArrowInvalid, OSError):
                 return None, False  # the reader says why
         else:
