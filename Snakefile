@@ -26,6 +26,7 @@ report: "report/workflow.rst"
 
 include: "rules/common.smk"
 include: "rules/common_checkpoints.smk"
+include: "rules/handlers.smk"
 include: "rules/environment.smk"
 include: "rules/split.smk"
 include: "rules/decontaminate.smk"
