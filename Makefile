@@ -26,7 +26,7 @@ DPO_CONFIG := config/demo_dpo.yaml
 DPO_RUN := demo-dpo
 # Snakemake from the venv, not activated: the rules find the venv's python and torchrun beside it
 SNAKEMAKE := $(VENV)/bin/snakemake
-# the suite on TEST_WORKERS pytest-xdist workers, a test file (or the shared runs' tests, tests/conftest.py) at a time
+# the suite on TEST_WORKERS pytest-xdist workers, a test file (or the SLURM cluster tests, tests/conftest.py) at a time
 # on one: its tests start processes and wait on Snakemake and SLURM, so two keep 2 cores busy. TEST_WORKERS=0: one
 # process, as plain pytest
 TEST_WORKERS ?= 2

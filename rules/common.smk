@@ -10,7 +10,7 @@ from pathlib import Path
 
 from workflow_scripts.model.presets import preset_name
 from workflow_scripts.core.pipeline_io import UserError, interpreter_first_on_path
-from workflow_scripts.data.mappings import check_rows_fill_nodes, resolve_mapping
+from workflow_scripts.data.mappings import check_rows_fill_nodes, first_tool_row, resolve_mapping
 from workflow_scripts.data.readers import delimiter_arg, resolve_paths
 from workflow_scripts.data.tool_calls import check_model_template_renders_tools, check_tools_config
 from workflow_scripts.core.fingerprint import check_model, is_hub_id, local_model_folder
@@ -146,8 +146,12 @@ try:
     if DATA["path"]:
         check_rows_fill_nodes(DATA["path"], DATA["format"], DATA_MAPPINGS[0], config["nodes"], bool(DATA["eval_path"]))
     DATA_FILES = [str(p) for spec in DATA_SPECS for p in resolve_paths(spec)]  # every input data file
-    # data.tools: its specs read, and a template known here (a format, a file) checked to render tools
-    check_tools_config(DATA["tools"], DATA["chat_template"], DATA["format_template"])
+    # data.tools, or else the first tool row among the data's first rows: a template known here checked to render tools
+    TOOL_ROW = None
+    if not DATA["tools"]:
+        found = (first_tool_row(s, DATA["format"], DATA["mapping"], DATA["columns"], DELIMITER) for s in DATA_SPECS)
+        TOOL_ROW = next(filter(None, found), None)
+    check_tools_config(DATA["tools"], DATA["chat_template"], DATA["format_template"], TOOL_ROW)
 except UserError as e:
     fail(e)
 DATA_TOOLS = [DATA["tools"]] if DATA["tools"] else []  # the split's input: a changed specs file reruns it
@@ -194,7 +198,8 @@ def check_template():
             return
     if has_chat_template(folder) is False:
         raise UserError(no_template_message(f"model.name_or_path {BASE_MODEL}"))
-    check_model_template_renders_tools(DATA["tools"], chat_template_text(folder), f"model.name_or_path {BASE_MODEL}")
+    template = chat_template_text(folder)
+    check_model_template_renders_tools(DATA["tools"], template, f"model.name_or_path {BASE_MODEL}", TOOL_ROW)
 
 
 try:

@@ -34,15 +34,17 @@ from dataclasses import dataclass, field
 from workflow_scripts.core.pipeline_io import UserError
 from workflow_scripts.data.chat_format import with_text
 from workflow_scripts.data.preference_pairs import preference_examples
-from workflow_scripts.data.readers import delimiter_hint, peek_columns, rows_at_most
+from workflow_scripts.data.readers import delimiter_hint, iter_records, peek_columns, resolve_paths, rows_at_most
 from workflow_scripts.data.tool_calls import (
     REASONING,
     TOOL_ROLE,
     TOOLS,
     check_order,
+    is_tool_conversation,
     merge_calls,
     normalize_tools,
     parse_calls,
+    row_where,
     turn_text,
     unknown_call,
 )
@@ -259,6 +261,22 @@ def check_rows_fill_nodes(spec: str, fmt: str, mapping: str, nodes: int, separat
             f"data.path {spec}: at most {found} row{'s' * (found != 1)} (its line count) for nodes: {nodes}; the split"
             f" needs a row for each node's shard{eval_part}: lower nodes or add rows"
         )
+
+
+def first_tool_row(spec: str, fmt: str, mapping: str, columns: dict, delimiter: str | None = None, rows: int = 64):
+    """Where the first tool-call conversation is among the first ``rows`` rows of each file ``spec`` names (as
+    tool_calls.row_where says it; None: none there). At parse time, read from the files' starts only: a template
+    that cannot render tools stops before any job runs where tool rows come early, as in a tool-call set; a tool
+    row further in still stops at tokenization."""
+    mapping, names = resolve_mapping(spec, fmt, mapping, columns, delimiter)
+    for path in resolve_paths(spec):
+        for batch in iter_records(str(path), fmt, delimiter, batch_rows=rows):
+            for rec in batch:
+                examples = [] if rec.error else to_examples(rec.fields, mapping, names)
+                if any(isinstance(m, list) and is_tool_conversation(m) for m, _ in examples):
+                    return row_where(rec.source_file, rec.source_row)
+            break  # the first batch only
+    return None
 
 
 def to_examples(fields: dict, mapping: str, names: dict) -> list[tuple[list[dict], None] | tuple[None, tuple]]:

@@ -265,24 +265,33 @@ def row_where(source_file, source_row) -> str:
     return f"{source_file}: row {source_row} is a tool-call conversation"
 
 
-def check_tools_config(tools: str | None, chat_template: str | None, format_template) -> None:
+def tools_where(tools: str | None, tool_row: str | None) -> str | None:
+    """What in the data needs a template that renders tools: data.tools, else the first tool row found at parse
+    time (mappings.first_tool_row); None: nothing."""
+    return f"data.tools ({tools}) gives every conversation function specs" if tools else tool_row
+
+
+def check_tools_config(tools: str | None, chat_template: str | None, format_template, tool_row=None) -> None:
     """At parse time: data.tools read and checked (``load_tools``), and, where the template is known without the
-    tokenizer (data.format_template, a data.chat_template file), that it renders tools; one line each."""
-    if not tools:
+    tokenizer (data.format_template, a data.chat_template file), that it renders tools where data.tools or a tool
+    row (``tool_row``, where it is) needs it; one line each."""
+    if tools:
+        load_tools(tools)
+    where = tools_where(tools, tool_row)
+    if not where:
         return
-    load_tools(tools)
-    where = f"data.tools ({tools}) gives every conversation function specs"
     if format_template:
         check_template(None, "data.format_template", where)
     elif chat_template and Path(chat_template).is_file():
         check_template(Path(chat_template).read_text(), f"data.chat_template {chat_template}", where)
 
 
-def check_model_template_renders_tools(tools: str | None, template: str | None, source: str) -> None:
-    """At parse time, with data.tools set: the base model's own chat template (``template``, read from its local
-    folder: chat_format.chat_template_text) renders tools; one line naming it. Nothing where there is none to read."""
-    if tools and template is not None:
-        where = f"data.tools ({tools}) gives every conversation function specs"
+def check_model_template_renders_tools(tools: str | None, template: str | None, source: str, tool_row=None) -> None:
+    """At parse time, with data.tools set or a tool row found (``tool_row``): the base model's own chat template
+    (``template``, read from its local folder: chat_format.chat_template_text) renders tools; one line naming it.
+    Nothing where there is none to read."""
+    where = tools_where(tools, tool_row)
+    if where and template is not None:
         check_template(template, f"{source}'s chat template", where)
 
 
