@@ -43,6 +43,7 @@ include: "rules/soup.smk"
 include: "rules/summarize.smk"
 include: "rules/provenance.smk"
 include: "rules/report_pages.smk"
+include: "rules/publish.smk"
 
 
 if HUB_REPO:

@@ -17,6 +17,7 @@ from workflow_scripts.core.fingerprint import check_model, is_hub_id, local_mode
 from workflow_scripts.core.hub_model import absent_message, cached_snapshot, read_record, resolve_commit
 from workflow_scripts.data.chat_format import chat_template_text, format_list, has_chat_template, no_template_message
 from workflow_scripts.core.settings import accumulation, as_before_objectives, check_grid, job_ranks, validated
+from workflow_scripts.core.settings import check_publish
 from workflow_scripts.core.settings import OBJECTIVE_CONFIG_KEYS, reads_cached_reference
 from workflow_scripts.core.settings import ConsolidateConfig, DemoModelConfig, EnvironmentConfig, EvalConfig, GridConfig
 from workflow_scripts.core.settings import TEMPLATE_KEYS, DecontaminateConfig, PlanConfig, SplitConfig, TokenizeConfig
@@ -68,6 +69,12 @@ if JOINT and config["eval"]["soup"]:
 TRAINED = ["joint"] if JOINT else NODES  # the trained models: one over all nodes, or one per node
 SOUPS = ["soup_uniform", "soup_greedy"] if config["eval"]["soup"] else []
 MODELS = ["base", *TRAINED, *SOUPS]
+# make publish only (rules/publish.smk): the models publish.repo_id names, each published by publish_model
+PUBLISH = config["publish"]
+try:
+    check_publish(PUBLISH, [*TRAINED, *SOUPS], config["training"]["peft"] == "lora", GRID)
+except UserError as e:
+    fail(e)
 try:
     PRESET = preset_name(config["model"]["name_or_path"])  # demo, a from-scratch size, or None
 except UserError as e:
@@ -377,6 +384,13 @@ def summary_tail_args(wildcards):
     return " ".join(config["logging"]["trackers"]) + tail
 
 
+def publish_args(wildcards):
+    """publish.py's --repo, --adapter-repo, --revision and --private of the job's model (publish.smk)."""
+    model = wildcards.model
+    args = cli_args(repo=PUBLISH["repo_id"][model], adapter_repo=PUBLISH["adapter_repo_id"].get(model))
+    return f"{args} {cli_args(revision=PUBLISH['revision'])}" + (" --private" if PUBLISH["private"] else "")
+
+
 def reference_args(input) -> str:
     """The trainer's --reference-logps where the job has the `reference` input."""
     files = input.get("reference")
@@ -421,6 +435,7 @@ def provenance_json(wildcards):
     resolved = config | {"training": as_before_objectives(training_section(wildcards))}
     if not GRID:  # the config as it was before grids existed
         resolved.pop("grid")
+    resolved.pop("publish")  # where a model went after the run: nothing of how it was made
     if not DATA["tools"]:  # and before data.tools existed
         resolved["data"] = {k: v for k, v in resolved["data"].items() if k != "tools"}
     return json.dumps(as_before_checkpoints(resolved), sort_keys=True)  # rules/checkpoint_eval.smk

@@ -162,9 +162,9 @@ class HubServer:
                     with server.lock:
                         server.created.append(request)
                         if repo_id in server.repos:  # the hub's 409 names the repo's url too (create_repo reads it)
-                            return self.send(409, json.dumps({"error": "You already created this model repo",
-                                                              "url": f"{server.url}/{repo_id}"}).encode(),
-                                             {"Content-Type": "application/json", "X-Error-Code": "RepoExists"}, True)  # fmt: skip
+                            answer = {"error": "You already created this model repo", "url": f"{server.url}/{repo_id}"}
+                            headers = {"Content-Type": "application/json", "X-Error-Code": "RepoExists"}
+                            return self.send(409, json.dumps(answer).encode(), headers, True)
                         server.repo(repo_id).commit({".gitattributes": GITATTRIBUTES})
                     return self.reply(200, {"url": f"{server.url}/{repo_id}", "name": repo_id})
                 if path.startswith("/lfs-upload/"):

@@ -106,8 +106,8 @@ def test_published_files_read_back_byte_for_byte_with_scores_in_the_card(model, 
         assert [f["path"] for f in adapter_up["files"]] == ["README.md", "adapter_config.json",
                                                           "adapter_model.safetensors"]  # fmt: skip
         # exactly these files were committed (the LFS weights too), nothing of the workflow's own
-        assert sorted(server.uploads()) == sorted([f"{REPO_ID}/{f}" for f in MODEL]
-                                                  + [f"{ADAPTER_REPO}/{f['path']}" for f in adapter_up["files"]])  # fmt: skip
+        committed = [f"{REPO_ID}/{f}" for f in MODEL] + [f"{ADAPTER_REPO}/{f['path']}" for f in adapter_up["files"]]
+        assert sorted(server.uploads()) == sorted(committed)
         assert any(line.startswith("PUT /lfs-upload/") for line in server.log)
         assert server.repos[REPO_ID].refs["release"] == up["commit"] and up["commit"] in up["commit_url"]
 

@@ -69,6 +69,8 @@ VARIANT_FILES = {
     "SAMPLES": "eval/samples.csv",
     "CONSOLIDATION": "eval/consolidation.csv",
     "PROVENANCE": "provenance.json",
+    # make publish (publish.repo_id): what went to the hub of each model, its repo, commit and files (publish_model)
+    "PUBLISH_RECORD": "publish/{model}.json",
     # eval.checkpoints all/every_n: each scored checkpoint (key: the trainer's run key, train_state.json's
     # plan.checkpoints), its model consolidated for the time of its evaluation, and the table and curves of all
     "CHECKPOINT_MODEL": "eval/checkpoints/{node}/{key}/step-{step}.model",

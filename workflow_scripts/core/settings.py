@@ -476,3 +476,23 @@ class PlannedConfig(PlanConfig):
     "cpu" or the NVMe proposal's "nvme" (no config key of its own: training.deepspeed_config sets it)."""
 
     optimizer_device: str = "cpu"
+
+
+def check_publish(publish: dict, models: list[str], lora: bool, grid: bool) -> None:
+    """The models `publish` names (config/schema.yaml) against the run's: each one the run exports (models/<name>/),
+    an adapter's a trained LoRA model whose merged model is published too; a UserError naming the key."""
+    if (publish["repo_id"] or publish["adapter_repo_id"]) and grid:
+        raise UserError("publish: not with a grid (run the chosen variant's values as its own run to publish it)")
+    for key in ("repo_id", "adapter_repo_id"):
+        for name in publish[key]:
+            if name not in models:
+                raise UserError(f"publish.{key}: {name} is no model this run exports (one of {', '.join(models)})")
+    for name in publish["adapter_repo_id"]:
+        if not lora or name.startswith("soup"):
+            raise UserError(
+                f"publish.adapter_repo_id: {name} has no LoRA adapter (a model trained with training.peft lora)"
+            )
+        if name not in publish["repo_id"]:
+            raise UserError(
+                f"publish.adapter_repo_id: {name}'s adapter goes beside its model: set publish.repo_id.{name}"
+            )
