@@ -34,7 +34,7 @@ PYTEST_WORKERS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist lo
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-trackers run report status dry-run help test test-fast lint format lock clean retrain
+.PHONY: install install-trackers run report status dry-run publish help test test-fast lint format lock clean retrain
 
 install: $(STAMP) ## install into .venv only (torch, then requirements.lock); trains nothing
 
@@ -78,6 +78,10 @@ report: install ## rebuild results/<RUN>/report.html (RUN=demo) and the LoRA and
 	$(SNAKEMAKE) --report results/$(RUN)/report.html
 	test ! -d results/$(LORA_RUN) || $(SNAKEMAKE) --report results/$(LORA_RUN)/report.html --configfile $(LORA_CONFIG)
 	test ! -d results/$(DPO_RUN) || $(SNAKEMAKE) --report results/$(DPO_RUN)/report.html --configfile $(DPO_CONFIG)
+
+# snakemake publish: one publish_model per model of the config's publish.repo_id (rules/publish.smk), online (the hub)
+publish: install ## upload publish.repo_id's models to the Hugging Face Hub (CONFIG=my.yaml, HF_TOKEN)
+	HF_HUB_OFFLINE=0 $(SNAKEMAKE) --cores 1 publish $(if $(CONFIG),--configfile $(CONFIG)) $(ARGS)
 
 # snakemake -n through PROFILE with CONFIG (ARGS: more Snakemake options), then dry_run_summary.py's table
 dry-run: install ## what a submission would run (CONFIG=my.yaml PROFILE=profiles/slurm): jobs per partition, GPU-hours
