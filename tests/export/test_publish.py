@@ -103,6 +103,7 @@ def test_published_files_read_back_byte_for_byte_with_scores_in_the_card(model, 
         up, adapter_up = record["uploads"]
         assert [f["path"] for f in up["files"]] == sorted(MODEL)
         assert up["left_home"] == [*HOME, "adapter/"] and up["revision"] == "release"
+        assert adapter_up["adapter_base"] == "acme/tiny-chat"
         assert [f["path"] for f in adapter_up["files"]] == ["README.md", "adapter_config.json",
                                                           "adapter_model.safetensors"]  # fmt: skip
         # exactly these files were committed (the LFS weights too), nothing of the workflow's own

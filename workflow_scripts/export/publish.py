@@ -15,7 +15,7 @@ before evaluation, and stays as it is.
 
 The token is huggingface_hub's (HF_TOKEN, else `hf auth login`'s); none stops with one line naming HF_TOKEN.
 The record (results/<run>/publish/<model>.json): each repo, its commit sha and URL, and every file uploaded with
-its size and sha256 (the card's as uploaded), and the files left home.
+its size and sha256 (the card's as uploaded), the files left home, and the base an adapter names.
 """
 
 import argparse
@@ -26,7 +26,7 @@ import math
 from pathlib import Path
 
 from workflow_scripts.core.hub_model import ALLOW_PATTERNS
-from workflow_scripts.core.pipeline_io import UserError, cli, write_json
+from workflow_scripts.core.pipeline_io import UserError, cli, file_sha256, write_json
 from workflow_scripts.evals.metrics import METRICS
 
 CARD = "README.md"
@@ -122,22 +122,24 @@ def token() -> str:
     return found
 
 
-def file_entry(path: str, data: bytes) -> dict:
-    return {"path": path, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+def file_entry(name: str, source: Path | bytes) -> dict:
+    """A file uploaded, as the record lists it: its path in the repo, size and sha256."""
+    if isinstance(source, bytes):
+        return {"path": name, "size": len(source), "sha256": hashlib.sha256(source).hexdigest()}
+    return {"path": name, "size": source.stat().st_size, "sha256": file_sha256(source)}
 
 
 def upload(api, repo_id: str, folder: Path, card: str, revision: str, private: bool, message: str) -> dict:
     """One commit of ``folder``'s published files to ``repo_id`` at branch ``revision``, the card as ``card``;
-    the record of it. Every file is read once: its bytes are what is hashed and what is sent."""
+    the record of it. The weights are sent from their files (streamed: a 65 GB model is not read into memory)."""
     from huggingface_hub import CommitOperationAdd
 
     files, home = published_files(folder)
     api.create_repo(repo_id, private=private, exist_ok=True)
     if revision != "main":
         api.create_branch(repo_id, branch=revision, exist_ok=True)
-    contents = {name: (folder / name).read_bytes() for name in files if name != CARD}
-    contents[CARD] = card.encode()
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=data) for name, data in contents.items()]
+    contents = {name: folder / name for name in files if name != CARD} | {CARD: card.encode()}
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=src) for name, src in contents.items()]
     info = api.create_commit(repo_id, operations, commit_message=message, revision=revision)
     return {
         "repo_id": repo_id,
@@ -148,6 +150,16 @@ def upload(api, repo_id: str, folder: Path, card: str, revision: str, private: b
         "files": [file_entry(name, contents[name]) for name in sorted(contents)],
         "left_home": home + sorted(p.name + "/" for p in folder.iterdir() if p.is_dir()),
     }
+
+
+def adapter_base(folder: Path) -> str | None:
+    """The base the adapter's adapter_config.json names; a local folder there (not on the hub) is said in the log:
+    AutoPeftModelForCausalLM finds it only on this machine."""
+    base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if base and Path(base).is_absolute():
+        print(f"warning: {folder}/adapter_config.json names a local base, {base}: the published adapter loads only"
+              " where that folder is (publish the base model, or train from a hub model)")  # fmt: skip
+    return base
 
 
 def read_card(folder: Path) -> str | None:
@@ -180,6 +192,8 @@ def publish(model: Path, name: str, repo_id: str, adapter_repo: str | None, resu
         except Exception as e:  # the hub's answer: no write access, a bad token, the hub down; one line
             first = (str(e).strip().splitlines() or [""])[0]
             raise UserError(f"publish {name} to {repo}: {type(e).__name__}: {first}") from e
+        if is_adapter:
+            record["adapter_base"] = adapter_base(folder)
         uploads.append(record | {"kind": "adapter" if is_adapter else "model"})
     return {"model": name, "uploads": uploads}
 
