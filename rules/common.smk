@@ -384,6 +384,13 @@ def summary_tail_args(wildcards):
     return " ".join(config["logging"]["trackers"]) + tail
 
 
+def publish_records(wildcards):
+    """The target publish's inputs: the record of each model of publish.repo_id; none stops with one line."""
+    if not PUBLISH["repo_id"]:
+        fail("publish: nothing to publish: set publish.repo_id (model name -> hub repo id; config/README.md#publish)")
+    return expand(PUBLISH_RECORD, model=sorted(PUBLISH["repo_id"]))
+
+
 def publish_args(wildcards):
     """publish.py's --repo, --adapter-repo, --revision and --private of the job's model (publish.smk)."""
     model = wildcards.model

@@ -177,3 +177,5 @@ def test_publish_plans_one_job_per_configured_model_and_none_without(tmp_path, t
     bad = tiny_config("t") | {"publish": {"repo_id": {"base": "acme/b"}}}
     proc = snakemake(tmp_path / "b", bad, "publish", "-n", check=False)
     assert proc.returncode != 0 and "publish.repo_id: base" in proc.stderr
+    proc = snakemake(tmp_path / "n", tiny_config("t"), "publish", "-n", check=False)  # the target, nothing configured
+    assert proc.returncode != 0 and "error: publish: nothing to publish: set publish.repo_id" in proc.stderr
