@@ -41,7 +41,7 @@ def test_kill_9_ends_the_ranks_and_the_rerun_resumes(tmp_path):
         # make status while it trains: the node with a checkpoint (8 of STEPS steps) runs, with an ETA
         shown = status(tmp_path, "crash")
         node = next(checkpoints.glob("node*/*/step-*/COMPLETE")).parts[-4]
-        assert re.search(rf"^{node} +pid \d+ +running +(8|16|24)/{STEPS} .* (\d+m)?\d+s +\d+, ", shown, re.M), shown
+        assert re.search(rf"^{node} +pid \d+ +training +(8|16|24)/{STEPS} .* (\d+m)?\d+s +\d+, ", shown, re.M), shown
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # Snakemake and everything in its process group
         proc.wait()

@@ -250,7 +250,7 @@ def test_time_limit_signal_checkpoints_and_the_retry_resumes(slurm_cluster, ddp_
             # make status while the job is in flight (frozen, so this costs it no steps): its id and state
             job = json.loads(metrics.read_text().splitlines()[0])["slurm_job_id"]
             shown = status(workdir, "t", env=slurm_env(slurm_cluster))
-            assert re.search(rf"^node0 +{job} RUNNING +running +\d+/{PREEMPT_STEPS} ", shown, re.M), shown
+            assert re.search(rf"^node0 +{job} RUNNING +training +\d+/{PREEMPT_STEPS} ", shown, re.M), shown
             slurm_cluster.wait_for(lambda: all(signalled(pid) for pid in ranks), timeout=150, what="SIGURG from SLURM")
         finally:
             for pid in ranks:

@@ -170,11 +170,14 @@ def plot_categories(results: list[dict], path: Path) -> None:
 def task_panels(tasks: pd.DataFrame, leave_out: list[str] = ()) -> dict[str, pd.DataFrame]:
     """What tasks.png draws, one panel per task: the held-out set's 0-1 scores (its loss is in leaderboard.png;
     ``leave_out``: the scores within noise of zero for every model, verdict.noise_metrics), then every extra
-    task's metrics; a panel only where some model has a value."""
+    task's metrics; a panel only where some model has a value. Where every held-out score is within noise of
+    zero, all are drawn (at zero, the title says so): an empty figure would read as no scores at all."""
     panels = {}
     for task, rows in tasks.groupby("task", sort=False):
         if task == HELDOUT:
-            rows = rows[rows["metric"].isin([m for m in SCORES if m not in leave_out])]
+            scores = rows[rows["metric"].isin(SCORES)]
+            kept = scores[~scores["metric"].isin(leave_out)]
+            rows = kept if kept["value"].notna().any() else scores
         if rows["value"].notna().any():
             panels[task] = rows
     return panels
@@ -207,6 +210,8 @@ def plot_tasks(tasks: pd.DataFrame, path: Path, leave_out: list[str] = ()) -> li
                     if not math.isnan(v):
                         ax.hlines(v, x - 0.45, x + 0.45, colors="black", linestyles="dashed", linewidth=1)
         title = "held-out set (0-1, higher is better)" if task == HELDOUT else task
+        if task == HELDOUT and set(rows.dropna(subset=["value"])["metric"]) <= set(leave_out):
+            title = "held-out set (0-1): every score within noise of zero for every model"
         ax.set_xticks(range(len(metrics)), metrics)
         ax.set(title=title, ylabel="score", xlim=(-0.5, len(metrics) - 0.5))
         if (rows["value"].dropna() >= 0).all():
