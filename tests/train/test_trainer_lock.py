@@ -74,7 +74,8 @@ def test_a_second_trainer_on_live_checkpoints_stops_at_once(tmp_path, demo_asset
 
     from conftest import start_trainer, train_command, trainer_env
 
-    cfg = {"lr": 3e-3, "micro_batch_size": 2, "max_steps": 40, "log_every": 1, "checkpoint_every": 8, "seed": 3}
+    steps = 80  # the first trains on while the second starts torchrun and imports torch (a loaded machine: long)
+    cfg = {"lr": 3e-3, "micro_batch_size": 2, "max_steps": steps, "log_every": 1, "checkpoint_every": 8, "seed": 3}
     first = start_trainer(tmp_path, demo_assets, cfg)
     try:
         metrics = tmp_path / "train" / "metrics.jsonl"
@@ -82,13 +83,13 @@ def test_a_second_trainer_on_live_checkpoints_stops_at_once(tmp_path, demo_asset
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
             assert first.poll() is None, first.communicate()[1][-3000:]
             time.sleep(0.2)
+        # Snakemake deletes a job's outputs before it starts it: metrics.jsonl, under the first, mid-training
+        metrics.unlink()
         second = subprocess.run(train_command(tmp_path, demo_assets, cfg), capture_output=True, text=True,
                                 env=trainer_env(), timeout=300)  # fmt: skip
         assert first.poll() is None, "the first trainer ended before the second was refused"
         holder = json.loads((tmp_path / "ckpt" / "trainer.lock").read_text())
         assert b"train.py" in (Path(f"/proc/{holder['pid']}") / "cmdline").read_bytes()  # the first's rank 0
-        # Snakemake deletes a job's outputs before it starts it and after it fails: metrics.jsonl, under the first
-        metrics.unlink()
     finally:
         _, err = first.communicate(timeout=600)
     assert second.returncode != 0
@@ -100,7 +101,7 @@ def test_a_second_trainer_on_live_checkpoints_stops_at_once(tmp_path, demo_asset
     # loaded machine takes its seconds to start torchrun and import torch)
     assert "plan:" not in second.stderr
     assert first.returncode == 0, err[-3000:]
-    assert read_steps(tmp_path / "train") == list(range(1, 41))
+    assert read_steps(tmp_path / "train") == list(range(1, steps + 1))
 
 
 @pytest.mark.torchrun
