@@ -7,6 +7,7 @@ is in the page's process and an isolated world there can read its text.
 """
 
 import asyncio
+import contextlib
 import itertools
 import json
 import shutil
@@ -61,15 +62,17 @@ class Page:
         return await self.js("document.body ? document.body.innerText : ''", world["executionContextId"])
 
 
-async def open_item(browser: str, report: Path, category: str, subcategory: str | None, item: str, workdir: Path):
-    """Open ``report`` in ``browser``, show ``category`` (and ``subcategory``) as its menu does, and click the view
-    button of the item named ``item``. Returns (the button's download attribute or None, the text shown)."""
+@contextlib.asynccontextmanager
+async def devtools_page(browser: str, workdir: Path, width: int | None = None):
+    """Headless ``browser`` (a fresh profile under ``workdir``: no stale DevToolsActivePort; ``width`` px wide where
+    given) and its blank page over the DevTools protocol, Page events enabled; the browser ended on leaving."""
     import aiohttp
 
-    profile = Path(tempfile.mkdtemp(prefix="chromium-", dir=workdir))  # a fresh one: no stale DevToolsActivePort
+    profile = Path(tempfile.mkdtemp(prefix="chromium-", dir=workdir))
+    size = [f"--window-size={width},1000"] if width else []
     proc = subprocess.Popen(
         [browser, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-port=0",
-         f"--user-data-dir={profile}", "--disable-site-isolation-trials",
+         f"--user-data-dir={profile}", "--disable-site-isolation-trials", *size,
          "--disable-features=IsolateOrigins,site-per-process", "about:blank"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
@@ -86,29 +89,36 @@ async def open_item(browser: str, report: Path, category: str, subcategory: str 
             async with session.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as ws:
                 page = Page(ws)
                 await page.call("Page.enable")
-                await page.call("Page.navigate", url=report.resolve().as_uri())
-                await page.wait("typeof app !== 'undefined' && document.readyState === 'complete'", 60)
-                # the menu's category view, as clicking the category (and subcategory) does
-                if subcategory:
-                    view = {"navbarMode": "subcategory", "category": category, "subcategory": subcategory}
-                    await page.js(f"app.setView({json.dumps(view)}) || 1")
-                else:
-                    await page.js(f"app.showCategory({json.dumps(category)}) || 1")
-                name = json.dumps(item)
-                find = (f"[...document.querySelectorAll('tr')].find(r => r.innerText.includes({name}))"
-                        "?.querySelector('a')")  # fmt: skip
-                await page.wait(f"!!({find})", 30)
-                download = await page.js(f"({find}).getAttribute('download')")
-                if download is None:
-                    await page.js(f"({find}).click() || 1")
-                    await page.wait("!!document.querySelector('iframe')", 30)
-                    await asyncio.sleep(1)
-                    return None, await page.frame_text()
-                return download, ""
+                yield page
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         shutil.rmtree(profile, ignore_errors=True)
+
+
+async def open_item(browser: str, report: Path, category: str, subcategory: str | None, item: str, workdir: Path):
+    """Open ``report`` in ``browser``, show ``category`` (and ``subcategory``) as its menu does, and click the view
+    button of the item named ``item``. Returns (the button's download attribute or None, the text shown)."""
+    async with devtools_page(browser, workdir) as page:
+        await page.call("Page.navigate", url=report.resolve().as_uri())
+        await page.wait("typeof app !== 'undefined' && document.readyState === 'complete'", 60)
+        # the menu's category view, as clicking the category (and subcategory) does
+        if subcategory:
+            view = {"navbarMode": "subcategory", "category": category, "subcategory": subcategory}
+            await page.js(f"app.setView({json.dumps(view)}) || 1")
+        else:
+            await page.js(f"app.showCategory({json.dumps(category)}) || 1")
+        name = json.dumps(item)
+        find = (f"[...document.querySelectorAll('tr')].find(r => r.innerText.includes({name}))"
+                "?.querySelector('a')")  # fmt: skip
+        await page.wait(f"!!({find})", 30)
+        download = await page.js(f"({find}).getAttribute('download')")
+        if download is None:
+            await page.js(f"({find}).click() || 1")
+            await page.wait("!!document.querySelector('iframe')", 30)
+            await asyncio.sleep(1)
+            return None, await page.frame_text()
+        return download, ""
 
 
 def open_report_item(report: Path, category: str, subcategory: str | None, item: str, workdir: Path):
@@ -129,64 +139,39 @@ async def measure_items(browser: str, report: Path, items: list[tuple[str, str |
     view there. One load of the report for all of them (a 4 MB page)."""
     import base64
 
-    import aiohttp
-
-    profile = Path(tempfile.mkdtemp(prefix="chromium-", dir=workdir))
-    proc = subprocess.Popen(
-        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-port=0",
-         f"--user-data-dir={profile}", "--disable-site-isolation-trials", f"--window-size={width},1000",
-         "--disable-features=IsolateOrigins,site-per-process", "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
     widths: dict[str, tuple[int, int]] = {}
-    try:
-        port_file = profile / "DevToolsActivePort"
-        for _ in range(300):
-            if port_file.exists() and port_file.read_text().strip():
-                break
-            time.sleep(0.1)
-        port = int(port_file.read_text().split()[0])
-        async with aiohttp.ClientSession() as session:
-            async with session.get(f"http://127.0.0.1:{port}/json/list") as response:
-                target = next(t for t in await response.json() if t["type"] == "page")
-            async with session.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as ws:
-                page = Page(ws)
-                await page.call("Page.enable")
-                await page.call("Emulation.setDeviceMetricsOverride", width=width, height=1000,
-                                deviceScaleFactor=1, mobile=False)  # fmt: skip
+    async with devtools_page(browser, workdir, width) as page:
+        await page.call("Emulation.setDeviceMetricsOverride", width=width, height=1000,
+                        deviceScaleFactor=1, mobile=False)  # fmt: skip
 
-                async def shoot(name: str) -> None:
-                    if shots is not None:
-                        data = (await page.call("Page.captureScreenshot", format="png"))["data"]
-                        (shots / f"{name}.png").write_bytes(base64.b64decode(data))
+        async def shoot(name: str) -> None:
+            if shots is not None:
+                data = (await page.call("Page.captureScreenshot", format="png"))["data"]
+                (shots / f"{name}.png").write_bytes(base64.b64decode(data))
 
-                await page.call("Page.navigate", url=report.resolve().as_uri())
-                await page.wait("typeof app !== 'undefined' && document.readyState === 'complete'", 60)
-                await asyncio.sleep(0.5)
-                widths["first page"] = tuple(await page.js(WIDTH_JS))
-                await shoot("first_page")
-                for category, subcategory, item in items:
-                    # what the item's view button does (result_view_button.js): its data URI in the content frame
-                    name = json.dumps(item)
-                    path = await page.js(f"Object.keys(results).find(p => p.endsWith('/' + {name}))")
-                    if path is None:
-                        raise RuntimeError(f"no item {item} in {report}")
-                    view = {"navbarMode": "subcategory" if subcategory else "category", "category": category,
-                            "subcategory": subcategory, "content": "html", "resultPath": path}  # fmt: skip
-                    await page.js(f"app.setView({{...{json.dumps(view)}, contentPath: results[{json.dumps(path)}]"
-                                  ".data_uri}) || 1")  # fmt: skip
-                    uri = f"results[{json.dumps(path)}].data_uri"
-                    await page.wait(f"document.querySelector('iframe')?.src === {uri}", 30)
-                    await asyncio.sleep(0.5)
-                    tree = await page.call("Page.getFrameTree")
-                    frame = (tree["frameTree"].get("childFrames") or [])[0]["frame"]["id"]
-                    world = await page.call("Page.createIsolatedWorld", frameId=frame)
-                    widths[item] = tuple(await page.js(WIDTH_JS, world["executionContextId"]))
-                    await shoot(item.replace(".", "_"))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        shutil.rmtree(profile, ignore_errors=True)
+        await page.call("Page.navigate", url=report.resolve().as_uri())
+        await page.wait("typeof app !== 'undefined' && document.readyState === 'complete'", 60)
+        await asyncio.sleep(0.5)
+        widths["first page"] = tuple(await page.js(WIDTH_JS))
+        await shoot("first_page")
+        for category, subcategory, item in items:
+            # what the item's view button does (result_view_button.js): its data URI in the content frame
+            name = json.dumps(item)
+            path = await page.js(f"Object.keys(results).find(p => p.endsWith('/' + {name}))")
+            if path is None:
+                raise RuntimeError(f"no item {item} in {report}")
+            view = {"navbarMode": "subcategory" if subcategory else "category", "category": category,
+                    "subcategory": subcategory, "content": "html", "resultPath": path}  # fmt: skip
+            await page.js(f"app.setView({{...{json.dumps(view)}, contentPath: results[{json.dumps(path)}]"
+                          ".data_uri}) || 1")  # fmt: skip
+            uri = f"results[{json.dumps(path)}].data_uri"
+            await page.wait(f"document.querySelector('iframe')?.src === {uri}", 30)
+            await asyncio.sleep(0.5)
+            tree = await page.call("Page.getFrameTree")
+            frame = (tree["frameTree"].get("childFrames") or [])[0]["frame"]["id"]
+            world = await page.call("Page.createIsolatedWorld", frameId=frame)
+            widths[item] = tuple(await page.js(WIDTH_JS, world["executionContextId"]))
+            await shoot(item.replace(".", "_"))
     return widths
 
 

@@ -149,12 +149,10 @@ def verdict_of(root) -> str:
     return verdict_text(verdict_lines(summary, tasks, curves, by_category, counts))
 
 
-@pytest.mark.e2e
-def test_report_shows_the_summary_in_the_page(ddp_run, tmp_path):
-    """In headless Chromium, the report's summary item opens as a page with every summary.csv row as text (its
-    view button is no download link); summary.csv itself stays as it was written."""
-    import pandas as pd
-    from browser import find_browser, open_report_item
+def report_in_browser(ddp_run):
+    """(workdir, report.html) of the shared run, its report built once, for the tests that open it in headless
+    Chromium; skipped where no browser is installed."""
+    from browser import find_browser
 
     if find_browser() is None:
         pytest.skip("no Chromium or Chrome on PATH (CI installs chromium: .ci/run; here: apt-get install chromium)")
@@ -162,6 +160,17 @@ def test_report_shows_the_summary_in_the_page(ddp_run, tmp_path):
     report = workdir / "report.html"
     if not report.exists():
         snakemake(workdir, config, "--report", str(report))
+    return workdir, report
+
+
+@pytest.mark.e2e
+def test_report_shows_the_summary_in_the_page(ddp_run, tmp_path):
+    """In headless Chromium, the report's summary item opens as a page with every summary.csv row as text (its
+    view button is no download link); summary.csv itself stays as it was written."""
+    import pandas as pd
+    from browser import open_report_item
+
+    workdir, report = report_in_browser(ddp_run)
     download, text = open_report_item(report, "Evaluation", "1. Best model", "summary.html", tmp_path)
     assert download is None, f"the summary item is a download ({download})"
     root = workdir / "results" / "t" / "eval"
@@ -184,16 +193,11 @@ def test_no_report_page_is_wider_than_its_frame(ddp_run, tmp_path):
     """Headless Chromium at 1,400 px: the first page and every page the report shows in a frame (each row of
     core/pages.py) fit it, document.scrollWidth no wider than clientWidth (summary.html was 3,636 px in a frame
     of about 1,000); a screenshot of each under tmp_path."""
-    from browser import find_browser, report_widths
+    from browser import report_widths
 
     from workflow_scripts.core.pages import made
 
-    if find_browser() is None:
-        pytest.skip("no Chromium or Chrome on PATH (CI installs chromium: .ci/run; here: apt-get install chromium)")
-    workdir, config = ddp_run
-    report = workdir / "report.html"
-    if not report.exists():
-        snakemake(workdir, config, "--report", str(report))
+    workdir, report = report_in_browser(ddp_run)
     pages = made(grid=False)
     split = {page.category for page in pages if page.subcategory}  # a category with subcategories: "Other"
     items = [(p.category, p.subcategory or ("Other" if p.category in split else None), p.path.split("/")[-1])
