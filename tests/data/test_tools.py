@@ -496,31 +496,6 @@ def test_parse_time_check_of_the_base_models_own_template(tmp_path):
     assert f"data.tools ({specs})" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_parse_time_finds_the_first_tool_row_without_data_tools(tmp_path):
-    """Per-row tools (no data.tools): the first tool-call conversation among each file's first rows is found at
-    parse time (rules/common.smk), so a template that cannot render tools stops before any job runs, naming the
-    template and that row; plain rows, or tool rows past the first rows, find nothing (tokenization checks them)."""
-    from workflow_scripts.data.mappings import first_tool_row
-
-    plain = [{"conversations": [h(f"Question {i}?"), gpt(f"Answer {i}.")]} for i in range(3)]
-    data = write_jsonl(tmp_path / "glaive.jsonl", plain + GLAIVE)
-    where = first_tool_row(str(data), "auto", "auto", {})
-    assert where == f"{data}: row 3 is a tool-call conversation"
-    openai = write_jsonl(tmp_path / "openai.jsonl", OPENAI)
-    assert first_tool_row(str(openai), "auto", "auto", {}) == f"{openai}: row 0 is a tool-call conversation"
-    assert first_tool_row(str(write_jsonl(tmp_path / "plain.jsonl", plain)), "auto", "auto", {}) is None
-    assert first_tool_row(str(data), "auto", "auto", {}, rows=3) is None  # only the first rows are read
-    with pytest.raises(UserError) as e:
-        check_tools_config(None, None, "### Q:\n{question}\n### A:\n", where)
-    assert str(e.value).startswith("data.format_template cannot render tools") and where in str(e.value)
-    template("llama3_instruct.jinja")
-    llama = str(TEMPLATES / "llama3_instruct.jinja")
-    with pytest.raises(UserError) as e:
-        check_tools_config(None, llama, None, where)
-    assert str(e.value).startswith(f"data.chat_template {llama} cannot render tools") and "\n" not in str(e.value)
-    check_tools_config(None, str(TEMPLATES / "qwen3.jinja"), None, where)  # Qwen3's renders tools
-
-
 def test_special_and_control_text_in_calls_and_specs_is_found(qwen3):
     """data.special_text and data.control_chars look into the calls, the specs and the reasoning too: a literal
     <|im_end|> in a call's arguments would be read as the end of the turn."""
