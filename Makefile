@@ -34,7 +34,7 @@ PYTEST_WORKERS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist lo
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-trackers run report status dry-run publish help test test-fast lint format lock clean retrain
+.PHONY: install install-trackers run report status dry-run publish help test test-times test-fast lint format lock clean retrain
 
 install: $(STAMP) ## install into .venv only (torch, then requirements.lock); trains nothing
 
@@ -103,6 +103,11 @@ status: install ## where each job of a run is (RUN=<run>, CONFIG=my.yaml, ARGS=-
 
 test: install install-trackers ## the whole test suite, as CI runs it
 	$(PY) -m pytest $(PYTEST_WORKERS)
+
+# the suite as make test runs it, writing each group's seconds to tests/group_times.json: the order the workers take
+# the groups in, longest first (tests/scheduling.py); commit the file after a change that moves a group's time a lot
+test-times: install install-trackers ## make test, then tests/group_times.json rewritten from this run's times
+	$(PY) -m pytest $(PYTEST_WORKERS) --write-group-times
 
 # the markers are declared in pyproject.toml
 test-fast: install ## the tests without torchrun, real Snakemake runs or SLURM (< 3 min)

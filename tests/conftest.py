@@ -12,6 +12,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from scheduling import (  # noqa: F401 (the scheduler's hooks, registered with this conftest)
+    CLUSTERS,
+    pytest_addoption,
+    pytest_configure,
+    pytest_xdist_make_scheduler,
+    run_group,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 # the scripts' package, for every command the tests start (the Snakefile sets it for its jobs)
@@ -294,36 +301,6 @@ def tokenize_config(**values) -> str:
 # Test tiers (markers in pyproject.toml): make test-fast leaves out e2e, slurm and torchrun. A test that
 # takes one of these fixtures is in that tier whatever else it does; collection fails if it is not marked so.
 FIXTURE_TIERS = {"ddp_run": "e2e", "slurm_cluster": "slurm", "two_hosts": "slurm"}
-
-
-# Under `pytest -n N --dist loadgroup` (make test) a worker takes one group at a time: a test file (its module
-# fixtures are made once), but the files whose tests take a throwaway SLURM cluster are one group, CLUSTERS, so that
-# no two clusters start side by side. The finished shared run (ddp_run) is made once for all workers (under a file
-# lock) and each worker works on its own copy. (xdist's own xdist_group marks do not group under pytest 9, which
-# ignores the node id xdist rewrites: the scheduler is ours.)
-CLUSTERS = "slurm-clusters"
-CLUSTER_FILES = {"tests/train/test_joint.py", "tests/workflow/test_quickstart.py", "tests/workflow/test_slurm.py"}
-
-
-def run_group(nodeid: str) -> str:
-    """The group of the test ``nodeid`` (rootdir-relative) under --dist loadgroup."""
-    path = nodeid.split("::", 1)[0]
-    return CLUSTERS if path in CLUSTER_FILES else path
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ByGroup(LoadScopeScheduling):
-        """xdist's scope scheduling (largest group first) over test_group's groups."""
-
-        def _split_scope(self, nodeid: str) -> str:
-            return run_group(nodeid)
-
-    return ByGroup(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
