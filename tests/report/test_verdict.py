@@ -107,6 +107,18 @@ def test_training_dynamics_read_from_metrics_jsonl(lines):
     assert "Forgetting: no model is worse than base beyond the intervals on any metric." in lines
 
 
+def test_a_preference_run_gets_no_gap_between_its_objective_and_the_held_out_loss():
+    """DPO's training loss (~0.69 falling) is not the held-out loss's kind (the chosen answers' cross-entropy, ~5):
+    a gap between them would read as overfitting by 5 nats."""
+    frame = curve({300: 5.35, 560: 5.31})
+    frame["loss"] = frame["loss"] / 8
+    frame["rewards/accuracies"] = [min(1.0, s / 300) for s in frame["step"]]
+    (line,) = [line for line in verdict_lines(summary_rows(), None, {"node0": frame}) if line.startswith("node0:")]
+    assert "still improving" in line and "held-out minus training loss 5" not in line, line
+    assert "the training loss is the preference objective's" in line
+    assert "training reward accuracy 1.00 at step 560" in line
+
+
 def test_forgetting_and_a_run_without_held_out_points():
     summary = summary_rows()
     summary.loc[summary["model"] == "node0", ["eval_loss", "eval_loss_lo", "eval_loss_hi"]] = [7.5, 7.2, 7.8]

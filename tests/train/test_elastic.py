@@ -89,7 +89,7 @@ def test_plan_training_stops_on_a_global_batch_that_does_not_divide(tmp_path, ca
 
 # ---------------------------------------------------------------- torchrun: 2 ranks <-> 1 rank
 
-STEPS, CUT = 24, 20
+STEPS, CUT = 12, 8
 CONFIG = {"lr": 3e-3, "micro_batch_size": 2, "global_batch_size": 4, "max_steps": STEPS, "log_every": 1,
           "checkpoint_every": CUT, "seed": 3}  # fmt: skip
 # fp32: the runs differ only in how the same micro-batches' gradients are summed (over ranks, or accumulated)

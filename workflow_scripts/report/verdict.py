@@ -201,6 +201,21 @@ def smoothed(values: pd.Series, window: int = SMOOTH) -> pd.Series:
     return values.rolling(window, center=True, min_periods=1).mean()
 
 
+# logged by every preference loss (train/preference.py), by no SFT step
+PREFERENCE_SIGN = "rewards/accuracies"
+
+
+def preference_note(frame: pd.DataFrame) -> str:
+    """A preference run's training side: its reward accuracy at the end (smoothed), and why no gap is given (the
+    training loss is DPO's, IPO's, SimPO's or ORPO's; the held-out loss is the chosen answers' cross-entropy)."""
+    accuracy = frame[["step", PREFERENCE_SIGN]].dropna()
+    note = "; no held-out minus training loss: the training loss is the preference objective's, not a cross-entropy"
+    if len(accuracy):
+        last = smoothed(accuracy[PREFERENCE_SIGN].astype(float)).iloc[-1]
+        note += f"; training reward accuracy {g3(last)} at step {int(accuracy['step'].iloc[-1])}"
+    return note
+
+
 def dynamics_sentence(node: str, frame: pd.DataFrame) -> str:
     """What a node's curves say: the held-out minimum and its step, still improving or rising since, and the gap
     between the (smoothed) training loss and the held-out loss at the last evaluation, against the first."""
@@ -228,6 +243,8 @@ def dynamics_sentence(node: str, frame: pd.DataFrame) -> str:
             f"held-out minimum {g3(low['eval_loss'])} at step {int(low['step'])}, rising since to"
             f" {g3(last['eval_loss'])} at step {int(last['step'])}: overfitting after step {int(low['step'])}"
         )
+    if PREFERENCE_SIGN in frame:  # a preference objective: its training loss is no loss of the held-out kind
+        return f"{node}: {trend}{preference_note(frame)}."
     at = dict(zip(frame["step"], train, strict=True))
     gaps = [(int(s), e - at[s]) for s, e in zip(held["step"], held["eval_loss"], strict=True) if s in at]
     gap = ""
