@@ -1,6 +1,9 @@
 """rules/common.smk's parse-time check of per-row tools: the first tool row among each data file's first rows
 (mappings.first_tool_row), against every template known at parse time (tool_calls.check_tools_config)."""
 
+import json
+
+import pandas as pd
 import pytest
 from test_tools import GLAIVE, OPENAI, TEMPLATES, gpt, h, template, write_jsonl
 
@@ -22,6 +25,12 @@ def test_parse_time_finds_the_first_tool_row_without_data_tools(tmp_path):
     assert first_tool_row(str(openai), "auto", "auto", {}) == f"{openai}: row 0 is a tool-call conversation"
     assert first_tool_row(str(write_jsonl(tmp_path / "plain.jsonl", plain)), "auto", "auto", {}) is None
     assert first_tool_row(str(data), "auto", "auto", {}, rows=3) is None  # only the first rows are read
+    # a CSV reader's batch is by bytes, many rows: still only the first ``rows`` are looked at
+    csv = tmp_path / "glaive.csv"
+    pd.DataFrame([{"conversations": json.dumps(r["conversations"]), "tools": r.get("tools", "")}
+                  for r in plain * 20 + GLAIVE]).to_csv(csv, index=False)  # fmt: skip
+    assert first_tool_row(str(csv), "auto", "auto", {}) == f"{csv}: row 60 is a tool-call conversation"
+    assert first_tool_row(str(csv), "auto", "auto", {}, rows=60) is None
     with pytest.raises(UserError) as e:
         check_tools_config(None, None, "### Q:\n{question}\n### A:\n", where)
     assert str(e.value).startswith("data.format_template cannot render tools") and where in str(e.value)

@@ -271,7 +271,7 @@ def first_tool_row(spec: str, fmt: str, mapping: str, columns: dict, delimiter: 
     mapping, names = resolve_mapping(spec, fmt, mapping, columns, delimiter)
     for path in resolve_paths(spec):
         for batch in iter_records(str(path), fmt, delimiter, batch_rows=rows):
-            for rec in batch:
+            for rec in batch[:rows]:  # a reader's batch may hold more (CSV's are by bytes)
                 examples = [] if rec.error else to_examples(rec.fields, mapping, names)
                 if any(isinstance(m, list) and is_tool_conversation(m) for m, _ in examples):
                     return row_where(rec.source_file, rec.source_row)
