@@ -26,11 +26,14 @@ DPO_CONFIG := config/demo_dpo.yaml
 DPO_RUN := demo-dpo
 # Snakemake from the venv, not activated: the rules find the venv's python and torchrun beside it
 SNAKEMAKE := $(VENV)/bin/snakemake
-# the suite on TEST_WORKERS pytest-xdist workers, a test file (or the SLURM cluster tests, tests/conftest.py) at a time
-# on one: its tests start processes and wait on Snakemake and SLURM, so two keep 2 cores busy. TEST_WORKERS=0: one
-# process, as plain pytest
-TEST_WORKERS ?= 2
-PYTEST_WORKERS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+# the suite on TEST_WORKERS pytest-xdist workers, a group of tests (a test file, or the SLURM cluster tests) at a time on
+# one, the longest groups first (tests/scheduling.py): its tests mostly wait on a subprocess, Snakemake or a SLURM poll
+# with one core busy, so more workers than cores keep 2 cores busy (docs/benchmarks/test-suite.md: 2 workers 42 min,
+# 3 workers 38.6). The fast tier's tests compute: FAST_WORKERS, one a core. 0: one process, as plain pytest
+TEST_WORKERS ?= 4
+FAST_WORKERS ?= 2
+workers = $(if $(filter 0,$(1)),,-n $(1) --dist loadgroup)
+PYTEST_WORKERS := $(call workers,$(TEST_WORKERS))
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
@@ -111,7 +114,7 @@ test-times: install install-trackers ## make test, then tests/group_times.json r
 
 # the markers are declared in pyproject.toml
 test-fast: install ## the tests without torchrun, real Snakemake runs or SLURM (< 3 min)
-	$(PY) -m pytest $(PYTEST_WORKERS) -m "not e2e and not slurm and not torchrun"
+	$(PY) -m pytest $(call workers,$(FAST_WORKERS)) -m "not e2e and not slurm and not torchrun"
 
 lint: install ## snakemake --lint, snakefmt --check, ruff check
 	$(SNAKEMAKE) --lint
