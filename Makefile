@@ -30,7 +30,7 @@ SNAKEMAKE := $(VENV)/bin/snakemake
 # one, the longest groups first (tests/scheduling.py): its tests mostly wait on a subprocess, Snakemake or a SLURM poll
 # with one core busy, so more workers than cores keep 2 cores busy (docs/benchmarks/test-suite.md: 2 workers 42 min,
 # 3 workers 38.6). The fast tier's tests compute: FAST_WORKERS, one a core. 0: one process, as plain pytest
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 FAST_WORKERS ?= 2
 workers = $(if $(filter 0,$(1)),,-n $(1) --dist loadgroup)
 PYTEST_WORKERS := $(call workers,$(TEST_WORKERS))
