@@ -26,10 +26,11 @@ DPO_CONFIG := config/demo_dpo.yaml
 DPO_RUN := demo-dpo
 # Snakemake from the venv, not activated: the rules find the venv's python and torchrun beside it
 SNAKEMAKE := $(VENV)/bin/snakemake
-# the suite on TEST_WORKERS pytest-xdist workers, a group of tests (a test file, or the SLURM cluster tests) at a time on
-# one, the longest groups first (tests/scheduling.py): its tests mostly wait on a subprocess, Snakemake or a SLURM poll
-# with one core busy, so more workers than cores keep 2 cores busy (docs/benchmarks/test-suite.md: 2 workers 42 min,
-# 3 workers 38.6, 4 workers 41: they contend). The fast tier's tests compute: FAST_WORKERS, one a core. 0: one process, as plain pytest
+# the suite on TEST_WORKERS pytest-xdist workers, a group of tests (a test file, or the SLURM cluster tests) at a
+# time on one, the longest groups first (tests/scheduling.py): its tests mostly wait on a subprocess, Snakemake or a
+# SLURM poll with one core busy, so more workers than cores keep 2 cores busy (docs/benchmarks/test-suite.md:
+# 2 workers 42 min, 3 workers 38.6-43.1, 4 workers 41: they contend). The fast tier's tests compute: FAST_WORKERS,
+# one a core. 0: one process, as plain pytest
 TEST_WORKERS ?= 3
 FAST_WORKERS ?= 2
 workers = $(if $(filter 0,$(1)),,-n $(1) --dist loadgroup)
