@@ -23,7 +23,6 @@ import shutil
 import subprocess
 import sys
 import time
-import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -38,18 +37,12 @@ from workflow_scripts.model.weights import READ_BYTES
 from workflow_scripts.train.checkpoint import agree, commit, step_of, verify_shared
 from workflow_scripts.train.parallel.base import SHARDED_LOAD, Footprint, Strategy, change_keys, compute_dtype
 from workflow_scripts.train.parallel.zero_memory import hidden_size, layer_parameters, zero_buffer_sizes  # noqa: F401 (hidden_size: tests)
+from workflow_scripts.train.parallel.zero_runtime import import_deepspeed, prepare_deepspeed
 
 log = logging.getLogger("train")
 
 DS_BUFFER = 1.5  # DeepSpeed's additional_buffer_factor (its memory estimators)
 _KEEP_ALIVE = []  # HfDeepSpeedConfig: transformers holds it by weak reference until deepspeed.initialize
-
-
-def quiet_deepspeed_collectives() -> None:
-    """DeepSpeed 0.19 calls torch.distributed's deprecated ``all_gather_into_tensor`` and
-    ``reduce_scatter_tensor``, and the warning repeats on every call (something in each step resets
-    Python's once-per-location registry): with layer-sized buckets, hundreds of lines a step."""
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
 def deepspeed_config(cfg, world_size: int, model_config) -> dict:
@@ -131,10 +124,9 @@ class DeepSpeedStrategy(Strategy):
     # ------------------------------------------------------------ training
 
     def __init__(self, cfg, model, device, total_steps):
-        import deepspeed
-
+        deepspeed = import_deepspeed()
         super().__init__(cfg, device, total_steps)
-        quiet_deepspeed_collectives()
+        prepare_deepspeed()
         config = deepspeed_config(cfg, dist.get_world_size(), model.config)
         optimizer, why = choose_optimizer(
             config["zero_optimization"],
@@ -401,7 +393,7 @@ def zero3_model(config, cfg, attn: str):
     The model class is instantiated directly, in the contexts transformers' from_pretrained uses for
     ZeRO-3: from_config would also gather every module once to initialize its weights (a transient
     that measured 0.4x the fp32 model bytes per rank on a 0.6B model)."""
-    import deepspeed
+    deepspeed = import_deepspeed()
     from transformers import AutoConfig
     from transformers.initialization import no_init_weights
     from transformers.integrations import HfDeepSpeedConfig
@@ -417,7 +409,7 @@ def zero3_model(config, cfg, attn: str):
             f"transformers {transformers.__version__} lacks: install the locked transformers==5.23.0"
         ) from None
 
-    quiet_deepspeed_collectives()
+    prepare_deepspeed()
     deepspeed.init_distributed()  # zero.Init partitions over DeepSpeed's view of the process group
     ds_config = deepspeed_config(cfg, dist.get_world_size(), config)
     _KEEP_ALIVE.append(HfDeepSpeedConfig(ds_config))  # transformers' is_deepspeed_zero3_enabled()
@@ -478,6 +470,7 @@ class DeepSpeedSource:
     first concatenates each group's partitions into one vector, a second copy of the weights."""
 
     def __init__(self, folder: Path, exclude_frozen: bool):
+        import_deepspeed()
         from deepspeed.utils import zero_to_fp32 as z
 
         self.folder, where = folder, str(folder)
