@@ -428,7 +428,7 @@ def test_base_model_trains_evaluates_and_exports_with_the_plain_format(tmp_path,
     """The issue's case end to end: a base model without template or pad token, T0-style answers ending
     in a literal <|endoftext|> (stripped), data.format_template; the exported template is the training one."""
     data = write_jsonl(tmp_path / "data.jsonl", [(q, a + "<|endoftext|>") for q, a in ROWS])
-    config = tiny_config("b", max_steps=4, log_every=2, checkpoint_every=4)
+    config = tiny_config("b", procs_per_node=1, max_steps=4, log_every=2, checkpoint_every=4)
     config["nodes"] = 1
     config["model"] = {"name_or_path": str(base_dir)}
     config["data"] = {"path": str(data), "max_seq_len": 128, "format_template": FORMAT, "special_text": "strip"}

@@ -8,7 +8,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import job_logs, snakemake_cmd, status, tiny_config, tool_env, training_ranks
+from conftest import copy_of_run, job_logs, snakemake_cmd, status, tiny_config, tool_env, training_ranks
 
 pytestmark = pytest.mark.e2e
 
@@ -27,33 +27,34 @@ def wait_for(predicate, seconds: float, what: str):
 STEPS = 48
 
 
-def test_kill_9_ends_the_ranks_and_the_rerun_resumes(tmp_path):
-    config = tiny_config("crash", max_steps=STEPS, checkpoint_every=8, log_every=8)
-    config["eval"]["max_samples"] = 16
-    config["nodes"] = 1  # a local run trains its nodes one after the other: a second node adds time, not a case
-    cmd = snakemake_cmd(tmp_path, config)
+def test_kill_9_ends_the_ranks_and_the_rerun_resumes(tmp_path, ddp_run):
+    """From a copy of the shared demo run (ddp_run, cp -a: as finished) without its plan and training: the command
+    makes node0's training (its plan first), the one job a crash can leave half done with ranks of its own."""
+    config = tiny_config("t", max_steps=STEPS, checkpoint_every=8, log_every=8)
+    work = copy_of_run(ddp_run[0], tmp_path / "work", drop=("plan", "train", "checkpoints", "models"))
+    cmd = snakemake_cmd(work, config, "results/t/train/node0/train_state.json")
     with open(tmp_path / "first.log", "w") as out:
         proc = subprocess.Popen(cmd, env=tool_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    checkpoints = tmp_path / "results" / "crash" / "checkpoints"
+    checkpoints = work / "results" / "t" / "checkpoints"
     try:
         wait_for(lambda: list(checkpoints.glob("node*/*/step-*/COMPLETE")), 600, "a training checkpoint")
-        assert training_ranks(tmp_path), "no training rank is running"
+        assert training_ranks(work), "no training rank is running"
         # make status while it trains: the node with a checkpoint (8 of STEPS steps) runs, with an ETA
-        shown = status(tmp_path, "crash")
+        shown = status(work, "t")
         node = next(checkpoints.glob("node*/*/step-*/COMPLETE")).parts[-4]
         assert re.search(rf"^{node} +pid \d+ +training +(8|16|24)/{STEPS} .* (\d+m)?\d+s +\d+, ", shown, re.M), shown
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # Snakemake and everything in its process group
         proc.wait()
     # the ranks run in sessions of their own; they end with their torchrun (parent-death signal)
-    wait_for(lambda: not training_ranks(tmp_path), 30, "the training ranks to end after kill -9")
+    wait_for(lambda: not training_ranks(work), 30, "the training ranks to end after kill -9")
 
     # README, "After a crash": unlock once, then the same command (the default profile reruns incomplete jobs)
     unlock = subprocess.run([*cmd, "--unlock"], capture_output=True, text=True, env=tool_env(), timeout=120)
     assert unlock.returncode == 0, unlock.stderr[-2000:]
     rerun = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=1200)
-    assert rerun.returncode == 0, rerun.stderr[-3000:] + job_logs(tmp_path)
-    plan = json.loads((tmp_path / "results/crash/train/node0/plan.json").read_text())
+    assert rerun.returncode == 0, rerun.stderr[-3000:] + job_logs(work)
+    plan = json.loads((work / "results/t/train/node0/plan.json").read_text())
     assert plan["start_step"] >= 8  # resumed from its checkpoint
-    lines = (tmp_path / "results/crash/train/node0/metrics.jsonl").read_text().splitlines()
+    lines = (work / "results/t/train/node0/metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == list(range(8, STEPS + 1, 8))  # every logged step once

@@ -71,7 +71,8 @@ def test_the_readme_quickstart_reaches_a_report_and_retrains_one_node(slurm_clus
             run(command)
             assert yaml.safe_load((clone / "my.yaml").read_text())["model"]["name_or_path"]
             # what the comment says to edit: run, data, model (here the served model, and a run this small)
-            config = tiny_config(RUN) | {"model": {"name_or_path": REPO_ID}}
+            config = tiny_config(RUN, procs_per_node=1, max_steps=4, log_every=2, checkpoint_every=4)
+            config |= {"model": {"name_or_path": REPO_ID}, "eval": config["eval"] | {"max_samples": 16}}
             (clone / "my.yaml").write_text(yaml.safe_dump(config))
             continue
         command = command.replace("<run>", RUN).replace("ARGS=--watch", "ARGS=--plain")

@@ -6,7 +6,6 @@ import subprocess
 from html import escape
 
 import pytest
-import yaml
 from conftest import (
     DEMO_CSV,
     TINY_GRID,
@@ -322,48 +321,8 @@ def test_a_config_file_replaces_the_demos(tmp_path):
     assert "demo_mc" not in mine.stdout and "results/mine/" in mine.stdout
 
 
-@pytest.mark.e2e
-def test_checkout_with_a_space_and_a_model_named_like_a_command_run(tmp_path, demo_assets):
-    """A real run, not a dry run: a checkout under 'a b/' (its scripts, the data beside them), a work dir under
-    it and a model folder named m$(touch x) train a few steps and evaluate the base model (every job that
-    takes the model folder: the split, tokenization, the plan, training, evaluation), and create no x."""
-    import shutil
-
-    from conftest import BIN, REPO, job_logs, tool_env
-
-    checkout = tmp_path / "a b" / "checkout"
-    junk = (".git", ".venv", "results", "logs", ".snakemake", "__pycache__", ".pytest_cache", ".ruff_cache")
-    shutil.copytree(REPO, checkout, ignore=shutil.ignore_patterns(*junk))
-    model = tmp_path / "a b" / "m$(touch x)"
-    shutil.copytree(demo_assets["base"], model)
-    config = tiny_config("q", procs_per_node=1, max_steps=2, log_every=1, checkpoint_every=2)
-    config |= {"nodes": 1, "model": {"name_or_path": str(model)}}
-    config["data"]["path"] = str(checkout / "resources" / "demo" / "instructions.csv")
-    config["eval"] |= {"max_samples": 8, "soup": False}
-    workdir = tmp_path / "a b" / "work"
-    workdir.mkdir()
-    (workdir / "config.yaml").write_text(yaml.safe_dump(config))
-    targets = ["results/q/train/node0/train_state.json", "results/q/eval/base.json"]
-    cmd = [str(BIN / "snakemake"), "-s", str(checkout / "Snakefile"), "-d", str(workdir),
-           "--configfile", str(workdir / "config.yaml"), "--cores", "2", *targets]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), cwd=tmp_path / "a b", timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:] + job_logs(workdir)
-    state = json.loads((workdir / "results/q/train/node0/train_state.json").read_text())
-    assert state["base_model"] == str(model) and state["step"] == 2
-    assert json.loads((workdir / "results/q/eval/base.json").read_text())["eval_loss"] > 0
-    log = workdir / "logs/q/train_node/node0.log"
-    assert "step 2/2" in log.read_text()
-    assert not list(tmp_path.rglob("x")) and not (REPO / "x").exists()
-
-    # a second attempt (here forced) keeps the first one's log: each under node0.log.attempts/, with a header
-    proc = subprocess.run([*cmd[:-2], "--forcerun", "train_node", targets[0]], capture_output=True, text=True,
-                          env=tool_env(), cwd=tmp_path / "a b", timeout=1200)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:] + job_logs(workdir)
-    first, second = (log.parent / "node0.log.attempts" / f"{n}.log" for n in (1, 2))
-    assert first.read_text().startswith("=== attempt 1: ") and "step 2/2" in first.read_text()
-    assert second.read_text() == log.read_text() and log.read_text().startswith("=== attempt 2: ")
-    # the forced rerun of a finished config trains nothing: its outputs again from the last checkpoint
-    assert "host " in log.read_text().splitlines()[0] and "nothing to train" in log.read_text()
+# The checkout with a space in its path and a model folder named like a command: a real run, shared with gsm8k's
+# (tests/evals/test_gsm8k.py).
 
 
 @pytest.mark.e2e  # runs split_dataset for real, which fails
