@@ -28,6 +28,9 @@ from workflow_scripts.train.manifest import build_manifest, marker_text, verify
 pytestmark = pytest.mark.torchrun
 
 CONFIG = {"lr": 3e-3, "micro_batch_size": 2, "max_steps": 14, "log_every": 1, "checkpoint_every": 4, "seed": 3}
+# the checkpoint-handling tests run on one rank (a rank's start less at each launch); the sharded resume, the
+# rank-file (nan) and the dead-rank tests keep two
+ONE_RANK = {"procs_per_node": 1}
 
 
 # DDP's resume runs end to end in tests/test_crash.py (through Snakemake) and test_joint.py (SIGTERM, node
@@ -40,14 +43,14 @@ def test_sigterm_then_rerun_equals_uninterrupted_run(tmp_path, demo_assets, stra
 
 
 def test_partial_checkpoint_is_ignored_and_reported(tmp_path, demo_assets):
-    cfg = CONFIG | {"max_steps": 8}
-    run_trainer(tmp_path / "a", demo_assets, cfg)
+    cfg = CONFIG | ONE_RANK | {"max_steps": 8}
+    run_trainer(tmp_path / "a", demo_assets, cfg, procs=1)
     b = tmp_path / "b"
-    run_trainer(b, demo_assets, cfg)
+    run_trainer(b, demo_assets, cfg, procs=1)
     (last,) = list((b / "ckpt").glob("*/step-8"))
     (last / "COMPLETE").unlink()  # as if killed -9 while saving
     (last / "state.pt").write_bytes(b"truncated")
-    rerun = run_trainer(b, demo_assets, cfg)
+    rerun = run_trainer(b, demo_assets, cfg, procs=1)
     assert "ignoring partial checkpoint" in rerun.stderr and "step-8" in rerun.stderr
     assert "at step 4" in rerun.stderr
     assert logged_losses(b) == logged_losses(tmp_path / "a")
@@ -70,8 +73,8 @@ def damage(path: Path, how: str) -> None:
 def test_damaged_checkpoints_are_set_aside_and_the_newest_good_one_resumed(tmp_path, demo_assets):
     """One trained run, its four newest checkpoints damaged four ways: the rerun names each, sets it aside and
     resumes from the fifth; its losses are the undamaged run's."""
-    cfg = CONFIG | {"max_steps": 10, "checkpoint_every": 2, "keep_checkpoints": 5}
-    run_trainer(tmp_path, demo_assets, cfg)
+    cfg = CONFIG | ONE_RANK | {"max_steps": 10, "checkpoint_every": 2, "keep_checkpoints": 5}
+    run_trainer(tmp_path, demo_assets, cfg, procs=1)
     expected = logged_losses(tmp_path)
     (key,) = [p for p in (tmp_path / "ckpt").iterdir() if p.is_dir()]
     cases = [(10, "flipped", r"state\.pt: sha256 differs"), (8, "zeroed", r"state\.pt: sha256 differs"),
@@ -82,7 +85,7 @@ def test_damaged_checkpoints_are_set_aside_and_the_newest_good_one_resumed(tmp_p
     torch.save({"model": {}, "optimizer": {}}, unloadable / "state.pt")
     (unloadable / "COMPLETE").write_text(marker_text(4, build_manifest(unloadable, {})[0], 0.0))
 
-    rerun = run_trainer(tmp_path, demo_assets, cfg)
+    rerun = run_trainer(tmp_path, demo_assets, cfg, procs=1)
     for step, _, why in cases:  # each named, newest first, then the one before it tried
         assert re.search(
             rf"checkpoint {re.escape(str(key))}/step-{step} is damaged: {why}[^;]*; trying the one before", rerun.stderr
@@ -149,15 +152,15 @@ def test_a_finished_run_trains_nothing_again_and_retrain_starts_from_step_0(tmp_
     checkpoints aside (retrain.set_aside), and the same config trains again from step 0, to the same losses."""
     from workflow_scripts.ops.retrain import set_aside
 
-    cfg = CONFIG | {"max_steps": 8}
-    run_trainer(tmp_path, demo_assets, cfg)
+    cfg = CONFIG | ONE_RANK | {"max_steps": 8}
+    run_trainer(tmp_path, demo_assets, cfg, procs=1)
     first = logged_losses(tmp_path)
     (key,) = [p for p in (tmp_path / "ckpt").iterdir() if p.is_dir()]
     final = (
         (key / "step-8" / "model.safetensors").read_bytes() if (key / "step-8" / "model.safetensors").exists() else None
     )
     (tmp_path / "train" / "metrics.jsonl").unlink()  # as Snakemake deletes a job's outputs before it runs
-    again = run_trainer(tmp_path, demo_assets, cfg)
+    again = run_trainer(tmp_path, demo_assets, cfg, procs=1)
     assert "had finished training: nothing to train" in again.stderr and "step 1/8" not in again.stderr
     assert plan_of(tmp_path)["start_step"] == 8
     assert logged_losses(tmp_path) == first  # restored from the last checkpoint, each step once
@@ -167,7 +170,7 @@ def test_a_finished_run_trains_nothing_again_and_retrain_starts_from_step_0(tmp_
 
     aside = set_aside(tmp_path / "ckpt", time.time())
     assert aside.name.startswith("ckpt.before-retrain-") and not (tmp_path / "ckpt").exists()
-    retrained = run_trainer(tmp_path, demo_assets, cfg)
+    retrained = run_trainer(tmp_path, demo_assets, cfg, procs=1)
     assert plan_of(tmp_path)["start_step"] == 0 and "resumed from" not in retrained.stderr
     assert logged_losses(tmp_path) == first  # all 8 steps trained again, each logged once
 
@@ -181,16 +184,16 @@ def test_a_base_model_changed_in_place_starts_fresh(tmp_path, demo_assets):
     base = tmp_path / "base"
     shutil.copytree(demo_assets["base"], base)
     assets = demo_assets | {"base": base}
-    cfg = CONFIG | {"max_steps": 8}
+    cfg = CONFIG | ONE_RANK | {"max_steps": 8}
     run = tmp_path / "run"
-    run_trainer(run, assets, cfg)
+    run_trainer(run, assets, cfg, procs=1)
     (old_key,) = [p for p in (run / "ckpt").iterdir() if p.is_dir()]
     shutil.rmtree(old_key / "step-8")  # as if the job was killed after step 4's checkpoint
     weights = load_file(base / "model.safetensors")
     name = next(iter(weights))
     save_file({**weights, name: weights[name] + 0.01}, base / "model.safetensors", metadata={"format": "pt"})
 
-    rerun = run_trainer(run, assets, cfg)
+    rerun = run_trainer(run, assets, cfg, procs=1)
     assert "resumed from" not in rerun.stderr and plan_of(run)["start_step"] == 0
     assert plan_of(run)["checkpoints"] != str(old_key)
     assert [(s["path"], s["newest_step"]) for s in plan_of(run)["superseded_checkpoints"]] == [(str(old_key), 4)]
