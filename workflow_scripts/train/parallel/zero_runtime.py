@@ -1,8 +1,9 @@
 """DeepSpeed imported and readied as training uses it, without two costs a process pays for what training never runs.
 
 - ``import_deepspeed``: DeepSpeed's package imports its autotuner, which imports mlflow whenever it is installed
-  (the trackers' extra): 1.6 s of CPU in every rank, consolidation and conversion, for an autotuner no job runs.
-  The import here hides mlflow from that one import; a tracker imports it afterwards as before.
+  (the trackers' extra): 1.6 s of CPU in each process that imports DeepSpeed, for an autotuner no job runs. The
+  ranks and consolidation import it here, mlflow hidden from that one import; a tracker imports mlflow afterwards as
+  before. (ds_to_universal's own process, which DeepSpeed's module starts, still pays it.)
 - ``prepare_deepspeed``: before the first collective (see its docstring).
 """
 
