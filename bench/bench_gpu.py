@@ -88,7 +88,10 @@ def run_ours(work: Path, a, bins_per_step: int, chunked_loss: bool = True) -> di
         "--packing", str(work / "packing.parquet"), "--base-model", str(work / "model"),
         "--log-dir", str(logs), "--checkpoint-root", str(logs / "ckpt"), "--state", str(logs / "state.json"),
     ]  # fmt: skip
-    run_logged(cmd, logs.with_suffix(".log"))
+    env = os.environ | ({"TRAIN_PROFILE_STEPS": a.profile_steps} if a.profile_steps else {})
+    run_logged(cmd, logs.with_suffix(".log"), env)
+    if a.profile_steps:  # where the step's time went (workflow_scripts/train/profiler.py)
+        print(f"profile of {logs.name}:\n" + (logs / "profile" / "rank0.txt").read_text(), flush=True)
     rows = [json.loads(x) for x in (logs / "metrics.jsonl").read_text().splitlines()][a.warmup :]
     plan = json.loads((logs / "plan.json").read_text())
     return {
@@ -139,10 +142,10 @@ print(json.dumps({"times": clock.times, "lengths": steps_seen, "peak_gb": peak})
 """
 
 
-def run_logged(cmd: list[str], log: Path) -> str:
+def run_logged(cmd: list[str], log: Path, env: dict | None = None) -> str:
     """Run ``cmd`` with its output streamed to ``log`` (what a run stopped by a time limit leaves); its output."""
     with log.open("w") as f:
-        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True).returncode
+        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env).returncode
     text = log.read_text()
     if code:
         raise SystemExit(f"{cmd[0]} ... failed ({code}), {log}:\n{text[-4000:]}")
@@ -183,6 +186,8 @@ def main() -> None:
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--trainer-micro-batch", type=int, default=4, help="the Trainer's examples per forward")
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--profile-steps", help="TRAIN_PROFILE_STEPS for our runs (e.g. 8-9): their profile printed")
+    p.add_argument("--no-trainer", action="store_true", help="ours only (no Hugging Face Trainer run)")
     a = p.parse_args()
     import torch
 
@@ -203,7 +208,7 @@ def main() -> None:
         results.append(("ours, the model's own loss (training.chunked_loss: false)", own))
         print(f"done: {results[-1]}", flush=True)
     ratio = None
-    if not a.lora:
+    if not a.lora and not a.no_trainer:
         from transformers import AutoModelForCausalLM
 
         from workflow_scripts.train.metrics_logger import flops_per_sequence_fn

@@ -195,10 +195,13 @@ def trainer_env() -> dict:
     return tool_env() | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def run_trainer(tmp: Path, assets: dict, config: dict, procs: int = 2) -> subprocess.CompletedProcess:
-    """train_command to the end; fails the test with the end of its stderr if it exits non-zero."""
+def run_trainer(
+    tmp: Path, assets: dict, config: dict, procs: int = 2, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """train_command to the end (``env``: variables added); fails the test with the end of its stderr if it exits
+    non-zero."""
     cmd = train_command(tmp, assets, config, procs)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=trainer_env(), timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=trainer_env() | (env or {}), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

@@ -86,10 +86,10 @@ def test_unknown_training_key_is_rejected():
         training_config({"learning_rate": 1})
 
 
-def train_and_consolidate(tmp_path, demo_assets, max_shard_size="2GB", **overrides):
+def train_and_consolidate(tmp_path, demo_assets, max_shard_size="2GB", env=None, **overrides):
     cfg = {"lr": 3e-3, "micro_batch_size": 2, "max_steps": 8, "log_every": 2, "checkpoint_every": 4} | overrides
     log_dir, state = tmp_path / "train", tmp_path / "train" / "train_state.json"
-    run_trainer(tmp_path, demo_assets, cfg)
+    run_trainer(tmp_path, demo_assets, cfg, env=env)
     losses = [json.loads(line)["loss"] for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     out = tmp_path / "model"
     proc = consolidate(state, out, "--max-shard-size", max_shard_size)
@@ -105,8 +105,16 @@ def train_and_consolidate(tmp_path, demo_assets, max_shard_size="2GB", **overrid
     ids=["fsdp", "deepspeed-zero3"],
 )
 def test_lora_trains_and_consolidates(tmp_path, demo_assets, strategy, extra):
-    losses, out = train_and_consolidate(tmp_path, demo_assets, strategy=strategy, peft="lora", lora={"r": 4}, **extra)
+    # profiled at steps 3-4 (TRAIN_PROFILE_STEPS): every rank's report and timeline, the training unchanged by it
+    env = {"TRAIN_PROFILE_STEPS": "3-4"}
+    losses, out = train_and_consolidate(tmp_path, demo_assets, env=env, strategy=strategy, peft="lora", lora={"r": 4},
+                                        **extra)  # fmt: skip
     assert losses[-1] < losses[0]
+    for rank in (0, 1):
+        report = (tmp_path / "train" / "profile" / f"rank{rank}.txt").read_text()
+        assert report.startswith("steps 3-4 on cpu: ") and "| matrix products |" in report, report
+        trace = json.loads((tmp_path / "train" / "profile" / f"rank{rank}.pt.trace.json").read_text())
+        assert {"step 3", "step 4"} <= {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     report = json.loads((out / "consolidation.json").read_text())
     assert report["lora_b_tensors"] == 4 * 4  # 4 layers x q, k, v, o
     assert report["max_logit_diff"] <= 1e-5 and report["generation_ok"]

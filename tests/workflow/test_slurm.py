@@ -167,10 +167,12 @@ def test_sigint_cancels_the_slurm_jobs(slurm_cluster, ddp_run, tmp_path):
         slurm_cluster.cancel_all()
 
 
-# A 2-minute limit and the warning 60 s before it: SLURM checks limits every 30 s, so the signal
-# comes 57-87 s after the start (measured on this cluster), once the trainer is up even on a loaded
-# machine, and always at an earlier check than the kill (120-150 s).
-RUNTIME_MIN, WARNING_S = 2, 60
+# The first attempt's limit (minutes) is long enough that no signal comes before the test freezes its ranks,
+# however slow the machine (CI's slow machine took over 60 s to start two ranks, and a 2-minute limit's
+# signal came before step 3); the frozen job's limit is then cut to end 150-210 s later (scontrol, as the
+# cluster's admin), so that SLURM's warning, WARNING_S before the end, comes 30-120 s after the cut (its
+# limits are checked every 30 s), with at least 60 s left to checkpoint before the kill.
+RUNTIME_MIN, WARNING_S, RETRY_MIN = 8, 90, 10
 PREEMPT_STEPS = 40
 SIGURG_BIT = 1 << (signal.SIGURG - 1)
 
@@ -195,12 +197,31 @@ def signalled(pid: int) -> bool:
     return bool(int(re.search(r"^ShdPnd:\s*(\w+)", status, re.M).group(1), 16) & SIGURG_BIT)
 
 
+def elapsed_s(text: str) -> int:
+    """squeue's elapsed time (%M: 'M:SS', 'H:MM:SS' or 'D-HH:MM:SS') in seconds."""
+    days, _, clock = text.strip().rpartition("-")
+    seconds = 0
+    for part in clock.split(":"):
+        seconds = seconds * 60 + int(part)
+    return seconds + int(days or 0) * 86400
+
+
+def cut_time_limit(slurm_cluster, job: int, left_s: int) -> int:
+    """Cut a running job's time limit (whole minutes, as SLURM keeps it) so that it ends left_s to left_s + 60 s
+    from now; the new limit in minutes."""
+    elapsed = elapsed_s(slurm_cluster.cmd("squeue", "-h", "-j", str(job), "-o", "%M").stdout)
+    minutes = -(-(elapsed + left_s) // 60)
+    slurm_cluster.cmd("scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}")
+    return minutes
+
+
 def test_time_limit_signal_checkpoints_and_the_retry_resumes(slurm_cluster, ddp_run, tmp_path):
     """A training job longer than its time limit gets SLURM's warning signal, checkpoints and ends;
     Snakemake's retry (a longer limit) resumes from that checkpoint and finishes.
 
     How long a step takes here varies fivefold with the machine's load, so the first job's ranks are
-    frozen (SIGSTOP) after a few steps: its training then outlasts its limit on any machine. The
+    frozen (SIGSTOP) after a few steps and its limit cut to end a few minutes later: its training then
+    outlasts its limit on any machine, and the signal cannot come before the freeze. The
     signal SLURM sends them stays pending (/proc/<pid>/status) or comes with a SIGCONT; then they run
     again, handle it after the step they were in, and the job ends before the limit.
     """
@@ -223,7 +244,7 @@ def test_time_limit_signal_checkpoints_and_the_retry_resumes(slurm_cluster, ddp_
                         "cpus_per_task": 2,
                         "mem_mb": 4000,
                         # minutes, growing with the attempt as in profiles/slurm
-                        "runtime": f"{RUNTIME_MIN} if attempt == 1 else 10",
+                        "runtime": f"{RUNTIME_MIN} if attempt == 1 else {RETRY_MIN}",
                         "slurm_extra": f"'--signal=URG@{WARNING_S}'",
                     }
                 },
@@ -251,7 +272,8 @@ def test_time_limit_signal_checkpoints_and_the_retry_resumes(slurm_cluster, ddp_
             job = json.loads(metrics.read_text().splitlines()[0])["slurm_job_id"]
             shown = status(workdir, "t", env=slurm_env(slurm_cluster))
             assert re.search(rf"^node0 +{job} RUNNING +training +\d+/{PREEMPT_STEPS} ", shown, re.M), shown
-            slurm_cluster.wait_for(lambda: all(signalled(pid) for pid in ranks), timeout=150, what="SIGURG from SLURM")
+            cut = cut_time_limit(slurm_cluster, job, left_s=150)
+            slurm_cluster.wait_for(lambda: all(signalled(pid) for pid in ranks), timeout=240, what="SIGURG from SLURM")
         finally:
             for pid in ranks:
                 with contextlib.suppress(ProcessLookupError):
@@ -269,8 +291,8 @@ def test_time_limit_signal_checkpoints_and_the_retry_resumes(slurm_cluster, ddp_
     (first, _), (second, _) = submitted
     jobs = {j["id"]: j for j in slurm_cluster.jobs(all_states=True, name=run_id(output))}
     # the first job ended itself before its limit (FAILED, not TIMEOUT); the retry got a longer one
-    assert (jobs[first]["state"], jobs[first]["time_limit"]) == ("FAILED", f"{RUNTIME_MIN}:00"), jobs
-    assert (jobs[second]["state"], jobs[second]["time_limit"]) == ("COMPLETED", "10:00"), jobs
+    assert (jobs[first]["state"], jobs[first]["time_limit"]) == ("FAILED", f"{cut}:00"), jobs
+    assert (jobs[second]["state"], jobs[second]["time_limit"]) == ("COMPLETED", f"{RETRY_MIN}:00"), jobs
 
     plan = json.loads((metrics.parent / "train_state.json").read_text())["plan"]
     resumed = plan["start_step"]

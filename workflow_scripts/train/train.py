@@ -36,6 +36,7 @@ from workflow_scripts.train.evaluator import Evaluator
 from workflow_scripts.train.metrics_logger import MetricsLogger, flops_per_sequence_fn
 from workflow_scripts.train.parallel import build_strategy, load_model, strategy_for
 from workflow_scripts.train.preemption import StopSignal
+from workflow_scripts.train.profiler import StepProfiler
 from workflow_scripts.train.step import train_step
 from workflow_scripts.train.trackers import TrackerSettings
 from workflow_scripts.train.trainer_lock import one_trainer
@@ -138,15 +139,18 @@ def held_out_evaluator(strategy, a: argparse.Namespace, data: TrainingData, pad_
 
 def train(
     strategy, data, metrics, ckpt, stop, start_step: int, evaluator: Evaluator | None = None,
-    dead: DeadModel | None = None,
+    dead: DeadModel | None = None, profiler: StepProfiler | None = None,
 ) -> None:  # fmt: skip
     last = data.plan.total_steps
+    profiler = profiler or StepProfiler.off()
+    profiler.check_reachable(start_step, last)
     # a NaN/inf loss or grad norm, or a model learning nothing for training.dead_model_steps, stops before anything
     # saves the step
     diverged = NonFiniteStop(strategy, ckpt, dead)
     strategy.model.train()
     for step in range(start_step + 1, last + 1):
-        loss_sum, grad_norm = train_step(strategy, data, step - 1, metrics)
+        with profiler.step(step):  # TRAIN_PROFILE_STEPS: where the step's time goes (profiler.py)
+            loss_sum, grad_norm = train_step(strategy, data, step - 1, metrics)
         diverged.check(step, loss_sum, grad_norm, on_exit=metrics.close)
         held_out = evaluator.maybe_evaluate(step) if evaluator else {}
         metrics.log(step, loss_sum, grad_norm, strategy.current_lr(), strategy.loss_scale_stats(), held_out)
@@ -207,7 +211,8 @@ def main(argv=None) -> None:
     metrics = MetricsLogger(
         a.log_dir, with_measured_peak(cfg, a.environment), device, data.plan, flops_of, start_step, trackers, run_record
     )
-    train(strategy, data, metrics, ckpt, stop, start_step, evaluator, dead)
+    profiler = StepProfiler.from_env(a.log_dir, rank, device)  # TRAIN_PROFILE_STEPS, else off
+    train(strategy, data, metrics, ckpt, stop, start_step, evaluator, dead, profiler)
     final = ckpt.save(data.plan.total_steps)
     metrics.close()
     finish(strategy, a, final, run_record)
