@@ -10,13 +10,19 @@
 # 3. bench/bench_scale.py --part planner --device cuda: the planner against torch.cuda.max_memory_allocated
 #    (plans kept in PLANNER_WORKDIR/plans.jsonl are reused: make them on a CPU machine with --plan-only)
 #                                                          -> OUT_DIR/planner.log, planner_rows.jsonl, smi.csv
-# Each step has its own time limit (seconds: ENV_S, GPU_S, PLANNER_S) and a failed step does not stop the next;
-# each step's start is stamped in OUT_DIR/device.txt (where the time went when a limit stops one).
+# 4. where a step's time goes: bench/bench_attention.py (one packed row's forward + backward by attention
+#    implementation, and the optimizer step) and our run profiled (TRAIN_PROFILE_STEPS, train/profiler.py)
+#                                            -> OUT_DIR/attention.log, profile.log, profile_ours.txt
+# STEPS (default "env gpu planner profile") names the steps to run, e.g. STEPS="env profile" for what a lease has not
+# measured yet. Each step has its own time limit (seconds: ENV_S, GPU_S, PLANNER_S, ATTN_S + PROFILE_S) and a failed
+# step does not stop the next; each step's start is stamped in OUT_DIR/device.txt (where the time went when a limit
+# stops one). Step 4 needs transformers' flex_attention (compiled by Triton) for its second row; a failure is a row.
 set -u
 out=${1:?OUT_DIR}
 work=$(realpath -m "${2:-/tmp/bench_gpu_planner}")
 py=${PYTHON:-python3}
 mkdir -p "$out" "$work"
+want() { [[ " ${STEPS:-env gpu planner profile} " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 {
@@ -25,29 +31,44 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
     echo "start $(date +%T)"
 } >"$out/device.txt" 2>&1
 
-timeout "${ENV_S:-120}" "$py" -m workflow_scripts.ops.environment \
-    --config '{"strategy": "fsdp", "precision": "bf16", "procs_per_node": 1}' \
-    --output "$out/check.json" >"$out/env.log" 2>&1
-echo "environment check: rc $?"
+if want env; then
+    timeout "${ENV_S:-120}" "$py" -m workflow_scripts.ops.environment \
+        --config '{"strategy": "fsdp", "precision": "bf16", "procs_per_node": 1}' \
+        --output "$out/check.json" >"$out/env.log" 2>&1
+    echo "environment check: rc $?"
+fi
 echo "bench_gpu start $(date +%T)" >>"$out/device.txt"
 
-timeout "${GPU_S:-300}" "$py" bench/bench_gpu.py --shape qwen3-0.6b --seq 4096 --steps 30 ${BENCH_GPU_ARGS---own-loss-too} \
-    --workdir /tmp/bench_gpu >"$out/bench_gpu.log" 2>&1
-echo "bench_gpu: rc $?"
+if want gpu; then
+    timeout "${GPU_S:-300}" "$py" bench/bench_gpu.py --shape qwen3-0.6b --seq 4096 --steps 30 ${BENCH_GPU_ARGS---own-loss-too} \
+        --workdir /tmp/bench_gpu >"$out/bench_gpu.log" 2>&1
+    echo "bench_gpu: rc $?"
+fi
 echo "planner start $(date +%T)" >>"$out/device.txt"
 # each run's own output and metrics, also when the time limit stopped it
 tar -czf "$out/bench_gpu_runs.tar.gz" -C /tmp/bench_gpu --exclude='*.safetensors' --exclude=ckpt --exclude='*.parquet' --exclude=token-store --exclude='*.bin' --exclude='*.pt' \
     . 2>/dev/null
 
-nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader -lms 500 >"$out/smi.csv" 2>&1 &
-smi=$!
-# PLANNER_CASES: the cases to measure (bench_scale.py's --case; all four unless set)
-# shellcheck disable=SC2086
-timeout "${PLANNER_S:-300}" "$py" bench/bench_scale.py --part planner --device cuda --nproc 1 --precision bf16 \
-    --vocab 151936 --layers 28 --seq 2048 --workdir "$work" --case ${PLANNER_CASES:-ddp fsdp fsdp-lora zero3} \
-    >"$out/planner.log" 2>&1
-echo "planner: rc $?"
-kill "$smi" 2>/dev/null
+if want planner; then
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader -lms 500 >"$out/smi.csv" 2>&1 &
+    smi=$!
+    # PLANNER_CASES: the cases to measure (bench_scale.py's --case; all four unless set)
+    # shellcheck disable=SC2086
+    timeout "${PLANNER_S:-300}" "$py" bench/bench_scale.py --part planner --device cuda --nproc 1 --precision bf16 \
+        --vocab 151936 --layers 28 --seq 2048 --workdir "$work" --case ${PLANNER_CASES:-ddp fsdp fsdp-lora zero3} \
+        >"$out/planner.log" 2>&1
+    echo "planner: rc $?"
+    kill "$smi" 2>/dev/null
+fi
 cp "$work/planner_rows.jsonl" "$out/" 2>/dev/null
+echo "profile start $(date +%T)" >>"$out/device.txt"
+if want profile; then
+    timeout "${ATTN_S:-150}" "$py" bench/bench_attention.py --shape qwen3-0.6b --seq 4096 >"$out/attention.log" 2>&1
+    echo "attention: rc $?"
+    timeout "${PROFILE_S:-150}" "$py" bench/bench_gpu.py --shape qwen3-0.6b --seq 4096 --steps 10 --warmup 4 \
+        --profile-steps 8-9 --no-trainer --workdir /tmp/bench_gpu_profile >"$out/profile.log" 2>&1
+    echo "profile: rc $?"
+    cp /tmp/bench_gpu_profile/ours/profile/rank0.txt "$out/profile_ours.txt" 2>/dev/null
+fi
 echo "end $(date +%T)" >>"$out/device.txt"
 exit 0
