@@ -109,6 +109,8 @@ def summarize(trace: dict, wall_s: float, steps: tuple[int, int], device: str) -
         f"steps {steps[0]}-{steps[1]} on {device}: {wall_s:.3f} s wall ({wall_s / n_steps:.3f} s a step), "
         f"device busy {busy:.3f} s ({busy / wall_s:.0%} of the wall time; the rest is the device waiting on the "
         "host: launches, Python, data, synchronization)",
+        "(recording every operator slows the host's side: compare the wall time a step with the unprofiled steps' "
+        "in metrics.jsonl)",
         "",
         "| kind | device s | share |",
         "|---|---|---|",
