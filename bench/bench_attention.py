@@ -115,7 +115,7 @@ def main() -> None:
         rows.append((name, secs, peak))
         print(f"done: {name} {secs * 1e3:.1f} ms", flush=True)
 
-    params = [t for t in model.parameters()]
+    params = list(model.parameters())
     for t in params:
         t.grad = torch.randn_like(t) * 1e-3
     fused = device.type == "cuda" or None

@@ -173,14 +173,14 @@ class StepProfiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._sync()
             self.prof = torch.profiler.profile(activities=activities)
-            self.prof.__enter__()
+            self.prof.start()
             self.started = time.perf_counter()
         with torch.profiler.record_function(f"step {step}"):
             yield
         if step == self.steps[1]:
             self._sync()
             wall = time.perf_counter() - self.started
-            self.prof.__exit__(None, None, None)
+            self.prof.stop()
             self.write(wall)
 
     def write(self, wall_s: float) -> None:
