@@ -19,12 +19,14 @@ from scheduling import (  # noqa: F401 (the scheduler's hooks, registered with t
     pytest_xdist_make_scheduler,
     run_group,
 )
+from snakemake_fork import ForkedSnakemake
 
 REPO = Path(__file__).resolve().parents[1]
 # the scripts' package, for every command the tests start (the Snakefile sets it for its jobs)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 BIN = Path(sys.executable).parent
 DEMO_CSV = REPO / "resources" / "demo" / "instructions.csv"
+FORKED_SNAKEMAKE = ForkedSnakemake(BIN / "python")
 
 
 def tool_env() -> dict:
@@ -123,8 +125,11 @@ def snakemake(
     workdir: Path, config: dict, *args: str, check: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """Run the repo's Snakefile in ``workdir`` with ``config`` written to workdir/config.yaml."""
-    cmd = snakemake_cmd(workdir, config, *args)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env or tool_env(), timeout=1200)
+    cmd, env = snakemake_cmd(workdir, config, *args), env or tool_env()
+    if FORKED_SNAKEMAKE.forkable(env):  # the same command, without importing Snakemake again (snakemake_fork.py)
+        proc = FORKED_SNAKEMAKE.run(cmd, env, Path.cwd(), timeout=1200)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     if check and proc.returncode != 0:
         raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{job_logs(workdir)}")
     return proc
