@@ -11,6 +11,7 @@ Run as a script, this file is the server: one JSON request a line on stdin ({arg
 answered with {"pid"} once forked, then {"returncode"} once the child has exited.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -68,10 +69,8 @@ def child(main, request: dict) -> int:
         traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(Exception):
                 stream.flush()
-            except Exception:
-                pass
     return code
 
 
@@ -124,7 +123,8 @@ class ForkedSnakemake:
             code = json.loads(reply)["returncode"]
             if killed:
                 raise subprocess.TimeoutExpired(argv, timeout)
-            return subprocess.CompletedProcess(argv, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
+            stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+            return subprocess.CompletedProcess(argv, code, stdout, stderr)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:
