@@ -41,6 +41,27 @@ def run_id(output: str) -> str:
     return re.search(r"SLURM run ID: (\S+)", output).group(1)
 
 
+def status_check_running(pid: int) -> bool:
+    """Whether a process under ``pid`` runs squeue (the SLURM plugin's status check)."""
+    parents, commands = {}, {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit():
+                parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                commands[int(proc.name)] = (proc / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+
+    def under(p: int) -> bool:
+        while p > 1:
+            if p == pid:
+                return True
+            p = parents.get(p, 0)
+        return False
+
+    return any(b"squeue" in cmd and under(p) for p, cmd in commands.items() if p != pid)
+
+
 def files_under(root) -> set[str]:
     """Relative paths of every file, the TensorBoard event files' host/time/pid suffix dropped."""
     paths = (str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
@@ -149,9 +170,11 @@ def test_sigint_cancels_the_slurm_jobs(slurm_cluster, ddp_run, tmp_path):
                 return None
             # a training job running (the demo's shortest jobs may be done and gone from squeue by then)
             jobs = slurm_cluster.jobs(name=run_id(text))
-            if any(j["state"] == "RUNNING" and j["comment"].startswith("rule_train") for j in jobs):
-                return run_id(text)
-            return None
+            if not any(j["state"] == "RUNNING" and j["comment"].startswith("rule_train") for j in jobs):
+                return None
+            # and no status check of Snakemake's in flight: while one is, the executor interface holds the jobs
+            # out of its active list, and a Ctrl-C then cancels none (an upstream race, docs/slurm.md)
+            return None if status_check_running(proc.pid) else run_id(text)
 
         rid = slurm_cluster.wait_for(all_submitted_and_one_running, timeout=180, what="a running SLURM job")
         proc.send_signal(signal.SIGINT)
