@@ -109,8 +109,9 @@ class ForkedSnakemake:
             killed = []
 
             def kill() -> None:
-                killed.append(True)
-                os.killpg(pid, 9)
+                with contextlib.suppress(ProcessLookupError):  # gone already: it ended at the deadline
+                    os.killpg(pid, 9)
+                    killed.append(True)
 
             timer = threading.Timer(timeout, kill)
             timer.start()
@@ -121,7 +122,7 @@ class ForkedSnakemake:
             if not reply:
                 raise RuntimeError(f"the forking Snakemake server died running {argv}")
             code = json.loads(reply)["returncode"]
-            if killed:
+            if killed and code == -9:
                 raise subprocess.TimeoutExpired(argv, timeout)
             stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
             return subprocess.CompletedProcess(argv, code, stdout, stderr)
