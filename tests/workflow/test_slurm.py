@@ -43,23 +43,18 @@ def run_id(output: str) -> str:
 
 def status_check_running(pid: int) -> bool:
     """Whether a process under ``pid`` runs squeue (the SLURM plugin's status check)."""
-    parents, commands = {}, {}
-    for proc in Path("/proc").iterdir():
+    import psutil  # Snakemake's own dependency
+
+    def squeue(child: psutil.Process) -> bool:
         try:
-            if proc.name.isdigit():
-                parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                commands[int(proc.name)] = (proc / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
+            return "squeue" in " ".join(child.cmdline())
+        except psutil.Error:  # ended meanwhile
+            return False
 
-    def under(p: int) -> bool:
-        while p > 1:
-            if p == pid:
-                return True
-            p = parents.get(p, 0)
+    try:
+        return any(squeue(child) for child in psutil.Process(pid).children(recursive=True))
+    except psutil.NoSuchProcess:
         return False
-
-    return any(b"squeue" in cmd and under(p) for p, cmd in commands.items() if p != pid)
 
 
 def files_under(root) -> set[str]:
