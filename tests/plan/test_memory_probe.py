@@ -185,3 +185,17 @@ def test_plan_with_fsdp_offload_leaves_the_shards_on_the_host():
     assert (offloaded["per_gpu_gb"]["params"], offloaded["per_gpu_gb"]["grads"]) == (1, 0)
     assert offloaded["per_gpu_gb"]["optimizer"] == 0 and offloaded["per_gpu_gb"]["activations"] == 2
     assert "on the host" in offloaded["method"] and offloaded["formula"]["total_gb"] == 1.0
+
+
+def test_a_failed_probe_says_why_in_its_last_line_and_the_plan_goes_on(tmp_path, capfd):
+    """The probe runs in a forked child (preflight.forked): its traceback's last line is the plan's reason, its
+    output stays out of the planner's, and a child past the timeout is killed."""
+    from workflow_scripts.plan.preflight import forked, probe_memory
+
+    missing = tmp_path / "no-such-model"
+    missing.mkdir()
+    probed, note = probe_memory(str(missing), plan(strategy="ddp"), 2, 120)
+    assert probed is None and note.startswith("by the formula (module docstring): the fake-tensor probe failed ("), note
+    assert "no-such-model" in note and "Traceback" not in capfd.readouterr().err
+    assert forked(functools.partial(__import__("time").sleep, 30), 0.5) is None  # killed, not waited for
+    assert forked(functools.partial(__import__("sys").exit, 3), 30) == 3

@@ -1,7 +1,7 @@
 """plan_training: estimate GPU and host memory before any training job is queued, and stop if either cannot fit.
 
 GPU, per GPU, for DDP and FSDP2: the workflow's own training step run on fake tensors (memory_probe.py,
-in a subprocess bounded by --probe-timeout): rank 0's peak of live tensor bytes by component (params,
+in a forked child bounded by --probe-timeout): rank 0's peak of live tensor bytes by component (params,
 grads, optimizer, activations, buffers) over two optimizer steps of the configured micro-batch ×
 max_seq_len × grad_accum, plus the stated constants (allocator headroom, plan_terms' CUDA context and NCCL
 buffers); FSDP2 with offload leaves out the shards CPUOffloadPolicy keeps on the host. plan/memory.json
@@ -81,16 +81,18 @@ GPU constants) is plan_terms.py's.
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
-import subprocess
+import multiprocessing
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from workflow_scripts.core.fingerprint import model_location
-from workflow_scripts.core.pipeline_io import UserError, cli, module_env, write_json
+from workflow_scripts.core.pipeline_io import UserError, cli, write_json
 from workflow_scripts.core.settings import PlanConfig, accumulation, job_ranks
 from workflow_scripts.plan.plan_terms import GPU_CONSTANTS_GB, load_config
 from workflow_scripts.train.parallel import strategy_for
@@ -208,7 +210,7 @@ def estimate(config, n_params: int, t: PlanConfig, world: int, seq_len: int) -> 
 
 
 def probe_memory(model: str, t: PlanConfig, world: int, timeout: float) -> tuple[dict | None, str]:
-    """memory_probe.py's run of the training step on fake tensors, in a subprocess (its own fake process
+    """memory_probe.py's run of the training step on fake tensors, in a child process (its own fake process
     group, bounded in time): its result and how the GPU memory was estimated, or None and why not."""
     formula = "by the formula (module docstring)"
     if not strategy_for(t.strategy).fake_probe:
@@ -216,18 +218,48 @@ def probe_memory(model: str, t: PlanConfig, world: int, timeout: float) -> tuple
     if timeout <= 0:
         return None, f"{formula}: the fake-tensor probe is off (--probe-timeout 0)"
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "probe.json"
-        cmd = [sys.executable, "-m", "workflow_scripts.plan.memory_probe", "--model", model,
-               "--config", json.dumps(dataclasses.asdict(t)), "--world", str(world), "--output", str(out)]  # fmt: skip
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=module_env())
-        except subprocess.TimeoutExpired:
+        out, log = Path(tmp) / "probe.json", Path(tmp) / "probe.log"
+        args = ["--model", model, "--config", json.dumps(dataclasses.asdict(t)), "--world", str(world),
+                "--output", str(out)]  # fmt: skip
+        code = forked(functools.partial(run_probe, args, log), timeout)
+        if code is None:
             return None, f"{formula}: the fake-tensor probe took over {timeout:.0f} s (--probe-timeout)"
-        if proc.returncode != 0 or not out.exists():
-            why = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
-            return None, f"{formula}: the fake-tensor probe failed ({why})"
+        if code != 0 or not out.exists():
+            lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+            return None, f"{formula}: the fake-tensor probe failed ({(lines or ['no output'])[-1][:200]})"
         result = json.loads(out.read_text())
     return result, f"by the fake-tensor probe of the training step ({result['seconds']:.0f} s), plus stated constants"
+
+
+def forked(target, timeout: float) -> int | None:
+    """Run ``target`` in a forked child: its exit code, or None when it ran past ``timeout`` seconds (killed).
+    A fork, not a new Python: the child has this process's torch and transformers imported (~9 s of CPU a
+    probe on a slow 2-core machine)."""
+    sys.stdout.flush()
+    sys.stderr.flush()  # nothing of this process's buffers written twice
+    child = multiprocessing.get_context("fork").Process(target=target, daemon=True)
+    child.start()
+    child.join(timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        return None
+    return child.exitcode
+
+
+def run_probe(args: list[str], log: Path) -> None:
+    """memory_probe's main in the forked child, its output (and a traceback) in ``log``: the last line is why
+    it failed. One thread: the child needs no parallel kernels, and OpenMP's pool does not survive a fork."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = sys.stderr = os.fdopen(fd, "w", buffering=1)  # where the parent's streams were not fds 1 and 2
+    import torch
+
+    from workflow_scripts.plan import memory_probe
+
+    torch.set_num_threads(1)
+    memory_probe.main(args)
 
 
 def planned(est: dict, probed: dict | None, note: str, t: PlanConfig) -> dict:
