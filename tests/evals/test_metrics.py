@@ -74,3 +74,18 @@ def test_tool_call_scores_the_held_out_turns_that_call_tools():
     assert same_calls(calls_in_text(two)[::-1], calls_in_text(two))  # parallel calls in any order
     assert not same_calls(calls_in_text(two)[:1], calls_in_text(two))  # a call left out
     assert not json_equal(True, 1) and json_equal(1, 1.0) and not json_equal([1, 2], [2, 1]) and not json_equal("1", 1)
+
+
+def test_rouge_l_is_rouge_scores_to_the_last_digit():
+    """metrics.rouge_ls re-does RougeScorer(["rougeL"]) without its nltk import: the same F1 on texts with case,
+    punctuation, digits, non-ASCII letters, repeats and empty sides."""
+    from rouge_score import rouge_scorer
+
+    rng = np.random.default_rng(0)
+    words = ["The", "cat", "sat", "on", "the", "mat.", "Ünïcode", "42", "a-b", "...", "", "dog,", "RAN", "ran"]
+    texts = [" ".join(rng.choice(words, size=rng.integers(0, 12))) for _ in range(300)]
+    pairs = [(texts[i], texts[-i - 1]) for i in range(len(texts))] + PAIRS + [(t, t) for t in texts[:20]]
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+    expected = [scorer.score(reference, answer)["rougeL"].fmeasure for answer, reference in pairs]
+    assert METRICS["rouge_l"].per_example(pairs).tolist() == expected
+    assert any(0 < e < 1 for e in expected) and any(e == 1 for e in expected) and any(e == 0 for e in expected)

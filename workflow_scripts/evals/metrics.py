@@ -84,11 +84,28 @@ def exact_match(pairs) -> float:
 
 
 def rouge_ls(pairs) -> list[float]:
-    """Per pair: ROUGE-L F1 (rouge_score, no stemming)."""
-    from rouge_score import rouge_scorer
+    """Per pair: ROUGE-L F1 as rouge_score's ``RougeScorer(["rougeL"], use_stemmer=False)`` scores it: its
+    tokenizer and F-measure over the longest common subsequence of the tokens. Not RougeScorer itself: its module
+    imports nltk for the stemmer (off here), and nltk's package import brings scikit-learn and scipy.stats (~3 s
+    of CPU in every evaluation job); tests/evals/test_metrics.py holds the two equal."""
+    from rouge_score import scoring, tokenize
 
-    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
-    return [scorer.score(r, a)["rougeL"].fmeasure for a, r in pairs]
+    scores = []
+    for answer, reference in pairs:
+        target, prediction = tokenize.tokenize(reference, None), tokenize.tokenize(answer, None)
+        lcs = lcs_length(target, prediction)
+        scores.append(scoring.fmeasure(lcs / len(prediction), lcs / len(target)) if lcs else 0.0)
+    return scores
+
+
+def lcs_length(a: list[str], b: list[str]) -> int:
+    """The length of the longest common subsequence of ``a`` and ``b`` (rouge_scorer's table, one row kept)."""
+    row = [0] * (len(b) + 1)
+    for x in a:
+        diagonal = 0
+        for j, y in enumerate(b, 1):
+            diagonal, row[j] = row[j], diagonal + 1 if x == y else max(row[j], row[j - 1])
+    return row[-1]
 
 
 def rouge_l(pairs) -> float:
