@@ -24,6 +24,8 @@ from snakemake_fork import ForkedSnakemake
 REPO = Path(__file__).resolve().parents[1]
 # the scripts' package, for every command the tests start (the Snakefile sets it for its jobs)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+# DeepSpeed's CPU ops (cpu_adam, built the first time a test offloads) compiled without debug info: the same code
+os.environ.setdefault("CXX", str(REPO / "tests" / "site" / "g++-without-debug-info"))
 BIN = Path(sys.executable).parent
 DEMO_CSV = REPO / "resources" / "demo" / "instructions.csv"
 FORKED_SNAKEMAKE = ForkedSnakemake(BIN / "python")
