@@ -18,4 +18,3 @@ def test_the_wrapper_drops_only_dash_g_and_keeps_every_other_argument_whole(tmp_
     out = subprocess.run([WRAPPER, *args], env=env, capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == [f"[{a}]" for a in args if a != "-g"]
     assert os.access(WRAPPER, os.X_OK)  # executable in a fresh clone: git keeps the mode
-
