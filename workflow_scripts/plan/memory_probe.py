@@ -30,22 +30,20 @@ tracker of its memory). What a GPU adds to the live tensors is stated in one pla
 allocator's headroom (a fraction of the peak: fragmentation and rounding), the strategy's
 ``allocator_headroom`` (parallel/).
 
-    python memory_probe.py --model demo_model/ --config '{...PlanConfig...}' --world 8 --output probe.json
+The planner (preflight.probe_memory) runs ``probe`` in a forked child of its own process, bounded by
+--probe-timeout.
 """
 
-import argparse
 import contextlib
 import dataclasses
-import math
 import time
-from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from workflow_scripts.core.settings import PlanConfig
-from workflow_scripts.plan.plan_terms import GPU_CONSTANTS_GB, load_config  # noqa: F401 (GPU_CONSTANTS_GB: the planner's, for tests)
+from workflow_scripts.plan.plan_terms import GPU_CONSTANTS_GB  # noqa: F401 (the planner's, for tests)
 
 GB = 2**30
 STEPS = 2  # optimizer steps probed: the second runs with the optimizer's states already allocated
@@ -339,25 +337,3 @@ def probe(config, t: PlanConfig, world: int, steps: int = STEPS) -> dict:
         "steps": steps,
         "seconds": round(time.perf_counter() - start, 2),
     }
-
-
-def main(argv=None) -> None:
-
-    from workflow_scripts.core.pipeline_io import write_json
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="base model folder, hub id, demo or preset:<size>")
-    p.add_argument("--config", required=True, help="the planner's keys as JSON (settings.PlanConfig)")
-    p.add_argument("--world", required=True, type=int)
-    p.add_argument("--output", required=True, type=Path)
-    a = p.parse_args(argv)
-    t = PlanConfig.from_json(a.config)  # the planner's, serialised by dataclasses.asdict
-    config = load_config(a.model, t)
-    result = probe(config, t, a.world)
-    result["peak_gb"] = result["peak_bytes"] / GB
-    write_json(a.output, result)
-    print(f"memory_probe: {result['peak_gb']:.3f} GiB live per rank ({math.ceil(result['seconds'])} s)")
-
-
-if __name__ == "__main__":
-    main()

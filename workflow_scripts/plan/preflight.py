@@ -219,9 +219,7 @@ def probe_memory(model: str, t: PlanConfig, world: int, timeout: float) -> tuple
         return None, f"{formula}: the fake-tensor probe is off (--probe-timeout 0)"
     with tempfile.TemporaryDirectory() as tmp:
         out, log = Path(tmp) / "probe.json", Path(tmp) / "probe.log"
-        args = ["--model", model, "--config", json.dumps(dataclasses.asdict(t)), "--world", str(world),
-                "--output", str(out)]  # fmt: skip
-        code = forked(functools.partial(run_probe, args, log), timeout)
+        code = forked(functools.partial(run_probe, model, t, world, out, log), timeout)
         if code is None:
             return None, f"{formula}: the fake-tensor probe took over {timeout:.0f} s (--probe-timeout)"
         if code != 0 or not out.exists():
@@ -247,19 +245,22 @@ def forked(target, timeout: float) -> int | None:
     return child.exitcode
 
 
-def run_probe(args: list[str], log: Path) -> None:
-    """memory_probe's main in the forked child, its output (and a traceback) in ``log``: the last line is why
-    it failed. One thread: the child needs no parallel kernels, and OpenMP's pool does not survive a fork."""
+def run_probe(model: str, t: PlanConfig, world: int, out: Path, log: Path) -> None:
+    """memory_probe's run in the forked child, its result in ``out``; its output (and a traceback) in ``log``,
+    whose last line says why it failed. One thread: the child needs no parallel kernels, and OpenMP's pool does
+    not survive a fork."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     sys.stdout = sys.stderr = os.fdopen(fd, "w", buffering=1)  # where the parent's streams were not fds 1 and 2
     import torch
 
-    from workflow_scripts.plan import memory_probe
+    from workflow_scripts.plan.memory_probe import probe
 
     torch.set_num_threads(1)
-    memory_probe.main(args)
+    result = probe(load_config(model, t), t, world)
+    write_json(out, result | {"peak_gb": result["peak_bytes"] / GB})
+    print(f"memory_probe: {result['peak_bytes'] / GB:.3f} GiB live per rank ({math.ceil(result['seconds'])} s)")
 
 
 def planned(est: dict, probed: dict | None, note: str, t: PlanConfig) -> dict:
