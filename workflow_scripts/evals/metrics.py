@@ -86,8 +86,8 @@ def exact_match(pairs) -> float:
 def rouge_ls(pairs) -> list[float]:
     """Per pair: ROUGE-L F1 as rouge_score's ``RougeScorer(["rougeL"], use_stemmer=False)`` scores it: its
     tokenizer and F-measure over the longest common subsequence of the tokens. Not RougeScorer itself: its module
-    imports nltk for the stemmer (off here), and nltk's package import brings scikit-learn and scipy.stats (~3 s
-    of CPU in every evaluation job); tests/evals/test_metrics.py holds the two equal."""
+    imports nltk for the stemmer (off here), and nltk's package import brings scikit-learn and scipy.stats (1.3-1.8
+    s of CPU in every evaluation job); tests/evals/test_metrics.py holds the two equal."""
     from rouge_score import scoring, tokenize
 
     scores = []
