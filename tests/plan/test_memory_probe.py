@@ -6,6 +6,8 @@ import dataclasses
 import functools
 import json
 import subprocess
+import sys
+import time
 
 import pytest
 from conftest import BIN, REPO, trainer_env
@@ -197,5 +199,5 @@ def test_a_failed_probe_says_why_in_its_last_line_and_the_plan_goes_on(tmp_path,
     probed, note = probe_memory(str(missing), plan(strategy="ddp"), 2, 120)
     assert probed is None and note.startswith("by the formula (module docstring): the fake-tensor probe failed ("), note
     assert "no-such-model" in note and "Traceback" not in capfd.readouterr().err
-    assert forked(functools.partial(__import__("time").sleep, 30), 0.5) is None  # killed, not waited for
-    assert forked(functools.partial(__import__("sys").exit, 3), 30) == 3
+    assert forked(functools.partial(time.sleep, 30), 0.5) is None  # killed, not waited for
+    assert forked(functools.partial(sys.exit, 3), 30) == 3
