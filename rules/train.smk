@@ -25,6 +25,8 @@ rule train_node:
         gpu=GPUS_PER_NODE,
         tasks_per_gpu=0,
     params:
+        # torchrun; on a machine without GPUs its ranks fork from it after the imports (ranks.py)
+        ranks=script_path("train/ranks.py"),
         script=script_path("train/train.py"),
         config=training_json(),
         base=get_model,
@@ -46,7 +48,7 @@ rule train_node:
         # the job's cores are shared among its ranks, not given to each
         " n=$(( {threads} / {params.procs} > 1 ? {threads} / {params.procs} : 1 ));"
         " export OMP_NUM_THREADS=$n MKL_NUM_THREADS=$n OPENBLAS_NUM_THREADS=$n;"
-        " torchrun --standalone --nproc_per_node {params.procs} --max-restarts 0"
+        " python {params.ranks:q} --standalone --nproc_per_node {params.procs} --max-restarts 0"
         " {params.script:q} --config {params.config:q} --data {input.tokens} --packing {input.packing}"
         " --base-model {params.base:q} {params.held_out} --environment {input.env} --log-dir {params.log_dir:q}"
         " --checkpoint-root {params.checkpoints:q} --state {output.state}"

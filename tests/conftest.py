@@ -169,25 +169,36 @@ def trainer_args(tmp: Path, assets: dict, config: dict, shards: int = 1) -> list
     ]  # fmt: skip
 
 
+def ranks_command(procs: int = 2) -> list[str]:
+    """torchrun on this machine as train_node starts it (ranks.py: the ranks forked after the imports, no GPU here)."""
+    ranks = str(REPO / "workflow_scripts/train/ranks.py")
+    return [sys.executable, ranks, "--standalone", "--nproc_per_node", str(procs)]
+
+
 def train_command(tmp: Path, assets: dict, config: dict, procs: int = 2) -> list[str]:
-    """torchrun starting ``procs`` ranks of trainer_args on this machine."""
-    return [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(procs), *trainer_args(tmp, assets, config)]
+    """torchrun (ranks.py) starting ``procs`` ranks of trainer_args on this machine."""
+    return [*ranks_command(procs), *trainer_args(tmp, assets, config)]
 
 
 def training_ranks(workdir) -> list[int]:
-    """pids of the torchrun workers (not torchrun itself) running in ``workdir``."""
-    pids = []
+    """pids of the trainer's ranks (not torchrun itself) running in ``workdir``: those torchrun started as a new
+    Python (LOCAL_RANK in their environment at exec), and those ranks.py forked (its children with its command line)."""
+    found = {}
     for proc in Path("/proc").iterdir():
         try:
             if not proc.name.isdigit() or Path(proc / "cwd").resolve() != Path(workdir).resolve():
                 continue
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes()
             environ = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if any(arg.endswith(b"train.py") for arg in cmdline) and any(v.startswith(b"LOCAL_RANK=") for v in environ):
-            pids.append(int(proc.name))
-    return pids
+        if any(arg.endswith(b"train.py") for arg in cmdline.split(b"\0")):
+            found[int(proc.name)] = (cmdline, parent, any(v.startswith(b"LOCAL_RANK=") for v in environ))
+    return [
+        pid for pid, (cmdline, parent, exec_rank) in found.items()
+        if exec_rank or (parent in found and found[parent][0] == cmdline)
+    ]  # fmt: skip
 
 
 def consolidate(state, output, *options) -> subprocess.CompletedProcess:
@@ -257,13 +268,16 @@ def sigterm_then_rerun_equals_uninterrupted_run(tmp: Path, assets: dict, cfg: di
     """The preemption check: ``cfg`` trained to its end in tmp/a; in tmp/b SIGTERM to the whole job step (as SLURM
     sends it) once a checkpoint of step 4 is complete, the ranks checkpoint and exit 75, the rerun resumes at the
     step they stopped at (not from 0) and logs every step's loss once, bit for bit as tmp/a's, and ends at tmp/a's
-    weights exactly. ``cfg`` checkpoints every 4 steps and runs at least 8."""
+    weights exactly. ``cfg`` checkpoints every 4 steps and runs at least 8. tmp/a's ranks are new Pythons, tmp/b's forked
+    (ranks.py)."""
     import signal
 
     import torch
 
     a, b = tmp / "a", tmp / "b"
-    run_trainer(a, assets, cfg)
+    # tmp/a's ranks start as new Pythons, as torchrun starts them where there are GPUs (ranks.py): tmp/b's forked ranks
+    # match them bit for bit
+    run_trainer(a, assets, cfg, env={"TRAIN_FORK_RANKS": "0"})
     proc = start_trainer(b, assets, cfg)
     assert wait_for(lambda: any((b / "ckpt").glob("*/step-4/COMPLETE")))
     os.killpg(proc.pid, signal.SIGTERM)  # as SLURM does: the whole job step

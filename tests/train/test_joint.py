@@ -36,6 +36,7 @@ from two_host_cluster import IFACE, free_subnet, two_host_conf
 from workflow_scripts.train.batching import DataPlan, data_sha256, load_examples, micro_batch_indices
 from workflow_scripts.train.launch import (
     NODE_RANK_FROM_SLURM,
+    RANKS,
     job_port,
     local_commands,
     run_groups,
@@ -54,20 +55,20 @@ def test_srun_starts_one_torchrun_per_node_with_the_node_rank_from_slurm():
     assert cmd[: cmd.index("sh")] == [
         "srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=16",
     ]  # fmt: skip
-    assert cmd[cmd.index("sh") : cmd.index("torchrun")] == ["sh", "-c", NODE_RANK_FROM_SLURM]
-    assert cmd[cmd.index("torchrun") :] == [
-        "torchrun", "--nnodes=2", "--nproc-per-node=4", "--master-addr=10.0.0.11", "--master-port=29501",
+    assert cmd[cmd.index("sh") : cmd.index("python")] == ["sh", "-c", NODE_RANK_FROM_SLURM]
+    assert cmd[cmd.index("python") :] == [
+        "python", RANKS, "--nnodes=2", "--nproc-per-node=4", "--master-addr=10.0.0.11", "--master-port=29501",
         "--max-restarts=0", "train.py", "--config", "{}",
     ]  # fmt: skip
-    # the shell puts the node rank right after torchrun, before the script and its arguments
+    # the shell puts the node rank right after python's script (torchrun's options), before train.py and its arguments
     out = subprocess.run(
-        ["sh", "-c", NODE_RANK_FROM_SLURM, "echo", "--nnodes=2", "train.py"],
+        ["sh", "-c", NODE_RANK_FROM_SLURM, "echo", "ranks.py", "--nnodes=2", "train.py"],
         env={"SLURM_NODEID": "1", "PATH": os.environ["PATH"]},
         capture_output=True,
         text=True,
         check=True,
     )
-    assert out.stdout.split() == ["--node-rank=1", "--nnodes=2", "train.py"]
+    assert out.stdout.split() == ["ranks.py", "--node-rank=1", "--nnodes=2", "train.py"]
 
 
 def test_local_node_groups_share_one_rendezvous_and_differ_in_node_rank():
@@ -242,14 +243,14 @@ def cluster_env(cluster) -> dict:
 
 
 def training_pids(cluster, host: int) -> list[int]:
-    """torchrun's and the ranks' processes in one host's namespace (not slurmd, srun or the job's shell)."""
+    """torchrun's (ranks.py) and the ranks' processes in one host's namespace (not slurmd, srun or the job's shell)."""
     pids = []
     for pid in cluster.host_pids(host):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
-        if Path(argv[0]).name.startswith("python") and any(Path(a).name in ("torchrun", "train.py") for a in argv[1:3]):
+        if Path(argv[0]).name.startswith("python") and any(Path(a).name in ("ranks.py", "train.py") for a in argv[1:3]):
             pids.append(pid)
     return pids
 

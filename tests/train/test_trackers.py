@@ -13,7 +13,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from conftest import BIN, trainer_args, trainer_env
+from conftest import ranks_command, trainer_args, trainer_env
 
 from workflow_scripts.core.pipeline_io import UserError
 
@@ -133,7 +133,7 @@ def test_wandb_and_mlflow_runs_hold_metrics_jsonl_and_summarize_attaches(tmp_pat
     args[args.index("--log-dir") + 1] = str(train)
     args[args.index("--state") + 1] = str(train / "train_state.json")
     args += ["--trackers", json.dumps(settings(tmp_path, "tensorboard", "wandb", "mlflow"))]
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", *args]
+    cmd = [*ranks_command(2), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=tracker_env(tmp_path), timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -190,7 +190,7 @@ def test_a_preempted_job_stops_and_its_retry_continues_the_same_tracker_runs(tmp
     config = {"max_steps": 12, "log_every": 2, "checkpoint_every": 4, "micro_batch_size": 2}
     args = trainer_args(tmp_path, demo_assets, config)
     args += ["--trackers", json.dumps(settings(tmp_path, "tensorboard", "wandb", "mlflow"))]
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", *args]
+    cmd = [*ranks_command(2), *args]
     env = tracker_env(tmp_path)
     job = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)  # fmt: skip

@@ -3,14 +3,15 @@
 Inside a SLURM job (SLURM_JOB_ID set) this process becomes
 
     srun --kill-on-bad-exit=1 --nodes=N --ntasks=N --ntasks-per-node=1 --cpus-per-task=C \\
-        sh -c 'exec "$0" --node-rank="$SLURM_NODEID" "$@"' \\
-        torchrun --nnodes=N --nproc-per-node=P --master-addr=<first node's NodeAddr> --master-port=<port> \\
+        sh -c 'script="$1"; shift; exec "$0" "$script" --node-rank="$SLURM_NODEID" "$@"' \\
+        python ranks.py --nnodes=N --nproc-per-node=P --master-addr=<first node's NodeAddr> --master-port=<port> \\
         --max-restarts=0 train.py ...
 
-one torchrun per node with a static rendezvous on the first node's address (c10d rendezvous needs
-distinct hostnames; the node's NodeAddr works wherever slurmd does). If one node's processes die,
-srun ends the others. Outside SLURM it starts the N node groups on this machine, rendezvous on
-127.0.0.1, for testing on a CPU; when one group fails, the others are killed, as srun would.
+one torchrun per node (ranks.py: torchrun, whose ranks fork from it after the imports on a machine without
+GPUs) with a static rendezvous on the first node's address (c10d rendezvous needs distinct hostnames; the
+node's NodeAddr works wherever slurmd does). If one node's processes die, srun ends the others. Outside SLURM
+it starts the N node groups on this machine, rendezvous on 127.0.0.1, for testing on a CPU; when one group
+fails, the others are killed, as srun would.
 
     python launch.py --nodes 2 --procs-per-node 2 --threads 8 -- train.py --config ...
 """
@@ -26,24 +27,27 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from workflow_scripts.core.pipeline_io import UserError, cli
 
 log = logging.getLogger("launch")
-NODE_RANK_FROM_SLURM = 'exec "$0" --node-rank="$SLURM_NODEID" "$@"'
+NODE_RANK_FROM_SLURM = 'script="$1"; shift; exec "$0" "$script" --node-rank="$SLURM_NODEID" "$@"'
+RANKS = str(Path(__file__).with_name("ranks.py"))
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 def torchrun_args(nodes: int, procs: int, master_addr: str, master_port: int) -> list[str]:
-    """torchrun with a static rendezvous; the node rank is added per node."""
+    """torchrun (ranks.py) with a static rendezvous; the node rank is added per node."""
     return [
-        "torchrun", f"--nnodes={nodes}", f"--nproc-per-node={procs}", f"--master-addr={master_addr}",
+        "python", RANKS, f"--nnodes={nodes}", f"--nproc-per-node={procs}", f"--master-addr={master_addr}",
         f"--master-port={master_port}", "--max-restarts=0",
     ]  # fmt: skip
 
 
 def srun_command(nodes: int, cpus_per_task: int, torchrun: list[str], train: list[str]) -> list[str]:
-    """One task per node, each running torchrun with --node-rank=$SLURM_NODEID (expanded on its node)."""
+    """One task per node, each running torchrun (``python ranks.py``) with --node-rank=$SLURM_NODEID (expanded on its
+    node) after the script."""
     srun = ["srun", "--kill-on-bad-exit=1", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
             f"--cpus-per-task={cpus_per_task}"]  # fmt: skip
     return [*srun, "sh", "-c", NODE_RANK_FROM_SLURM, *torchrun, *train]

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import multiprocessing
 import os
 import socket
 import sys
@@ -43,6 +44,13 @@ from workflow_scripts.train.trainer_lock import one_trainer
 
 log = logging.getLogger("train")
 
+# What every rank imports on its way to the first step, whatever the run (ranks.py imports them once before it
+# forks the ranks): the model classes' machinery, the token store's pandas, TensorBoard, the checkpoints' readers.
+RANK_IMPORTS = (
+    "torch.distributed.checkpoint", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
+    "pandas", "psutil", "safetensors.torch", "torch.utils.tensorboard",
+)  # fmt: skip
+
 
 # ---------------------------------------------------------------- setup
 
@@ -64,6 +72,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.base_model = model_location(a.base_model)  # a fetch record: its snapshot folder (train_state's base_model)
     return a
+
+
+def intra_op_threads() -> None:
+    """torch's intra-op threads as OMP_NUM_THREADS asks (the rule divides the job's cores among its ranks). OpenMP
+    reads the variable when torch loads it: a rank that ranks.py forked got it from the launcher, not from the value
+    torchrun sets for each rank."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
+        torch.set_num_threads(int(threads))
 
 
 def process_group_backend(cfg: TrainConfig, device_type: str) -> str:
@@ -178,6 +195,7 @@ def main(argv=None) -> None:
     # deepspeed.initialize at 2 ranks (docs/benchmarks/training-and-memory.md, bench_scale.py --part zero3-host).
     # mallopt is what MALLOC_MMAP_THRESHOLD_ sets at process start, without depending on how the job was launched.
     map_large_allocations()
+    intra_op_threads()
     cfg = TrainConfig.from_json(a.config)
     stop = StopSignal(a.log_dir / "preempted.json")  # first: a signal during start-up is not lost
     device = init_distributed(cfg)
@@ -229,9 +247,10 @@ def finish(strategy, a: argparse.Namespace, final: Path, run_record: dict) -> No
         })  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
-    if strategy.hard_exit:
+    if strategy.hard_exit and multiprocessing.parent_process() is None:
         # Everything is on disk. DeepSpeed's CPU backend can abort in interpreter teardown
-        # ("terminate called without an active exception"), which would fail a finished job.
+        # ("terminate called without an active exception"), which would fail a finished job. A rank that
+        # ranks.py forked returns to torchrun's code instead, which reports it done and ends it by os._exit.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -87,6 +87,7 @@ def offload_ratio_error(stage: int, offload: str, ratio: float) -> str | None:
 
 class DeepSpeedStrategy(Strategy):
     hard_exit = True  # DeepSpeed's CPU backend can abort in interpreter teardown (a finished job would fail)
+    rank_imports = ("workflow_scripts.train.parallel.zero_runtime:import_deepspeed",)
 
     @classmethod
     def unmet(cls, report: dict) -> list[str]:
