@@ -268,8 +268,8 @@ def sigterm_then_rerun_equals_uninterrupted_run(tmp: Path, assets: dict, cfg: di
     """The preemption check: ``cfg`` trained to its end in tmp/a; in tmp/b SIGTERM to the whole job step (as SLURM
     sends it) once a checkpoint of step 4 is complete, the ranks checkpoint and exit 75, the rerun resumes at the
     step they stopped at (not from 0) and logs every step's loss once, bit for bit as tmp/a's, and ends at tmp/a's
-    weights exactly. ``cfg`` checkpoints every 4 steps and runs at least 8. tmp/a's ranks are new Pythons, tmp/b's forked
-    (ranks.py)."""
+    weights exactly. ``cfg`` checkpoints every 4 steps and runs at least 8. tmp/a's ranks are new Pythons, tmp/b's
+    forked (ranks.py)."""
     import signal
 
     import torch

@@ -33,17 +33,19 @@ def test_the_preloaded_modules_follow_the_run(tmp_path):
     base = tmp_path / "base"
     base.mkdir()
     (base / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
-    plain = ranks.modules_for(train_args({"strategy": "ddp"}, base))
-    assert plain == ["workflow_scripts.train.train", *train.RANK_IMPORTS, "transformers.models.qwen3.modeling_qwen3"]
-    zero_lora = ranks.modules_for(train_args({"strategy": "deepspeed", "peft": "lora"}, base))
+    plain = ranks.modules_for("x/train.py", train_args({"strategy": "ddp"}, base))
+    assert plain == [*ranks.RANK_IMPORTS, "transformers.models.qwen3.modeling_qwen3"]
+    zero_lora = ranks.modules_for("x/train.py", train_args({"strategy": "deepspeed", "peft": "lora"}, base))
     assert set(zero_lora) - set(plain) == {*STRATEGIES["deepspeed"].rank_imports, "peft"}
     # a hub id (no folder) or arguments the trainer refuses: the model's class or everything after the common list
     # is left to the ranks, which say what is wrong
-    assert ranks.modules_for(train_args({}, "acme/model"))[-1] == train.RANK_IMPORTS[-1]
-    assert ranks.modules_for(["--config", "{not json"]) == ["workflow_scripts.train.train", *train.RANK_IMPORTS]
+    assert ranks.modules_for("x/train.py", train_args({}, "acme/model")) == list(ranks.RANK_IMPORTS)
+    assert ranks.modules_for("x/train.py", ["--config", "{not json"]) == list(ranks.RANK_IMPORTS)
+    # another script's ranks (the environment check's benchmark): torchrun's own torch
+    assert ranks.modules_for("x/environment.py", train_args({}, base)) == []
 
 
-@pytest.mark.parametrize("name", [*train.RANK_IMPORTS, *(n for s in STRATEGIES.values() for n in s.rank_imports)])
+@pytest.mark.parametrize("name", [*ranks.RANK_IMPORTS, *(n for s in STRATEGIES.values() for n in s.rank_imports)])
 def test_every_preloaded_name_is_a_module_or_a_modules_function(name):
     module, _, function = name.partition(":")
     assert importlib.util.find_spec(module) is not None, name

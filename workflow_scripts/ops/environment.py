@@ -22,6 +22,8 @@ from pathlib import Path
 from workflow_scripts.core.pipeline_io import UserError, cli, module_env, write_json
 from workflow_scripts.core.settings import EnvironmentConfig
 
+RANKS = Path(__file__).parents[1] / "train" / "ranks.py"
+
 PACKAGES = ["torch", "transformers", "deepspeed", "peft", "accelerate", "pandas", "pyarrow", "evaluate", "tensorboard",
             "wandb", "mlflow-skinny", "mlflow"]  # fmt: skip
 
@@ -243,11 +245,12 @@ def parse_benchmark(text: str, ranks: int) -> dict:
 
 
 def run_benchmark(ranks: int, workdir: Path, timeout: float = 600) -> dict:
-    """Start the benchmark under torchrun with ``ranks`` processes; its results."""
+    """Start the benchmark under torchrun with ``ranks`` processes, as train_node starts the trainer (train/ranks.py:
+    on a machine without GPUs the ranks fork from it, torch imported); its results."""
     out = workdir / "benchmark.json"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           "-m", "workflow_scripts.ops.environment", "--bench-rank", str(out)]  # fmt: skip
+    script = str(Path(__file__).resolve())
+    cmd = [sys.executable, str(RANKS), "--standalone", f"--nproc_per_node={ranks}", script, "--bench-rank", str(out)]
     env = module_env() | {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // ranks))}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0 or not out.exists():

@@ -17,6 +17,7 @@ use the GPU, and a GPU job's start is seconds of hours.
 TRAIN_FORK_RANKS=0 starts every rank as a new Python on any machine.
 """
 
+import argparse
 import importlib
 import json
 import os
@@ -24,7 +25,19 @@ import signal
 import sys
 from pathlib import Path
 
+from workflow_scripts.core.fingerprint import model_location
+from workflow_scripts.core.pipeline_io import UserError
+
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")
+# What every rank of train.py imports on its way to the first step, whatever the run: the trainer's own modules (and
+# with them torch and pyarrow), the model classes' machinery, pandas (pyarrow's first conversion), TensorBoard, the
+# checkpoints' readers (a name that is no module fails tests/train/test_ranks.py).
+RANK_IMPORTS = (
+    "workflow_scripts.train.parallel", "workflow_scripts.train.batching", "workflow_scripts.train.checkpoint",
+    "workflow_scripts.train.metrics_logger", "workflow_scripts.train.trackers", "workflow_scripts.train.step",
+    "torch.distributed.checkpoint", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
+    "pandas", "psutil", "safetensors.torch", "torch.utils.tensorboard",
+)  # fmt: skip
 
 
 def forks_ranks() -> bool:
@@ -34,23 +47,28 @@ def forks_ranks() -> bool:
     return not any(Path(p).exists() for p in GPU_DEVICE_FILES)
 
 
-def modules_for(script_args: list[str]) -> list[str]:
-    """What the trainer's ranks import on their way to the first step, for the run that ``script_args`` (train.py's
-    arguments) describe: the model's class by the base model's config.json, the strategy's library, PEFT for LoRA."""
-    from workflow_scripts.train import train
-
-    names = ["workflow_scripts.train.train", *train.RANK_IMPORTS]
+def modules_for(script: str, script_args: list[str]) -> list[str]:
+    """What the ranks of ``script`` import on their way to work: for train.py, RANK_IMPORTS and, for the run that
+    ``script_args`` describe, the model's class (by the base model's config.json), the strategy's library and PEFT for
+    LoRA; for another script, nothing more than torchrun's own torch."""
+    if Path(script).name != "train.py":
+        return []
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--config", default="{}")
+    p.add_argument("--base-model", default="")
+    a, _ = p.parse_known_args(script_args)
+    names = list(RANK_IMPORTS)
     try:
-        a = train.parse_args(script_args)
         cfg = json.loads(a.config)
-    except (SystemExit, ValueError):  # the ranks say what is wrong with the arguments
+        base = model_location(a.base_model)
+    except (ValueError, OSError, UserError):  # the ranks say what is wrong with the arguments
         return names
     from workflow_scripts.train.parallel import STRATEGIES
 
-    strategy = STRATEGIES.get(cfg.get("strategy", "ddp"))
+    strategy = STRATEGIES.get(cfg.get("strategy", "ddp")) if isinstance(cfg, dict) else None
     names += strategy.rank_imports if strategy else []
     names += ["peft"] if cfg.get("peft") == "lora" else []
-    model_type = read_model_type(Path(a.base_model))
+    model_type = read_model_type(Path(base))
     if model_type:
         names.append(f"transformers.models.{model_type.replace('-', '_')}.modeling_{model_type.replace('-', '_')}")
     return names
@@ -90,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if forks_ranks():
         args = torchrun.parse_args(argv)
-        preload(modules_for(args.training_script_args))
+        preload(modules_for(args.training_script, args.training_script_args))
         # the ranks write through this process's streams: unbuffered, as torchrun's `python -u` ranks
         sys.stdout.reconfigure(write_through=True)
         os.register_at_fork(after_in_child=fresh_signal_handlers)

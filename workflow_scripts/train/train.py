@@ -44,13 +44,6 @@ from workflow_scripts.train.trainer_lock import one_trainer
 
 log = logging.getLogger("train")
 
-# What every rank imports on its way to the first step, whatever the run (ranks.py imports them once before it
-# forks the ranks): the model classes' machinery, the token store's pandas, TensorBoard, the checkpoints' readers.
-RANK_IMPORTS = (
-    "torch.distributed.checkpoint", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
-    "pandas", "psutil", "safetensors.torch", "torch.utils.tensorboard",
-)  # fmt: skip
-
 
 # ---------------------------------------------------------------- setup
 
