@@ -87,7 +87,11 @@ def offload_ratio_error(stage: int, offload: str, ratio: float) -> str | None:
 
 class DeepSpeedStrategy(Strategy):
     hard_exit = True  # DeepSpeed's CPU backend can abort in interpreter teardown (a finished job would fail)
-    rank_imports = ("workflow_scripts.train.parallel.zero_runtime:import_deepspeed",)
+    # DeepSpeed, and the module its optimizer check imports, which compiles Muon with torch.compile at import
+    # (torch._inductor: ~3.5 s of CPU a rank on a 2-core machine, measured by py-spy)
+    rank_imports = (
+        "workflow_scripts.train.parallel.zero_runtime:import_deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer",
+    )  # fmt: skip
 
     @classmethod
     def unmet(cls, report: dict) -> list[str]:
