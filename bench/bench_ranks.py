@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_train import demo_arguments
+
 REPO = Path(__file__).resolve().parents[1]
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 LAUNCHERS = {
@@ -51,11 +53,7 @@ def main() -> None:
     p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp", "deepspeed"))
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--data", type=Path, default=REPO / "results/demo/data/tokenized/node0.parquet")
-    p.add_argument("--base", type=Path, default=REPO / "results/demo/base_model")
-    a = p.parse_args()
-    if not a.data.exists():
-        raise SystemExit(f"{a.data} missing: run `make run` first")
+    a = demo_arguments(p)  # --data, --base: make run's
     cfg = {"lr": 3e-3, "precision": "fp32", "micro_batch_size": 2, "max_steps": 12, "log_every": 2,
            "checkpoint_every": 6, "packing": False, "strategy": a.strategy}  # fmt: skip
     cfg |= {"zero_stage": 3} if a.strategy == "deepspeed" else {}

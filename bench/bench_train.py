@@ -55,14 +55,20 @@ dist.destroy_process_group()
 """
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=60)
+def demo_arguments(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """``p``'s arguments with --data (node0's tokenized shard) and --base (the base model), make run's by default."""
     p.add_argument("--data", type=Path, default=REPO / "results/demo/data/tokenized/node0.parquet")
     p.add_argument("--base", type=Path, default=REPO / "results/demo/base_model")
     a = p.parse_args()
     if not a.data.exists():
         raise SystemExit(f"{a.data} missing: run `make run` first")
+    return a
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=60)
+    a = demo_arguments(p)
     work = Path(tempfile.mkdtemp(prefix="bench_train_"))
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2"]
