@@ -41,6 +41,7 @@ def test_the_preloaded_modules_follow_the_run(tmp_path):
     # is left to the ranks, which say what is wrong
     assert ranks.modules_for("x/train.py", train_args({}, "acme/model")) == list(ranks.RANK_IMPORTS)
     assert ranks.modules_for("x/train.py", ["--config", "{not json"]) == list(ranks.RANK_IMPORTS)
+    assert ranks.modules_for("x/train.py", ["--config", "[1]"]) == list(ranks.RANK_IMPORTS)
     # another script's ranks (the environment check's benchmark): torchrun's own torch
     assert ranks.modules_for("x/environment.py", train_args({}, base)) == []
 

@@ -63,9 +63,11 @@ def modules_for(script: str, script_args: list[str]) -> list[str]:
         base = model_location(a.base_model)
     except (ValueError, OSError, UserError):  # the ranks say what is wrong with the arguments
         return names
+    if not isinstance(cfg, dict):
+        return names
     from workflow_scripts.train.parallel import STRATEGIES
 
-    strategy = STRATEGIES.get(cfg.get("strategy", "ddp")) if isinstance(cfg, dict) else None
+    strategy = STRATEGIES.get(cfg.get("strategy", "ddp"))
     names += strategy.rank_imports if strategy else []
     names += ["peft"] if cfg.get("peft") == "lora" else []
     model_type = read_model_type(Path(base))
