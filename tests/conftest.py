@@ -1,12 +1,14 @@
 """Shared fixtures: the demo model and tokenized shards built once, a Snakemake runner, the trainer's
 command line, one local end-to-end run, and the throwaway SLURM clusters (one host, two hosts)."""
 
+import atexit
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,8 +24,14 @@ from scheduling import (  # noqa: F401 (the scheduler's hooks, registered with t
 from snakemake_fork import ForkedSnakemake
 
 REPO = Path(__file__).resolve().parents[1]
-# the scripts' package, for every command the tests start (the Snakefile sets it for its jobs)
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+SITE = REPO / "tests" / "site"
+# the scripts' package, for every command the tests start (the Snakefile sets it for its jobs), and tests/site: its
+# sitecustomize forks the workflow jobs from a Python that imported torch and transformers (site/job_zygote.py)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(SITE), os.environ.get("PYTHONPATH")]))
+if os.environ.get("FORK_JOBS", "1") != "0":
+    os.environ["JOB_ZYGOTES"] = tempfile.mkdtemp(prefix="job-zygotes-")
+    (Path(os.environ["JOB_ZYGOTES"]) / "owner").write_text(str(os.getpid()))  # they end when this process has
+    atexit.register(shutil.rmtree, os.environ["JOB_ZYGOTES"], True)
 # DeepSpeed's CPU ops (cpu_adam, built the first time a test offloads) compiled without debug info: the same code
 os.environ.setdefault("CXX", str(REPO / "tests" / "site" / "g++-without-debug-info"))
 BIN = Path(sys.executable).parent

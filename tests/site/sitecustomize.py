@@ -1,4 +1,5 @@
-"""The tests' Snakemake polls the throwaway SLURM cluster every second (slurm_env puts this folder on PYTHONPATH).
+"""The tests' Snakemake polls the throwaway SLURM cluster every second; the tests' workflow jobs are forked from a
+Python that imported torch once (job_zygote.py). conftest puts this folder on every test command's PYTHONPATH.
 
 Why: snakemake-executor-plugin-slurm waits 10 s longer before each status check that finds no job finished (up
 to 180 s; no setting changes the step), so on the test cluster a job of a minute was seen finished up to ~40 s
@@ -10,8 +11,6 @@ Only the plugin's module is touched, when something imports it (Snakemake's main
 process of a job (the jobstep, torchrun, the ranks) pays one finder on sys.meta_path that never matches twice.
 """
 
-import importlib.abc
-import importlib.util
 import sys
 
 PLUGIN = "snakemake_executor_plugin_slurm"
@@ -28,10 +27,12 @@ def _capped(executor_class) -> None:
     executor_class.next_seconds_between_status_checks = property(prop.fget, setter)
 
 
-class _PluginFinder(importlib.abc.MetaPathFinder):
+class _PluginFinder:  # a meta path finder (importlib.abc's class is not imported: ~50 ms in every Python here)
     def find_spec(self, name, path, target=None):
         if name != PLUGIN:
             return None
+        import importlib.util
+
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None:
@@ -47,3 +48,10 @@ class _PluginFinder(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _PluginFinder())
+
+# The tests' workflow jobs forked from a Python that imported torch and transformers once (job_zygote.py says why
+# and how); nothing happens unless JOB_ZYGOTES names a folder (conftest.tool_env).
+if __import__("os").environ.get("JOB_ZYGOTES"):
+    import job_zygote
+
+    job_zygote.delegate()

@@ -1,0 +1,280 @@
+"""The tests' workflow jobs, each `python workflow_scripts/<...>.py` a fork of a Python that imported torch,
+transformers and pandas once: the job zygote.
+
+Why: most jobs of a tiny run (an evaluation, a consolidation, the planner, the demo model's build) spend ~9 of their
+~10 s of CPU importing torch and transformers (the slow machine type), and the suite runs a few hundred of them.
+What a forked child runs is the script itself (runpy, as `python script.py` runs it), in the job's working
+directory, environment, standard streams and arguments, with the interpreter's exit code or signal passed back to
+the job's own process, which stays the job (Snakemake, the shell and SLURM see and signal it; it forwards what it
+gets to the child's process group, and the child is killed when that process dies). Only the imports are shared.
+
+How it is wired: tests/site/ is on the tests' PYTHONPATH (conftest.tool_env), with JOB_ZYGOTES naming a folder of
+this pytest worker; sitecustomize.py calls `delegate()` as a job's Python starts. A zygote is keyed by the Python
+and the environment a job's imports could read (everything but the per-job variables: SLURM's, the thread counts,
+TMPDIR): the second job with a key starts one (the first runs as it would without this file), and it answers once
+it has imported; until then, and for any key without one, a job runs in its own Python. FORK_JOBS=0 when pytest
+starts (JOB_ZYGOTES unset) turns it off. The trainer's launcher (ranks.py forks its own ranks) and launch.py are
+not forked. A zygote ends when the pytest worker that owns its folder has ended, or after 5 idle minutes; a worker
+has at most 3 at once.
+"""
+
+import contextlib
+import os
+import sys
+
+NOT_FORKED = ("train/ranks.py", "train/launch.py", "train/train.py")
+PER_JOB = ("SLURM_", "SLURMD_", "SRUN_", "OMP_", "MKL_", "OPENBLAS_", "GOTO_", "VECLIB_", "NUMEXPR_")
+PER_JOB_NAMES = {"PWD", "OLDPWD", "SHLVL", "_", "TMPDIR", "TMP", "TEMP"}
+PRELOAD = (
+    "torch",
+    "numpy",
+    "pandas",
+    "pyarrow",
+    "pyarrow.parquet",
+    "safetensors.torch",
+    "huggingface_hub",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.qwen3.modeling_qwen3",
+    "transformers.models.llama.modeling_llama",
+    "tokenizers",
+    "yaml",
+    "jsonschema",
+)  # (not the checkout's own modules: a test's copy of the checkout runs its own)
+SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")  # forwarded to the forked job
+IDLE_S = 300
+MAX_ZYGOTES = 3  # a worker's at once (~450 MB resident each, ~300 of it its own)
+
+
+def script_of(argv: list[str]) -> str | None:
+    """The workflow script ``argv`` (sys.argv of a starting Python) runs, if it is one a zygote runs."""
+    if not argv or not argv[0].endswith(".py"):
+        return None
+    path = os.path.abspath(argv[0])
+    if f"{os.sep}workflow_scripts{os.sep}" not in path or path.endswith(NOT_FORKED) or not os.path.isfile(path):
+        return None
+    return path
+
+
+def kept(environ: dict) -> list:
+    """What a key is made of: the Python and the environment but the per-job variables."""
+    return [
+        sys.executable,
+        sorted((k, v) for k, v in environ.items() if k not in PER_JOB_NAMES and not k.startswith(PER_JOB)),
+    ]
+
+
+def key_of(environ: dict) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(kept(environ)).encode()).hexdigest()[:16]
+
+
+def delegate() -> None:
+    """In a starting Python: if it runs a workflow script and a zygote for its key answers, have the script run in a
+    fork of it and exit as that run did; else return (and maybe start a zygote for the next job)."""
+    folder, script = os.environ.get("JOB_ZYGOTES"), script_of(sys.argv)
+    if not folder or not script:
+        return
+    import json
+    import signal
+    import socket
+    from pathlib import Path
+
+    folder, key = Path(folder), key_of(dict(os.environ))
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(str(folder / f"{key}.sock"))
+    except OSError:
+        conn.close()
+        start_zygote(folder, key)
+        return
+    request = {"argv": [script, *sys.argv[1:]], "cwd": os.getcwd(), "env": dict(os.environ)}
+    socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+    replies = conn.makefile("r")
+    child = int(json.loads(replies.readline())["pid"])
+
+    def forward(signum, _frame):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child, signum)
+
+    for name in SIGNALS:
+        signal.signal(getattr(signal, name), forward)
+    line = replies.readline()
+    code = int(json.loads(line)["returncode"]) if line else 1
+    if code < 0:  # ended by a signal: end this process the same way
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
+def start_zygote(folder, key: str) -> None:
+    """The second job with ``key`` starts its zygote (once: the .starting file is made exclusively)."""
+    import subprocess
+
+    seen, starting = folder / f"{key}.seen", folder / f"{key}.starting"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not seen.exists():
+            import json
+
+            seen.write_text(json.dumps(kept(dict(os.environ)), indent=0))  # what made the key, to read
+            return
+        if len(list(folder.glob("*.sock"))) >= MAX_ZYGOTES:
+            return
+        os.close(os.open(starting, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except OSError:
+        return
+    with open(folder / f"{key}.log", "ab") as log:
+        subprocess.Popen(
+            [sys.executable, __file__, str(folder / f"{key}.sock")], stdin=subprocess.DEVNULL, stdout=log,
+            stderr=log, start_new_session=True, cwd="/",
+        )  # fmt: skip
+
+
+def serve(sock_path, preload: tuple[str, ...] = PRELOAD) -> None:
+    """The zygote: import, then fork a handler per request (the handler forks the job and waits for it)."""
+    import importlib
+    import signal
+    import socket
+
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 (a job imports what it needs itself)
+            print(f"preload {name}: {e!r}", flush=True)
+    owner = int((sock_path.parent / "owner").read_text())
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tmp = sock_path.with_suffix(f".{os.getpid()}.tmp")
+    listener.bind(str(tmp))
+    listener.listen(64)
+    os.rename(tmp, sock_path)
+    listener.settimeout(5)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # handlers reaped by the kernel
+    idle = 0.0
+    while idle < IDLE_S:
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            break
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            idle += 5
+            continue
+        idle = 0.0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if os.fork() == 0:
+            listener.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os._exit(handle(conn))
+        conn.close()
+    sock_path.unlink(missing_ok=True)
+
+
+def handle(conn) -> int:
+    """A handler: read the request and the job's three streams, fork the job, report its pid and its exit code; kill
+    the job's process group if the job's own process goes away first."""
+    import json
+    import select
+    import signal
+    import socket
+
+    conn.settimeout(None)
+    data, fds = b"", []
+    while not data.endswith(b"\n"):
+        msg, got, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        if not msg:
+            return 1
+        data, fds = data + msg, fds + got
+    request = json.loads(data)
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        os._exit(run_job(request, fds))
+    with contextlib.suppress(OSError):
+        os.setpgid(pid, pid)  # as the child does: a signal forwarded from now on reaches it
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    ended = os.pidfd_open(pid)
+    poller = select.poll()
+    poller.register(conn, select.POLLIN | select.POLLHUP)
+    poller.register(ended, select.POLLIN)
+    while True:
+        events = dict(poller.poll())
+        if ended in events:
+            _, status = os.waitpid(pid, 0)
+            break
+        if conn.fileno() in events:  # the job's own process is gone (it never sends more)
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return 1
+    with contextlib.suppress(OSError):
+        conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+    return 0
+
+
+def run_job(request: dict, fds: list[int]) -> int:
+    """The job: `python script args` as the interpreter would run it, in this fork; its exit code."""
+    import atexit
+    import random
+    import runpy
+    import signal
+    import tempfile
+    import threading
+    import traceback
+
+    os.setpgid(0, 0)  # its own group: its subprocesses get the signals forwarded to it
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    tempfile.tempdir = None  # TMPDIR is the job's
+    random.seed()  # a new Python's seeds, not the zygote's
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))  # OpenMP read it when the zygote imported torch
+    script, *args = request["argv"]
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(script)
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    with contextlib.suppress(OSError):
+        threading._shutdown()  # as the interpreter's end: wait for non-daemon threads, then atexit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+if __name__ == "__main__":  # job_zygote.py SOCKET [--no-preload (tests/test_job_zygote.py)]
+    from pathlib import Path
+
+    serve(Path(sys.argv[1]), () if sys.argv[2:] == ["--no-preload"] else PRELOAD)

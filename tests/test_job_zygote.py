@@ -1,0 +1,132 @@
+"""The tests' workflow jobs forked from a zygote (site/job_zygote.py) run as their own Python would: the same
+output, exit code, working directory, environment and arguments; signals sent to the job's process reach the
+script; a job whose own process is killed takes its fork with it."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import BIN, SITE, tool_env
+
+sys.path.insert(0, str(SITE))
+import job_zygote  # noqa: E402
+
+SCRIPT = """
+import os, signal, sys, time
+print("pid", os.getpid(), "cwd", os.getcwd(), "argv", sys.argv[1:], "value", os.environ.get("ZYGOTE_TEST_VALUE"))
+print("path0", sys.path[0] == os.path.dirname(os.path.abspath(__file__)), "main", __name__, flush=True)
+print("to stderr", file=sys.stderr)
+if sys.argv[1:2] == ["wait"]:
+    signal.signal(signal.SIGTERM, lambda *_: (print("terminated", flush=True), sys.exit(7)))
+    open(sys.argv[2], "w").write(str(os.getpid()))
+    time.sleep(120)
+if sys.argv[1:2] == ["kill"]:
+    os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[1:2] == ["raise"]:
+    raise ValueError("raised here")
+sys.exit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
+"""
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    """A zygote (nothing preloaded) for tool_env's key in a folder of its own, and that environment."""
+    root = tmp_path_factory.mktemp("zygote")
+    folder = root / "zygotes"
+    folder.mkdir()
+    (folder / "owner").write_text(str(os.getpid()))
+    env = tool_env() | {"JOB_ZYGOTES": str(folder), "ZYGOTE_TEST_VALUE": "a b"}
+    sock = folder / f"{key(env)}.sock"
+    server = subprocess.Popen([str(BIN / "python"), job_zygote.__file__, str(sock), "--no-preload"], env=env)
+    for _ in range(300):
+        if sock.exists():
+            break
+        time.sleep(0.1)
+    script = root / "workflow_scripts" / "probe.py"
+    script.parent.mkdir()
+    script.write_text(SCRIPT)
+    yield env, script
+    server.kill()
+    server.wait()
+
+
+def key(env: dict) -> str:
+    """The key the job's Python computes (the venv's python is the pytest's)."""
+    assert Path(sys.executable).parent == BIN
+    return job_zygote.key_of(env)
+
+
+def run(env, script, *args, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "python"), str(script), *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+
+
+def test_a_forked_job_prints_and_exits_as_its_own_python(zygote, tmp_path):
+    env, script = zygote
+    forked = run(env, script, "3", "x y", cwd=tmp_path)
+    alone = run(env | {"JOB_ZYGOTES": ""}, script, "3", "x y", cwd=tmp_path)
+    assert forked.returncode == alone.returncode == 3
+    drop_pid = lambda out: out.split(" ", 2)[2]  # noqa: E731
+    assert drop_pid(forked.stdout) == drop_pid(alone.stdout)
+    assert f"cwd {tmp_path} argv ['3', 'x y'] value a b\npath0 True main __main__" in forked.stdout
+    assert forked.stderr == alone.stderr == "to stderr\n"
+    # a traceback and exit code 1 as the interpreter's; a signal's death as the job's own
+    raised = run(env, script, "raise", cwd=tmp_path)
+    assert raised.returncode == 1 and raised.stderr.rstrip().endswith("ValueError: raised here")
+    assert run(env, script, "kill", cwd=tmp_path).returncode == -signal.SIGKILL
+
+
+def test_the_job_runs_in_a_fork_and_gets_the_signals_its_process_gets(zygote, tmp_path):
+    env, script = zygote
+    started = tmp_path / "pid"
+    proc = subprocess.Popen([str(BIN / "python"), str(script), "wait", str(started)], env=env, stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    child = wait_for_pid(started)
+    assert child != proc.pid  # a fork of the zygote, not the process started
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 7 and "terminated" in out
+
+
+def test_a_killed_jobs_fork_is_killed_too(zygote, tmp_path):
+    env, script = zygote
+    started = tmp_path / "pid"
+    proc = subprocess.Popen([str(BIN / "python"), str(script), "wait", str(started)], env=env)
+    child = wait_for_pid(started)
+    proc.kill()
+    proc.wait()
+    for _ in range(100):
+        if not Path(f"/proc/{child}").exists() or " Z " in Path(f"/proc/{child}/stat").read_text():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the forked job {child} outlived its process")
+
+
+def test_only_the_workflow_scripts_but_the_trainers_are_forked(tmp_path):
+    (tmp_path / "workflow_scripts" / "train").mkdir(parents=True)
+    for name in ("evals/evaluation.py", "train/ranks.py", "train/train.py", "train/launch.py"):
+        (tmp_path / "workflow_scripts" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "workflow_scripts" / name).touch()
+    scripts = tmp_path / "workflow_scripts"
+    evaluation = str(scripts / "evals" / "evaluation.py")
+    assert job_zygote.script_of([evaluation, "--x"]) == evaluation
+    for name in ("train/ranks.py", "train/train.py", "train/launch.py"):
+        assert job_zygote.script_of([str(scripts / name)]) is None
+    assert job_zygote.script_of(["-c"]) is None and job_zygote.script_of([str(tmp_path / "other.py")]) is None
+    # the key leaves out what differs between the jobs of one run, and keeps what an import could read
+    env = {"PATH": "/bin", "HF_HOME": "/h"}
+    assert key(env | {"OMP_NUM_THREADS": "2", "SLURM_JOB_ID": "4", "TMPDIR": "/t"}) == key(env)
+    assert key(env | {"HF_HOME": "/other"}) != key(env)
+
+
+def wait_for_pid(path: Path) -> int:
+    for _ in range(300):
+        if path.exists() and path.read_text():
+            return int(path.read_text())
+        time.sleep(0.1)
+    raise AssertionError("the job did not start")
