@@ -11,11 +11,11 @@ gets to the child's process group, and the child is killed when that process die
 How it is wired: tests/site/ is on the tests' PYTHONPATH (conftest.tool_env), with JOB_ZYGOTES naming a folder of
 this pytest worker; sitecustomize.py calls `delegate()` as a job's Python starts. A zygote is keyed by the Python
 and the environment a job's imports could read (everything but the per-job variables: SLURM's, the thread counts,
-TMPDIR): the second job with a key starts one (the first runs as it would without this file), and it answers once
-it has imported; until then, and for any key without one, a job runs in its own Python. FORK_JOBS=0 when pytest
-starts (JOB_ZYGOTES unset) turns it off. The trainer's launcher (ranks.py forks its own ranks) and launch.py are
-not forked. A zygote ends when the pytest worker that owns its folder has ended, or after 5 idle minutes; a worker
-has at most 3 at once.
+TMPDIR, pytest's current test): the third job with a key starts one (the first two run as they would without this
+file), and it answers once it has imported; until then, and for any key without one, a job runs in its own Python.
+FORK_JOBS=0 when pytest starts (JOB_ZYGOTES unset) turns it off. The trainer's launcher (ranks.py forks its own
+ranks) and launch.py are not forked. A zygote ends when the pytest worker that owns its folder has ended, or after 2
+idle minutes; a worker has at most 4 at once.
 """
 
 import contextlib
@@ -24,7 +24,7 @@ import sys
 
 NOT_FORKED = ("train/ranks.py", "train/launch.py", "train/train.py")
 PER_JOB = ("SLURM_", "SLURMD_", "SRUN_", "OMP_", "MKL_", "OPENBLAS_", "GOTO_", "VECLIB_", "NUMEXPR_")
-PER_JOB_NAMES = {"PWD", "OLDPWD", "SHLVL", "_", "TMPDIR", "TMP", "TEMP"}
+PER_JOB_NAMES = {"PWD", "OLDPWD", "SHLVL", "_", "TMPDIR", "TMP", "TEMP", "PYTEST_CURRENT_TEST"}
 PRELOAD = (
     "torch",
     "numpy",
@@ -44,8 +44,9 @@ PRELOAD = (
     "jsonschema",
 )  # (not the checkout's own modules: a test's copy of the checkout runs its own)
 SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")  # forwarded to the forked job
-IDLE_S = 300
-MAX_ZYGOTES = 3  # a worker's at once (~450 MB resident each, ~300 of it its own)
+IDLE_S = 120
+MAX_ZYGOTES = 4  # a worker's at once (~450 MB resident each, ~300 of it its own)
+STARTED_BY = 3  # the job with a key that starts its zygote (~10 s of CPU): a key of one or two jobs has none
 
 
 def script_of(argv: list[str]) -> str | None:
@@ -122,6 +123,9 @@ def start_zygote(folder, key: str) -> None:
             import json
 
             seen.write_text(json.dumps(kept(dict(os.environ)), indent=0))  # what made the key, to read
+        with open(seen.with_suffix(".jobs"), "a") as jobs:
+            jobs.write(f"{sys.argv[0]}\n")
+        if seen.with_suffix(".jobs").read_text().count("\n") < STARTED_BY:
             return
         if len(list(folder.glob("*.sock"))) >= MAX_ZYGOTES:
             return
@@ -174,6 +178,7 @@ def serve(sock_path, preload: tuple[str, ...] = PRELOAD) -> None:
             os._exit(handle(conn))
         conn.close()
     sock_path.unlink(missing_ok=True)
+    sock_path.with_suffix(".starting").unlink(missing_ok=True)  # the key's next job starts another
 
 
 def handle(conn) -> int:
