@@ -130,3 +130,20 @@ def wait_for_pid(path: Path) -> int:
             return int(path.read_text())
         time.sleep(0.1)
     raise AssertionError("the job did not start")
+
+
+def test_the_third_job_that_imports_torch_starts_a_zygote_and_light_jobs_do_not_count(tmp_path, monkeypatch):
+    (tmp_path / "light.py").write_text("print('a page')\n")
+    (tmp_path / "heavy.py").write_text("import torch\n")
+    folder = tmp_path / "zygotes"
+    started = []
+    monkeypatch.setattr("subprocess.Popen", lambda argv, **_: started.append(argv))
+    for _ in range(5):
+        job_zygote.start_zygote(folder, "k", str(tmp_path / "light.py"))
+    assert not (folder / "k.jobs").exists() and not started
+    for _ in range(job_zygote.STARTED_BY - 1):
+        job_zygote.start_zygote(folder, "k", str(tmp_path / "heavy.py"))
+    assert not started
+    job_zygote.start_zygote(folder, "k", str(tmp_path / "heavy.py"))
+    job_zygote.start_zygote(folder, "k", str(tmp_path / "heavy.py"))  # once: k.starting is there
+    assert started == [[sys.executable, job_zygote.__file__, str(folder / "k.sock")]]

@@ -11,11 +11,11 @@ gets to the child's process group, and the child is killed when that process die
 How it is wired: tests/site/ is on the tests' PYTHONPATH (conftest.tool_env), with JOB_ZYGOTES naming a folder of
 this pytest worker; sitecustomize.py calls `delegate()` as a job's Python starts. A zygote is keyed by the Python
 and the environment a job's imports could read (everything but the per-job variables: SLURM's, the thread counts,
-TMPDIR, pytest's current test): the third job with a key starts one (the first two run as they would without this
-file), and it answers once it has imported; until then, and for any key without one, a job runs in its own Python.
-FORK_JOBS=0 when pytest starts (JOB_ZYGOTES unset) turns it off. The trainer's launcher (ranks.py forks its own
-ranks) and launch.py are not forked. A zygote ends when the pytest worker that owns its folder has ended, or after 2
-idle minutes; a worker has at most 4 at once.
+TMPDIR, pytest's current test): the third job with a key that imports torch or transformers starts one (the first
+two run as they would without this file), and it answers once it has imported; until then, and for any key without
+one, a job runs in its own Python. FORK_JOBS=0 when pytest starts (JOB_ZYGOTES unset) turns it off. The trainer's
+launcher (ranks.py forks its own ranks) and launch.py are not forked. A zygote ends when the pytest worker that owns
+its folder has ended, or after 2 idle minutes; a worker has at most 4 at once.
 """
 
 import contextlib
@@ -91,7 +91,7 @@ def delegate() -> None:
         conn.connect(str(folder / f"{key}.sock"))
     except OSError:
         conn.close()
-        start_zygote(folder, key)
+        start_zygote(folder, key, script)
         return
     request = {"argv": [script, *sys.argv[1:]], "cwd": os.getcwd(), "env": dict(os.environ)}
     socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
@@ -112,9 +112,14 @@ def delegate() -> None:
     os._exit(code)
 
 
-def start_zygote(folder, key: str) -> None:
-    """The second job with ``key`` starts its zygote (once: the .starting file is made exclusively)."""
+def start_zygote(folder, key: str, script: str) -> None:
+    """The STARTED_BY-th job with ``key`` whose script imports torch or transformers (a light job, a report page,
+    say, runs as fast alone) starts its zygote, once: the .starting file is made exclusively."""
     import subprocess
+
+    with open(script, "rb") as source:
+        if not any(name in source.read() for name in (b"torch", b"transformers")):
+            return
 
     seen, starting = folder / f"{key}.seen", folder / f"{key}.starting"
     try:
