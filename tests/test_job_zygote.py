@@ -119,9 +119,17 @@ def test_only_the_workflow_scripts_but_the_trainers_are_forked(tmp_path):
         assert job_zygote.script_of([str(scripts / name)]) is None
     assert job_zygote.script_of(["-c"]) is None and job_zygote.script_of([str(tmp_path / "other.py")]) is None
     # the key leaves out what differs between the jobs of one run, and keeps what an import could read
-    env = {"PATH": "/bin", "HF_HOME": "/h"}
-    assert key(env | {"OMP_NUM_THREADS": "2", "SLURM_JOB_ID": "4", "TMPDIR": "/t"}) == key(env)
-    assert key(env | {"HF_HOME": "/other"}) != key(env)
+    env = {"PATH": "/bin", "HF_HOME": "/h", "PYTHONPATH": "/c"}
+    per_job = {
+        "OMP_NUM_THREADS": "2",
+        "SLURM_JOB_ID": "4",
+        "TMPDIR": "/t",
+        "PYTEST_CURRENT_TEST": "t",
+        "MAKELEVEL": "1",
+    }
+    assert key(env | per_job) == key(env)
+    for read in ("HF_HOME", "PYTHONPATH", "TRANSFORMERS_CACHE", "TORCH_HOME", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD"):
+        assert key(env | {read: "/other"}) != key(env), read
 
 
 def wait_for_pid(path: Path) -> int:

@@ -10,12 +10,12 @@ gets to the child's process group, and the child is killed when that process die
 
 How it is wired: tests/site/ is on the tests' PYTHONPATH (conftest.tool_env), with JOB_ZYGOTES naming a folder of
 this pytest worker; sitecustomize.py calls `delegate()` as a job's Python starts. A zygote is keyed by the Python
-and the environment a job's imports could read (everything but the per-job variables: SLURM's, the thread counts,
-TMPDIR, pytest's current test): the third job with a key that imports torch or transformers starts one (the first
-two run as they would without this file), and it answers once it has imported; until then, and for any key without
-one, a job runs in its own Python. FORK_JOBS=0 when pytest starts (JOB_ZYGOTES unset) turns it off. The trainer's
-launcher (ranks.py forks its own ranks) and launch.py are not forked. A zygote ends when the pytest worker that owns
-its folder has ended, or after 2 idle minutes; a worker has at most 4 at once.
+and the environment a job's imports could read (READ_AT_IMPORT: not SLURM's variables, the thread counts, TMPDIR):
+the third job with a key that imports torch or transformers starts one (the first two run as they would without this
+file), and it answers once it has imported; until then, and for any key without one, a job runs in its own Python.
+FORK_JOBS=0 when pytest starts (JOB_ZYGOTES unset) turns it off. The trainer's launcher (ranks.py forks its own
+ranks) and launch.py are not forked. A zygote ends when the pytest worker that owns its folder has ended, or after 2
+idle minutes; a worker has at most 4 at once.
 """
 
 import contextlib
@@ -23,8 +23,12 @@ import os
 import sys
 
 NOT_FORKED = ("train/ranks.py", "train/launch.py", "train/train.py")
-PER_JOB = ("SLURM_", "SLURMD_", "SRUN_", "OMP_", "MKL_", "OPENBLAS_", "GOTO_", "VECLIB_", "NUMEXPR_")
-PER_JOB_NAMES = {"PWD", "OLDPWD", "SHLVL", "_", "TMPDIR", "TMP", "TEMP", "PYTEST_CURRENT_TEST"}
+# what the preloaded libraries (or the interpreter) could read as they are imported: a key is these variables' values
+# (not SLURM's, make's, the thread counts (set_num_threads in run_job), TMPDIR (reset there), PATH)
+READ_AT_IMPORT = (
+    "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "SAFETENSORS", "TORCH", "PYTORCH", "CUDA", "NVIDIA", "KMP_",
+    "NPY_", "NUMPY", "ARROW_", "PYARROW", "PANDAS", "PYTHON", "LD_", "XDG_", "HOME", "USE_", "ACCELERATE", "MPL",
+)  # fmt: skip
 PRELOAD = (
     "torch",
     "numpy",
@@ -60,11 +64,8 @@ def script_of(argv: list[str]) -> str | None:
 
 
 def kept(environ: dict) -> list:
-    """What a key is made of: the Python and the environment but the per-job variables."""
-    return [
-        sys.executable,
-        sorted((k, v) for k, v in environ.items() if k not in PER_JOB_NAMES and not k.startswith(PER_JOB)),
-    ]
+    """What a key is made of: the Python and the variables READ_AT_IMPORT."""
+    return [sys.executable, sorted((k, v) for k, v in environ.items() if k.startswith(READ_AT_IMPORT))]
 
 
 def key_of(environ: dict) -> str:
