@@ -183,6 +183,21 @@ def ranks_command(procs: int = 2) -> list[str]:
     return [sys.executable, ranks, "--standalone", "--nproc_per_node", str(procs)]
 
 
+def check_ranks_command(config: dict, procs: int = 2) -> list[str]:
+    """ranks_command for a test's own rank script (tests/*_check.py) on the tiny Qwen3: the launcher imports first
+    what the trainer's ranks would for ``config``'s strategy and PEFT (ranks.py preloads that for train.py only),
+    so the forked ranks do not import it again."""
+    from workflow_scripts.train.parallel import STRATEGIES
+    from workflow_scripts.train.ranks import RANK_IMPORTS
+
+    modules = [*RANK_IMPORTS, *STRATEGIES[config.get("strategy", "ddp")].rank_imports]
+    modules += ["transformers.models.qwen3.modeling_qwen3"] + (["peft"] if config.get("peft") == "lora" else [])
+    preload_then_ranks = (
+        "import sys; from workflow_scripts.train import ranks; ranks.preload(sys.argv.pop(1).split(',')); ranks.main()"
+    )
+    return [sys.executable, "-c", preload_then_ranks, ",".join(modules), *ranks_command(procs)[2:]]
+
+
 def train_command(tmp: Path, assets: dict, config: dict, procs: int = 2) -> list[str]:
     """torchrun (ranks.py) starting ``procs`` ranks of trainer_args on this machine."""
     return [*ranks_command(procs), *trainer_args(tmp, assets, config)]

@@ -7,6 +7,7 @@ all-reduced over CPU DTensors).
 """
 
 import json
+import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -56,7 +57,8 @@ def main() -> None:
         out.write_text(json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()
-    os._exit(0)
+    if multiprocessing.parent_process() is None:  # a rank ranks.py forked returns to torchrun's code
+        os._exit(0)  # DeepSpeed's CPU backend can abort in interpreter teardown
 
 
 if __name__ == "__main__":

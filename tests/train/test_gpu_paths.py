@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import BIN, REPO, tool_env, trainer_env
+from conftest import REPO, check_ranks_command, tool_env, trainer_env
 
 from workflow_scripts.core.settings import training_config
 from workflow_scripts.train.train import process_group_backend
@@ -55,8 +55,7 @@ def test_fsdp_cpu_offload_path_runs_a_clipped_step_on_cpu(tiny_qwen3, tmp_path, 
 
 def offload_check(base, config: dict, tmp_path) -> dict:
     out = tmp_path / "check.json"
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(REPO / "tests/offload_check.py"),
-           str(base), json.dumps(config), str(out)]  # fmt: skip
+    cmd = [*check_ranks_command(config), str(REPO / "tests/offload_check.py"), str(base), json.dumps(config), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=trainer_env(), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())

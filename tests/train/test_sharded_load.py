@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import BIN, REPO, trainer_env
+from conftest import REPO, check_ranks_command, trainer_env
 
 pytestmark = pytest.mark.torchrun
 
@@ -35,8 +35,7 @@ def check(base, training: dict, tmp_path) -> dict:
     out = tmp_path / "check.json"
     config = {"precision": "fp32", "zero_stage": 3} | training
     script = REPO / "tests" / "sharded_load_check.py"
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(script), str(base), json.dumps(config),
-           str(out)]  # fmt: skip
+    cmd = [*check_ranks_command(config), str(script), str(base), json.dumps(config), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=trainer_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
