@@ -8,7 +8,7 @@ directory, environment, standard streams and arguments, with the interpreter's e
 the job's own process, which stays the job (Snakemake, the shell and SLURM see and signal it; it forwards what it
 gets to the child's process group, and the child is killed when that process dies). Only the imports are shared.
 
-How it is wired: tests/site/ is on the tests' PYTHONPATH (conftest.tool_env), with JOB_ZYGOTES naming a folder of
+How it is wired: tests/site/ is on the tests' PYTHONPATH (conftest, for every command), JOB_ZYGOTES naming a folder of
 this pytest worker; sitecustomize.py calls `delegate()` as a job's Python starts. A zygote is keyed by the Python
 and the environment a job's imports could read (READ_AT_IMPORT: not SLURM's variables, the thread counts, TMPDIR):
 the third job with a key that imports torch or transformers starts one (the first two run as they would without this
