@@ -6,6 +6,7 @@ import os
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from workflow_scripts.model.presets import preset_name
@@ -28,6 +29,7 @@ from workflow_scripts.evals.task_data import check_names as check_task_names
 from workflow_scripts.evals.task_index import check_tasks
 
 SCRIPTS = Path(workflow.basedir) / "workflow_scripts"
+RUN_STARTED = time.time()  # handlers.smk: a SLURM log older than this run is an earlier run's
 
 # The rules call `python` and `torchrun` by name: .venv/bin/snakemake works without activating .venv.
 interpreter_first_on_path()

@@ -109,8 +109,10 @@ def snakemake_cmd(workdir: Path, config: dict, *args: str) -> list[str]:
 
 
 def job_logs(workdir: Path) -> str:
-    """The tails of the rules' logs and of the sbatch logs (SLURM runs), for failure messages."""
-    paths = sorted((workdir / "logs").rglob("*.log")) + sorted((workdir / ".snakemake" / "slurm_logs").rglob("*.log"))
+    """The tails of the rules' logs and of the sbatch logs (SLURM runs), for failure messages: the last written last
+    (a failed job's, which a report showing only the head and the tail of a long output keeps)."""
+    paths = [*(workdir / "logs").rglob("*.log"), *(workdir / ".snakemake" / "slurm_logs").rglob("*.log")]
+    paths.sort(key=lambda p: (p.stat().st_mtime, str(p)))
     return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in paths)
 
 

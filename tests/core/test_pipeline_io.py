@@ -142,6 +142,20 @@ train.py FAILED
 """
 
 
+# a joint job's log after node1's ranks were killed (SIGKILL): srun's line, then node0's torchrun ended by srun
+JOINT_NODE_KILLED_LOG = """\
+2026-11-29 14:50:09,320 INFO plan: {'shards': ['node0.parquet', 'node1.parquet']}
+srun: error: node1: task 1: Killed
+srun: launch/slurm: _step_signal: Terminating StepId=4.0
+slurmstepd-node0: error: *** STEP 4.0 ON node0 CANCELLED AT 2026-11-29T14:50:09 ***
+W1129 14:50:09.644000 25018 torch/distributed/elastic/agent/server/api.py:753] Received 15 death signal
+Traceback (most recent call last):
+  File "/work/main/workflow_scripts/train/ranks.py", line 122, in <module>
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 25018 got signal: 15
+srun: error: node0: task 0: Exited with exit code 1
+"""
+
+
 @pytest.mark.parametrize(
     "log,reason",
     [
@@ -165,6 +179,7 @@ train.py FAILED
             "2026-11-25 09:40:01,123 WARNING ignoring partial checkpoint x\n2026-11-25 09:40:01,123 INFO step 4/12\n",
             None,
         ),
+        (JOINT_NODE_KILLED_LOG, "node1's task 1 killed (srun then ended the other nodes' tasks)"),
         ("2026-11-25 09:40:01,123 INFO step 4/12 loss 2.1\n", None),  # killed from outside: nothing to say
         ("", None),
     ],
@@ -177,6 +192,7 @@ train.py FAILED
         "logged-error",
         "preempted",
         "warning",
+        "joint-node-killed",
         "nothing",
         "empty",
     ],
@@ -188,6 +204,64 @@ def test_stop_reason_is_the_logs_last_error_line(tmp_path, log, reason):
     (tmp_path / "job.log").write_text(log)
     assert log_stop_reason(tmp_path / "job.log") == reason
     assert log_stop_reason(tmp_path / "missing.log") is None
+
+
+# a SLURM log's tail as slurmstepd writes it (the scancel line as this suite's test cluster wrote it; the others in
+# Slurm's own words, src/slurmd/slurmstepd/req.c and task/cgroup)
+INNER_SNAKEMAKE = "[Sun Nov 29 14:24:54 2026]\nError in rule train_joint:\n    jobid: 0\nShutting down\n"
+
+
+@pytest.mark.parametrize(
+    "log, reason",
+    [
+        (
+            "Building DAG\nslurmstepd-node0: error: *** JOB 1 ON node0 CANCELLED AT 2026-11-29T14:24:50 DUE TO TIME"
+            " LIMIT ***\n" + INNER_SNAKEMAKE,
+            "SLURM cancelled job 1 on node0 at 2026-11-29T14:24:50: its time limit (the rule's resources.runtime,"
+            " minutes)",
+        ),
+        (
+            "slurmstepd: error: *** STEP 12.0 ON gpu7 CANCELLED AT 2026-11-29T02:00:01 DUE TO PREEMPTION ***\n",
+            "SLURM cancelled step 12.0 on gpu7 at 2026-11-29T02:00:01: preemption",
+        ),
+        (
+            "slurmstepd-node0: error: *** STEP 4.0 ON node0 CANCELLED AT 2026-11-29T14:50:09 ***\n" + INNER_SNAKEMAKE,
+            "SLURM cancelled step 4.0 on node0 at 2026-11-29T14:50:09: scancel or an administrator",
+        ),
+        (
+            "slurmstepd: error: Detected 1 oom_kill event in StepId=4411.batch. Some of the step tasks have been OOM"
+            " Killed.\n",
+            "SLURM killed StepId=4411.batch for memory: out of its memory (the rule's resources.mem_mb)",
+        ),
+        (
+            "slurmstepd: error: Detected 2 oom-kill event(s) in step 4411.0 cgroup.\n",
+            "SLURM killed 4411.0 for memory: out of its memory (the rule's resources.mem_mb)",
+        ),
+        (
+            "slurmstepd: error: *** JOB 88 CANCELLED AT 2019-03-01T10:00:00 DUE TO NODE FAILURE, SEE SLURMCTLD LOG FOR"
+            " DETAILS ***\n",
+            "SLURM cancelled job 88 at 2019-03-01T10:00:00: node failure, see slurmctld log for details",
+        ),
+        (INNER_SNAKEMAKE, None),
+    ],
+    ids=["time-limit", "preempted", "scancel", "oom", "oom-older-slurm", "node-failure-older-slurm", "the-job-itself"],
+)
+def test_slurm_stop_reason_is_what_slurmstepd_wrote(tmp_path, log, reason):
+    """The one line a failed SLURM job gets on the console (handlers.smk) when SLURM ended it: its newest SLURM log
+    in the executor's folder for the rule, not one older than the run."""
+    import os
+
+    from workflow_scripts.core.pipeline_io import slurm_log_stop_reason, slurm_stop_reason
+
+    assert slurm_stop_reason(log) == reason
+    folder = tmp_path / "rule_train_joint"
+    folder.mkdir()
+    (folder / "6.log").write_text("slurmstepd: error: *** JOB 6 ON node0 CANCELLED AT 2026-11-28T10:00:00 ***\n")
+    os.utime(folder / "6.log", (1e9, 1e9))
+    (folder / "7.log").write_text(log)
+    assert slurm_log_stop_reason(folder) == reason
+    assert slurm_log_stop_reason(folder, since=2e9) is None  # both older than the run
+    assert slurm_log_stop_reason(tmp_path / "missing") is None
 
 
 def test_the_demo_models_weights_keep_the_users_umask(tmp_path):

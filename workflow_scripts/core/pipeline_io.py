@@ -97,11 +97,17 @@ RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")  # torch's prefix on a rank's traceb
 LOGGED = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ (ERROR|CRITICAL|WARNING) (.+)$")  # cli's logging format
 
 
+SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (.+)$")  # srun's word on a node's task that ended
+# what torchrun raises because another process ended (a rank; srun ending the node's task): never the cause
+CONSEQUENCES = ("ChildFailedError", "SignalException: Process")
+
+
 def stop_reason(text: str) -> str | None:
     """Why a job stopped, as one line, from the end of its log: the last `error: ...` line (cli's UserError),
-    else the exception line that ends the last traceback (a rank's too; torchrun's own ChildFailedError only
-    wraps a rank's), else the last ERROR line logged (or the trainer's warning that it exits 75 on a stop
-    signal); None when the log says nothing (killed from outside)."""
+    else the exception line that ends the last traceback (a rank's too; torchrun's ChildFailedError only wraps a
+    rank's, its SignalException is srun ending it), else the first node task srun saw end (a joint job's), else the
+    last ERROR line logged (or the trainer's warning that it exits 75 on a stop signal); None when the log says
+    nothing (killed from outside)."""
     found: dict[int, str] = {}
     in_traceback = False
     for line in text.splitlines():
@@ -112,10 +118,13 @@ def stop_reason(text: str) -> str | None:
             in_traceback = True
         elif in_traceback and line and not line[0].isspace():
             in_traceback = False
-            if "ChildFailedError" not in line:
+            if not any(c in line for c in CONSEQUENCES):
                 found[1] = line
+        elif (m := SRUN_TASK.match(line)) and 2 not in found:
+            node, task, how = m.groups()
+            found[2] = f"{node}'s task {task} {how[0].lower()}{how[1:]} (srun then ended the other nodes' tasks)"
         elif (m := LOGGED.match(line)) and (m.group(1) != "WARNING" or "exiting 75" in line):
-            found[2] = m.group(2)
+            found[3] = m.group(2)
     return found[min(found)] if found else None
 
 
@@ -125,6 +134,47 @@ def log_stop_reason(path, tail: int = 1 << 16) -> str | None:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
             return stop_reason(f.read().decode(errors="replace"))
+    except OSError:
+        return None
+
+
+# slurmstepd's lines in a job's SLURM log (its stdout) when SLURM, not the job, ended it (Slurm before 20.02: no "ON")
+SLURM_CANCELLED = re.compile(r"\*\*\* (JOB|STEP) (\S+)(?: ON (\S+))? CANCELLED AT (\S+)(?: DUE TO (.+?))? \*\*\*")
+SLURM_OOM = re.compile(r"Detected \d+ oom[-_]kill event\S* in (?:step )?(\S+?)\.?(?:\s|$)")
+SLURM_CAUSES = {"TIME LIMIT": "its time limit (the rule's resources.runtime, minutes)", "PREEMPTION": "preemption"}
+
+
+def slurm_stop_reason(text: str) -> str | None:
+    """Why SLURM ended a job, as one line, from its SLURM log (slurmstepd's `*** JOB 7 ON node0 CANCELLED AT ...
+    DUE TO TIME LIMIT ***`, an oom-kill count); None when SLURM said nothing of it there."""
+    cancelled = [m for line in text.splitlines() if (m := SLURM_CANCELLED.search(line))]
+    if cancelled:
+        kind, job, node, when, cause = cancelled[0].groups()
+        why = SLURM_CAUSES.get(cause, cause.lower()) if cause else "scancel or an administrator"
+        return f"SLURM cancelled {kind.lower()} {job}{f' on {node}' if node else ''} at {when}: {why}"
+    oom = [m for line in text.splitlines() if (m := SLURM_OOM.search(line))]
+    if oom:
+        return f"SLURM killed {oom[-1].group(1)} for memory: out of its memory (the rule's resources.mem_mb)"
+    return None
+
+
+def slurm_log_folder(rule: str, wildcards: list) -> Path:
+    """Where Snakemake's slurm executor writes the SLURM logs (the batch jobs' output) of a rule's job with these
+    wildcard values (its get_job_wildcards)."""
+    return Path(".snakemake", "slurm_logs", f"rule_{rule}", "_".join(map(str, wildcards)).replace(os.sep, "_"))
+
+
+def slurm_log_stop_reason(folder, since: float = 0.0, tail: int = 1 << 16) -> str | None:
+    """slurm_stop_reason of the newest SLURM log (``*.log``) in ``folder``, Snakemake's slurm executor's folder for
+    one rule and wildcards (.snakemake/slurm_logs/rule_<name>/<wildcards>), if written at or after ``since`` (this
+    run's start: not an earlier run's); None when there is none."""
+    logs = sorted(Path(folder).glob("*.log"), key=lambda p: p.stat().st_mtime) if Path(folder).is_dir() else []
+    if not logs or logs[-1].stat().st_mtime < since:
+        return None
+    try:
+        with open(logs[-1], "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            return slurm_stop_reason(f.read().decode(errors="replace"))
     except OSError:
         return None
 

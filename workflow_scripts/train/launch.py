@@ -5,7 +5,7 @@ Inside a SLURM job (SLURM_JOB_ID set) this process becomes
     srun --kill-on-bad-exit=1 --nodes=N --ntasks=N --ntasks-per-node=1 --cpus-per-task=C \\
         sh -c 'script="$1"; shift; exec "$0" "$script" --node-rank="$SLURM_NODEID" "$@"' \\
         python ranks.py --nnodes=N --nproc-per-node=P --master-addr=<first node's NodeAddr> --master-port=<port> \\
-        --max-restarts=0 train.py ...
+        --max-restarts=0 --rdzv-conf=timeout=<training.collective_timeout_s> train.py ...
 
 one torchrun per node (ranks.py: torchrun, whose ranks fork from it after the imports on a machine without
 GPUs) with a static rendezvous on the first node's address (c10d rendezvous needs distinct hostnames; the
@@ -18,6 +18,7 @@ fails, the others are killed, as srun would.
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import re
@@ -37,12 +38,27 @@ RANKS = str(Path(__file__).with_name("ranks.py"))
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
-def torchrun_args(nodes: int, procs: int, master_addr: str, master_port: int) -> list[str]:
-    """torchrun (ranks.py) with a static rendezvous; the node rank is added per node."""
+def torchrun_args(nodes: int, procs: int, master_addr: str, master_port: int, timeout_s: int = 600) -> list[str]:
+    """torchrun (ranks.py) with a static rendezvous that waits ``timeout_s`` for every node, then fails saying how
+    many came (torchrun's own default, 900 s, is as long as a short job's whole time limit: a node that never came
+    would end in SLURM's TIMEOUT, silent); the node rank is added per node."""
     return [
         "python", RANKS, f"--nnodes={nodes}", f"--nproc-per-node={procs}", f"--master-addr={master_addr}",
-        f"--master-port={master_port}", "--max-restarts=0",
+        f"--master-port={master_port}", "--max-restarts=0", f"--rdzv-conf=timeout={timeout_s}",
     ]  # fmt: skip
+
+
+def collective_timeout(train: list[str]) -> int:
+    """training.collective_timeout_s of the trainer's ``--config`` in ``train`` (600 without one): how long a node
+    waits for the others."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--config", default="{}")
+    a, _ = p.parse_known_args(train[1:])
+    try:
+        cfg = json.loads(a.config)
+        return int(cfg.get("collective_timeout_s") or 600) if isinstance(cfg, dict) else 600
+    except (ValueError, TypeError):
+        return 600  # the trainer says what is wrong with its --config
 
 
 def srun_command(nodes: int, cpus_per_task: int, torchrun: list[str], train: list[str]) -> list[str]:
@@ -143,11 +159,16 @@ def main(argv=None) -> None:
             )
         threads = threads_per_rank(cpus, a.procs_per_node)
         os.environ.update(dict.fromkeys(THREAD_VARS, str(threads)))
-        cmd = srun_command(nodes, cpus, torchrun_args(nodes, a.procs_per_node, addr, job_port(job_id)), train)
+        timeout = collective_timeout(train)
+        cmd = srun_command(nodes, cpus, torchrun_args(nodes, a.procs_per_node, addr, job_port(job_id), timeout), train)
         log.info("%s", shlex.join(cmd))
+        log.info(
+            "%d nodes meet at %s:%d; a node not there within %d s fails the job", nodes, addr, job_port(job_id), timeout
+        )
         os.execvp(cmd[0], cmd)  # srun gets the signals SLURM sends this job step
     threads = threads_per_rank(a.threads, a.nodes * a.procs_per_node)
-    commands = local_commands(a.nodes, torchrun_args(a.nodes, a.procs_per_node, "127.0.0.1", free_port()), train)
+    torchrun = torchrun_args(a.nodes, a.procs_per_node, "127.0.0.1", free_port(), collective_timeout(train))
+    commands = local_commands(a.nodes, torchrun, train)
     log.info("no SLURM job: %d node groups on this machine, %d thread(s) per rank", a.nodes, threads)
     sys.exit(run_groups(commands, os.environ | dict.fromkeys(THREAD_VARS, str(threads))))
 

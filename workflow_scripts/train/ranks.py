@@ -22,6 +22,7 @@ import importlib
 import json
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -108,8 +109,15 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run as torchrun
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    args = torchrun.parse_args(argv)
+    if args.nnodes not in ("1", "1:1") and not args.standalone:  # a joint job's node: say it came (launch.py)
+        print(
+            f"node {args.node_rank} ({os.environ.get('SLURMD_NODENAME') or socket.gethostname()}, pid {os.getpid()}):"
+            f" {args.nproc_per_node} rank(s), joining the rendezvous at {args.master_addr}:{args.master_port}",
+            file=sys.stderr,
+            flush=True,
+        )
     if forks_ranks():
-        args = torchrun.parse_args(argv)
         preload(modules_for(args.training_script, args.training_script_args))
         # the ranks write through this process's streams: unbuffered, as torchrun's `python -u` ranks
         sys.stdout.reconfigure(write_through=True)
