@@ -2,7 +2,9 @@
 output, exit code, working directory, environment and arguments; signals sent to the job's process reach the
 script; a job whose own process is killed takes its fork with it."""
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -130,6 +132,16 @@ def test_only_the_workflow_scripts_but_the_trainers_are_forked(tmp_path):
     assert key(env | per_job) == key(env)
     for read in ("HF_HOME", "PYTHONPATH", "TRANSFORMERS_CACHE", "TORCH_HOME", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD"):
         assert key(env | {read: "/other"}) != key(env), read
+    # a job in another network namespace (a host of the two-host cluster) has a zygote of its own
+    code = f"import json, job_zygote; print(job_zygote.key_of(json.loads({json.dumps(json.dumps(env))})))"
+    cmd = [str(BIN / "python"), "-c", code]
+    here = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(job_zygote.__file__).parent, check=True)
+    assert here.stdout.strip() == key(env)
+    if shutil.which("unshare"):
+        there = subprocess.run(["unshare", "--net", *cmd], capture_output=True, text=True,
+                               cwd=Path(job_zygote.__file__).parent)  # fmt: skip
+        assert there.returncode == 0, there.stderr
+        assert there.stdout.strip() != key(env)
 
 
 def wait_for_pid(path: Path) -> int:

@@ -10,7 +10,8 @@ gets to the child's process group, and the child is killed when that process die
 
 How it is wired: tests/site/ is on the tests' PYTHONPATH (conftest, for every command), JOB_ZYGOTES naming a folder of
 this pytest worker; sitecustomize.py calls `delegate()` as a job's Python starts. A zygote is keyed by the Python
-and the environment a job's imports could read (READ_AT_IMPORT: not SLURM's variables, the thread counts, TMPDIR):
+the environment a job's imports could read (READ_AT_IMPORT: not SLURM's variables, the thread counts, TMPDIR) and
+the network namespace:
 the third job with a key that imports torch or transformers starts one (the first two run as they would without this
 file), and it answers once it has imported; until then, and for any key without one, a job runs in its own Python.
 FORK_JOBS=0 when pytest starts (JOB_ZYGOTES unset) turns it off. The trainer's launcher (ranks.py forks its own
@@ -64,8 +65,13 @@ def script_of(argv: list[str]) -> str | None:
 
 
 def kept(environ: dict) -> list:
-    """What a key is made of: the Python and the variables READ_AT_IMPORT."""
-    return [sys.executable, sorted((k, v) for k, v in environ.items() if k.startswith(READ_AT_IMPORT))]
+    """What a key is made of: the Python, the network namespace (a job of the two-host cluster's host runs in that
+    host's network, tests/two_host_cluster.py) and the variables READ_AT_IMPORT."""
+    try:
+        network = os.readlink("/proc/self/ns/net")
+    except OSError:
+        network = ""
+    return [sys.executable, network, sorted((k, v) for k, v in environ.items() if k.startswith(READ_AT_IMPORT))]
 
 
 def key_of(environ: dict) -> str:
