@@ -128,14 +128,20 @@ def stop_reason(text: str) -> str | None:
     return found[min(found)] if found else None
 
 
-def log_stop_reason(path, tail: int = 1 << 16) -> str | None:
-    """stop_reason of the last ``tail`` bytes of the log file ``path`` (None when it cannot be read)."""
+def log_tail(path, tail: int = 1 << 16) -> str | None:
+    """The last ``tail`` bytes of the file ``path`` as text (None when it cannot be read)."""
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
-            return stop_reason(f.read().decode(errors="replace"))
+            return f.read().decode(errors="replace")
     except OSError:
         return None
+
+
+def log_stop_reason(path, tail: int = 1 << 16) -> str | None:
+    """stop_reason of the last ``tail`` bytes of the log file ``path`` (None when it cannot be read)."""
+    text = log_tail(path, tail)
+    return None if text is None else stop_reason(text)
 
 
 # slurmstepd's lines in a job's SLURM log (its stdout) when SLURM, not the job, ended it (Slurm before 20.02: no "ON")
@@ -171,12 +177,8 @@ def slurm_log_stop_reason(folder, since: float = 0.0, tail: int = 1 << 16) -> st
     logs = sorted(Path(folder).glob("*.log"), key=lambda p: p.stat().st_mtime) if Path(folder).is_dir() else []
     if not logs or logs[-1].stat().st_mtime < since:
         return None
-    try:
-        with open(logs[-1], "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
-            return slurm_stop_reason(f.read().decode(errors="replace"))
-    except OSError:
-        return None
+    text = log_tail(logs[-1], tail)
+    return None if text is None else slurm_stop_reason(text)
 
 
 @contextlib.contextmanager
