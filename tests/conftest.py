@@ -194,10 +194,7 @@ def check_ranks_command(config: dict, procs: int = 2) -> list[str]:
 
     modules = [*RANK_IMPORTS, *STRATEGIES[config.get("strategy", "ddp")].rank_imports]
     modules += ["transformers.models.qwen3.modeling_qwen3"] + (["peft"] if config.get("peft") == "lora" else [])
-    preload_then_ranks = (
-        "import sys; from workflow_scripts.train import ranks; ranks.preload(sys.argv.pop(1).split(',')); ranks.main()"
-    )
-    return [sys.executable, "-c", preload_then_ranks, ",".join(modules), *ranks_command(procs)[2:]]
+    return [sys.executable, str(SITE / "check_ranks.py"), ",".join(modules), *ranks_command(procs)[2:]]
 
 
 def train_command(tmp: Path, assets: dict, config: dict, procs: int = 2) -> list[str]:
@@ -205,9 +202,16 @@ def train_command(tmp: Path, assets: dict, config: dict, procs: int = 2) -> list
     return [*ranks_command(procs), *trainer_args(tmp, assets, config)]
 
 
+# In the environment of a trainer whose ranks a test finds by their command line or parent (training_ranks, pgrep),
+# or signals as SLURM does (every process of the job step): its launcher is not forked from a job zygote
+# (site/job_zygote.py), whose forks are the zygote's children, with its command line.
+OWN_LAUNCHER = {"FORK_LAUNCHERS": "0"}
+
+
 def training_ranks(workdir) -> list[int]:
     """pids of the trainer's ranks (not torchrun itself) running in ``workdir``: those torchrun started as a new
-    Python (LOCAL_RANK in their environment at exec), and those ranks.py forked (its children with its command line)."""
+    Python (LOCAL_RANK in their environment at exec), and those ranks.py forked (its children with its command line).
+    The trainer's environment has OWN_LAUNCHER."""
     found = {}
     for proc in Path("/proc").iterdir():
         try:
@@ -249,11 +253,12 @@ def run_trainer(
     return proc
 
 
-def start_trainer(tmp: Path, assets: dict, config: dict, procs: int = 2) -> subprocess.Popen:
-    """train_command in the background, in a session of its own (to signal the whole job step as SLURM does)."""
+def start_trainer(tmp: Path, assets: dict, config: dict, procs: int = 2, env: dict | None = None) -> subprocess.Popen:
+    """train_command in the background, in a session of its own (to signal the whole job step as SLURM does;
+    ``env``: variables added)."""
     cmd = train_command(tmp, assets, config, procs)
-    return subprocess.Popen(cmd, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    return subprocess.Popen(cmd, env=trainer_env() | (env or {}), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
 
 
 def wait_for(predicate, timeout=300) -> bool:

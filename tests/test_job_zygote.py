@@ -109,17 +109,24 @@ def test_a_killed_jobs_fork_is_killed_too(zygote, tmp_path):
         raise AssertionError(f"the forked job {child} outlived its process")
 
 
-def test_only_the_workflow_scripts_but_the_trainers_are_forked(tmp_path):
+def test_the_workflow_scripts_and_one_nodes_launcher_are_forked(tmp_path):
     (tmp_path / "workflow_scripts" / "train").mkdir(parents=True)
     for name in ("evals/evaluation.py", "train/ranks.py", "train/train.py", "train/launch.py"):
         (tmp_path / "workflow_scripts" / name).parent.mkdir(exist_ok=True)
         (tmp_path / "workflow_scripts" / name).touch()
     scripts = tmp_path / "workflow_scripts"
-    evaluation = str(scripts / "evals" / "evaluation.py")
-    assert job_zygote.script_of([evaluation, "--x"]) == evaluation
-    for name in ("train/ranks.py", "train/train.py", "train/launch.py"):
-        assert job_zygote.script_of([str(scripts / name)]) is None
-    assert job_zygote.script_of(["-c"]) is None and job_zygote.script_of([str(tmp_path / "other.py")]) is None
+    evaluation, ranks = str(scripts / "evals" / "evaluation.py"), str(scripts / "train" / "ranks.py")
+    assert job_zygote.script_of([evaluation, "--x"], {}) == evaluation
+    # the trainer's launcher on one node (train_node's), unless the test asks for its own process tree
+    one_node = [ranks, "--standalone", "--nproc_per_node", "2", "train.py", "--config", "{}"]
+    assert job_zygote.script_of(one_node, {}) == ranks
+    assert job_zygote.script_of(one_node, {"FORK_LAUNCHERS": "0"}) is None
+    assert job_zygote.script_of([ranks, "--nnodes=2", "--node-rank=1", "train.py"], {}) is None  # a joint job's
+    check = str(Path(job_zygote.__file__).with_name("check_ranks.py"))  # a test's own rank script's
+    assert job_zygote.script_of([check, "torch", "--standalone", "x_check.py"], {}) == check
+    for name in ("train/train.py", "train/launch.py"):  # a rank started as a new Python; the job's srun
+        assert job_zygote.script_of([str(scripts / name)], {}) is None
+    assert job_zygote.script_of(["-c"], {}) is None and job_zygote.script_of([str(tmp_path / "other.py")], {}) is None
     # the key leaves out what differs between the jobs of one run, and keeps what an import could read
     env = {"PATH": "/bin", "HF_HOME": "/h", "PYTHONPATH": "/c"}
     per_job = {
@@ -167,3 +174,10 @@ def test_the_third_job_that_imports_torch_starts_a_zygote_and_light_jobs_do_not_
     job_zygote.start_zygote(folder, "k", str(tmp_path / "heavy.py"))
     job_zygote.start_zygote(folder, "k", str(tmp_path / "heavy.py"))  # once: k.starting is there
     assert started == [[sys.executable, job_zygote.__file__, str(folder / "k.sock")]]
+    # a launcher's zygote imports what its ranks import too
+    launcher = tmp_path / "workflow_scripts" / "train" / "ranks.py"
+    launcher.parent.mkdir(parents=True)
+    launcher.write_text("from torch.distributed import run\n")
+    for _ in range(job_zygote.STARTED_BY):
+        job_zygote.start_zygote(folder, "k-launcher", str(launcher))
+    assert started[1:] == [[sys.executable, job_zygote.__file__, str(folder / "k-launcher.sock"), "--launcher"]]

@@ -14,16 +14,25 @@ the environment a job's imports could read (READ_AT_IMPORT: not SLURM's variable
 the network namespace:
 the third job with a key that imports torch or transformers starts one (the first two run as they would without this
 file), and it answers once it has imported; until then, and for any key without one, a job runs in its own Python.
-FORK_JOBS=0 when pytest starts (JOB_ZYGOTES unset) turns it off. The trainer's launcher (ranks.py forks its own
-ranks) and launch.py are not forked. A zygote ends when the pytest worker that owns its folder has ended, or after 2
-idle minutes; a worker has at most 4 at once.
+FORK_JOBS=0 when pytest starts (JOB_ZYGOTES unset) turns it off. A zygote ends when the pytest worker that owns its
+folder has ended, or after 2 idle minutes; a worker has at most MAX_ZYGOTES at once.
+
+The trainer's launcher (ranks.py, torchrun, whose ranks it forks after importing what they import: ~15 s of CPU a
+start), and check_ranks.py (the same for a test's own rank script), are forked too when they run one node's ranks
+(`--standalone`), from a zygote of their own key that imported what the ranks import as well (LAUNCHER_PRELOAD):
+the launcher's and its ranks' processes are then children of the zygote, not of the job's process, with the
+zygote's command line. A test that finds or signals the ranks by their parent or command line (kill -9 of a rank,
+SLURM's signals to the ranks of a job step) sets FORK_LAUNCHERS=0. launch.py, a joint job's launchers and the ranks
+a launcher starts as new Pythons (train.py) are not forked.
 """
 
 import contextlib
 import os
 import sys
 
-NOT_FORKED = ("train/ranks.py", "train/launch.py", "train/train.py")
+# torchrun's launchers: the trainer's, and the tests' own rank scripts' (check_ranks.py)
+LAUNCHERS = ("/workflow_scripts/train/ranks.py", "/tests/site/check_ranks.py")
+NOT_FORKED = ("train/launch.py", "train/train.py")
 # what the preloaded libraries (or the interpreter) could read as they are imported: a key is these variables' values
 # (not SLURM's, make's, the thread counts (set_num_threads in run_job), TMPDIR (reset there), PATH)
 READ_AT_IMPORT = (
@@ -48,18 +57,29 @@ PRELOAD = (
     "yaml",
     "jsonschema",
 )  # (not the checkout's own modules: a test's copy of the checkout runs its own)
-SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")  # forwarded to the forked job
+# and for the trainer's launcher, the third-party part of what its ranks import (ranks.RANK_IMPORTS, the strategies'
+# rank_imports, PEFT): DeepSpeed as zero_runtime.import_deepspeed imports it, mlflow hidden
+LAUNCHER_PRELOAD = (
+    *PRELOAD, "torch.distributed.run", "torch.distributed.checkpoint", "torch.utils.tensorboard", "psutil", "peft",
+    "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer",
+)  # fmt: skip
+# forwarded to the forked job (SIGURG: SLURM's warning before a time limit, which only the ranks handle)
+SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGURG")
 IDLE_S = 120
 MAX_ZYGOTES = 4  # a worker's at once (~450 MB resident each, ~300 of it its own)
 STARTED_BY = 3  # the job with a key that starts its zygote (~10 s of CPU): a key of one or two jobs has none
 
 
-def script_of(argv: list[str]) -> str | None:
+def script_of(argv: list[str], environ: dict) -> str | None:
     """The workflow script ``argv`` (sys.argv of a starting Python) runs, if it is one a zygote runs."""
     if not argv or not argv[0].endswith(".py"):
         return None
     path = os.path.abspath(argv[0])
-    if f"{os.sep}workflow_scripts{os.sep}" not in path or path.endswith(NOT_FORKED) or not os.path.isfile(path):
+    if not os.path.isfile(path):
+        return None
+    if path.endswith(LAUNCHERS):  # one node's ranks, unless the test finds them by their parent
+        return path if "--standalone" in argv and environ.get("FORK_LAUNCHERS", "1") != "0" else None
+    if f"{os.sep}workflow_scripts{os.sep}" not in path or path.endswith(NOT_FORKED):
         return None
     return path
 
@@ -84,15 +104,16 @@ def key_of(environ: dict) -> str:
 def delegate() -> None:
     """In a starting Python: if it runs a workflow script and a zygote for its key answers, have the script run in a
     fork of it and exit as that run did; else return (and maybe start a zygote for the next job)."""
-    folder, script = os.environ.get("JOB_ZYGOTES"), script_of(sys.argv)
-    if not folder or not script:
+    folder = os.environ.get("JOB_ZYGOTES")
+    script = script_of(sys.argv, os.environ) if folder else None
+    if not script:
         return
     import json
     import signal
     import socket
     from pathlib import Path
 
-    folder, key = Path(folder), key_of(dict(os.environ))
+    folder, key = Path(folder), key_of(dict(os.environ)) + ("-launcher" if script.endswith(LAUNCHERS) else "")
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(str(folder / f"{key}.sock"))
@@ -145,8 +166,9 @@ def start_zygote(folder, key: str, script: str) -> None:
     except OSError:
         return
     with open(folder / f"{key}.log", "ab") as log:
+        launcher = ["--launcher"] if script.endswith(LAUNCHERS) else []
         subprocess.Popen(
-            [sys.executable, __file__, str(folder / f"{key}.sock")], stdin=subprocess.DEVNULL, stdout=log,
+            [sys.executable, __file__, str(folder / f"{key}.sock"), *launcher], stdin=subprocess.DEVNULL, stdout=log,
             stderr=log, start_new_session=True, cwd="/",
         )  # fmt: skip
 
@@ -158,10 +180,16 @@ def serve(sock_path, preload: tuple[str, ...] = PRELOAD) -> None:
     import socket
 
     for name in preload:
+        hidden = name == "deepspeed" and "mlflow" not in sys.modules
+        if hidden:
+            sys.modules["mlflow"] = None  # as zero_runtime.import_deepspeed: the autotuner's has_mlflow = False
         try:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 (a job imports what it needs itself)
             print(f"preload {name}: {e!r}", flush=True)
+        finally:
+            if hidden:
+                del sys.modules["mlflow"]
     owner = int((sock_path.parent / "owner").read_text())
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tmp = sock_path.with_suffix(f".{os.getpid()}.tmp")
@@ -291,7 +319,7 @@ def run_job(request: dict, fds: list[int]) -> int:
     return code
 
 
-if __name__ == "__main__":  # job_zygote.py SOCKET [--no-preload (tests/test_job_zygote.py)]
+if __name__ == "__main__":  # job_zygote.py SOCKET [--launcher | --no-preload (tests/test_job_zygote.py)]
     from pathlib import Path
 
-    serve(Path(sys.argv[1]), () if sys.argv[2:] == ["--no-preload"] else PRELOAD)
+    serve(Path(sys.argv[1]), {"--no-preload": (), "--launcher": LAUNCHER_PRELOAD}.get("".join(sys.argv[2:]), PRELOAD))

@@ -8,7 +8,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import copy_of_run, job_logs, snakemake_cmd, status, tiny_config, tool_env, training_ranks
+from conftest import OWN_LAUNCHER, copy_of_run, job_logs, snakemake_cmd, status, tiny_config, tool_env, training_ranks
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +34,8 @@ def test_kill_9_ends_the_ranks_and_the_rerun_resumes(tmp_path, ddp_run):
     work = copy_of_run(ddp_run[0], tmp_path / "work", drop=("plan", "train", "checkpoints", "models"))
     cmd = snakemake_cmd(work, config, "results/t/train/node0/train_state.json")
     with open(tmp_path / "first.log", "w") as out:
-        proc = subprocess.Popen(cmd, env=tool_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        env = tool_env() | OWN_LAUNCHER
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     checkpoints = work / "results" / "t" / "checkpoints"
     try:
         wait_for(lambda: list(checkpoints.glob("node*/*/step-*/COMPLETE")), 600, "a training checkpoint")

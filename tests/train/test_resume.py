@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    OWN_LAUNCHER,
     logged_losses,
     run_trainer,
     sigterm_then_rerun_equals_uninterrupted_run,
@@ -129,7 +130,7 @@ def test_a_nan_stops_the_job_and_keeps_the_good_checkpoints(tmp_path, demo_asset
 
 def test_one_dead_rank_ends_every_rank(tmp_path, demo_assets):
     cfg = CONFIG | {"max_steps": 100000, "checkpoint_every": 100000}
-    proc = start_trainer(tmp_path, demo_assets, cfg)
+    proc = start_trainer(tmp_path, demo_assets, cfg, env=OWN_LAUNCHER)
     assert wait_for(lambda: (tmp_path / "train" / "metrics.jsonl").exists())
     out = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "train.py"], capture_output=True, text=True)
     workers = [int(x) for x in out.stdout.split()]

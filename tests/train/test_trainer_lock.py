@@ -72,13 +72,13 @@ def test_a_second_trainer_on_live_checkpoints_stops_at_once(tmp_path, demo_asset
     import time
 
     import psutil  # Snakemake's own dependency
-    from conftest import start_trainer, train_command, trainer_env
+    from conftest import OWN_LAUNCHER, start_trainer, train_command, trainer_env
 
     # the first trains on while the second starts torchrun and imports torch (a loaded machine: long); its ranks,
     # forked after the imports (ranks.py), train 80 steps in about the time the second takes to start
     steps = 160
     cfg = {"lr": 3e-3, "micro_batch_size": 2, "max_steps": steps, "log_every": 1, "checkpoint_every": 8, "seed": 3}
-    first = start_trainer(tmp_path, demo_assets, cfg)
+    first = start_trainer(tmp_path, demo_assets, cfg, env=OWN_LAUNCHER)
     try:
         metrics = tmp_path / "train" / "metrics.jsonl"
         deadline = time.monotonic() + 300

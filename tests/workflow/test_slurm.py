@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 import yaml
 from conftest import (
+    OWN_LAUNCHER,
     PROFILES,
     check_outputs,
     copy_of_run,
@@ -274,7 +275,7 @@ def test_time_limit_signal_checkpoints_and_the_retry_resumes(slurm_cluster, ddp_
     start = time.monotonic()
     with open(log, "w") as out:
         cmd = snakemake_cmd(workdir, config, target, *PROFILES, "--profile", str(overlay))
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=slurm_env(slurm_cluster))
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=slurm_env(slurm_cluster) | OWN_LAUNCHER)
     try:
         slurm_cluster.wait_for(
             lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 150, what="3 training steps"
