@@ -66,7 +66,7 @@ LAUNCHER_PRELOAD = (
 # forwarded to the forked job (SIGURG: SLURM's warning before a time limit, which only the ranks handle)
 SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGURG")
 IDLE_S = 120
-MAX_ZYGOTES = 4  # a worker's at once (~450 MB resident each, ~300 of it its own)
+MAX_ZYGOTES = 5  # a worker's at once (~450 MB resident each, ~300 of it its own; a launcher's more)
 STARTED_BY = 3  # the job with a key that starts its zygote (~10 s of CPU): a key of one or two jobs has none
 
 
