@@ -144,7 +144,10 @@ def test_sigint_cancels_the_slurm_jobs(slurm_cluster, ddp_run, tmp_path):
     # the finished local run without its training and what comes of it (Snakemake makes no missing file that no
     # target needs): the SLURM run submits the training jobs first
     workdir = copy_of_run(ddp_run[0], tmp_path / "work", drop=("train", "checkpoints", "models", "eval"))
-    cmd = snakemake_cmd(workdir, tiny_config("t"), *PROFILES)
+    # training that lasts until it is cancelled (the demo's 12 steps can be done, job and all, between the check
+    # below and the SIGINT)
+    config = tiny_config("t", max_steps=100000, checkpoint_every=100000)
+    cmd = snakemake_cmd(workdir, config, *PROFILES)
     log = tmp_path / "snakemake.log"
     with open(log, "w") as out:
         # SIGINT as a terminal's Ctrl-C would send it; restored to the default in case this
