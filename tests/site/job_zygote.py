@@ -19,7 +19,8 @@ folder has ended, or after 2 idle minutes; a worker has at most MAX_ZYGOTES at o
 
 The trainer's launcher (ranks.py, torchrun, whose ranks it forks after importing what they import: ~15 s of CPU a
 start), and check_ranks.py (the same for a test's own rank script), are forked too when they run one node's ranks
-(`--standalone`), from a zygote of their own key that imported what the ranks import as well (LAUNCHER_PRELOAD):
+(`--standalone`), from the same zygote as the other jobs of their key, which imported what the ranks import as well
+(a run's launchers are few, after its heavy data jobs have started the zygote):
 the launcher's and its ranks' processes are then children of the zygote, not of the job's process, with the
 zygote's command line. A test that finds or signals the ranks by their parent or command line (kill -9 of a rank,
 SLURM's signals to the ranks of a job step) sets FORK_LAUNCHERS=0. launch.py, a joint job's launchers and the ranks
@@ -59,14 +60,14 @@ PRELOAD = (
 )  # (not the checkout's own modules: a test's copy of the checkout runs its own)
 # and for the trainer's launcher, the third-party part of what its ranks import (ranks.RANK_IMPORTS, the strategies'
 # rank_imports, PEFT): DeepSpeed as zero_runtime.import_deepspeed imports it, mlflow hidden
-LAUNCHER_PRELOAD = (
-    *PRELOAD, "torch.distributed.run", "torch.distributed.checkpoint", "torch.utils.tensorboard", "psutil", "peft",
+PRELOAD += (
+    "torch.distributed.run", "torch.distributed.checkpoint", "torch.utils.tensorboard", "psutil", "peft",
     "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer",
 )  # fmt: skip
 # forwarded to the forked job (SIGURG: SLURM's warning before a time limit, which only the ranks handle)
 SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGURG")
 IDLE_S = 120
-MAX_ZYGOTES = 5  # a worker's at once (~450 MB resident each, ~300 of it its own; a launcher's more)
+MAX_ZYGOTES = 5  # a worker's at once (~500 MB resident each, ~350 of it its own)
 STARTED_BY = 3  # the job with a key that starts its zygote (~10 s of CPU): a key of one or two jobs has none
 
 
@@ -113,7 +114,7 @@ def delegate() -> None:
     import socket
     from pathlib import Path
 
-    folder, key = Path(folder), key_of(dict(os.environ)) + ("-launcher" if script.endswith(LAUNCHERS) else "")
+    folder, key = Path(folder), key_of(dict(os.environ))
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(str(folder / f"{key}.sock"))
@@ -166,9 +167,8 @@ def start_zygote(folder, key: str, script: str) -> None:
     except OSError:
         return
     with open(folder / f"{key}.log", "ab") as log:
-        launcher = ["--launcher"] if script.endswith(LAUNCHERS) else []
         subprocess.Popen(
-            [sys.executable, __file__, str(folder / f"{key}.sock"), *launcher], stdin=subprocess.DEVNULL, stdout=log,
+            [sys.executable, __file__, str(folder / f"{key}.sock")], stdin=subprocess.DEVNULL, stdout=log,
             stderr=log, start_new_session=True, cwd="/",
         )  # fmt: skip
 
@@ -319,7 +319,7 @@ def run_job(request: dict, fds: list[int]) -> int:
     return code
 
 
-if __name__ == "__main__":  # job_zygote.py SOCKET [--launcher | --no-preload (tests/test_job_zygote.py)]
+if __name__ == "__main__":  # job_zygote.py SOCKET [--no-preload (tests/test_job_zygote.py)]
     from pathlib import Path
 
-    serve(Path(sys.argv[1]), {"--no-preload": (), "--launcher": LAUNCHER_PRELOAD}.get("".join(sys.argv[2:]), PRELOAD))
+    serve(Path(sys.argv[1]), () if sys.argv[2:] == ["--no-preload"] else PRELOAD)
