@@ -17,14 +17,14 @@ file), and it answers once it has imported; until then, and for any key without 
 FORK_JOBS=0 when pytest starts (JOB_ZYGOTES unset) turns it off. A zygote ends when the pytest worker that owns its
 folder has ended, or after 2 idle minutes; a worker has at most MAX_ZYGOTES at once.
 
-The trainer's launcher (ranks.py, torchrun, whose ranks it forks after importing what they import: ~15 s of CPU a
+The trainer's launcher (ranks.py, torchrun, whose ranks it forks after importing what they import: ~11 s of CPU a
 start), and check_ranks.py (the same for a test's own rank script), are forked too when they run one node's ranks
-(`--standalone`), from the same zygote as the other jobs of their key, which imported what the ranks import as well
-(a run's launchers are few, after its heavy data jobs have started the zygote):
-the launcher's and its ranks' processes are then children of the zygote, not of the job's process, with the
-zygote's command line. A test that finds or signals the ranks by their parent or command line (kill -9 of a rank,
-SLURM's signals to the ranks of a job step) sets FORK_LAUNCHERS=0. launch.py, a joint job's launchers and the ranks
-a launcher starts as new Pythons (train.py) are not forked.
+(`--standalone`), from the same zygote as the other jobs of their key, which imported what the ranks import as well (a
+run's launchers are few, after its heavy data jobs have started the zygote): the launcher's and its ranks' processes are
+then children of the zygote, not of the job's process, with the zygote's command line. A test that finds or signals the
+ranks by their parent or command line (kill -9 of a rank, SLURM's signals to the ranks of a job step) sets
+FORK_LAUNCHERS=0. launch.py, a joint job's launchers and the ranks a launcher starts as new Pythons (train.py) are not
+forked.
 """
 
 import contextlib
