@@ -10,12 +10,16 @@ conversations back to back, position ids restarting at each (collate_packed), la
 - ``sdpa``: what training uses without flash-attn: transformers builds a block-diagonal causal mask from the
   position ids and SDPA runs a masked kernel;
 - ``flex_attention``: the same mask as a block mask, PyTorch's compiled flex attention (skips empty blocks);
+- ``torch_varlen``: what training uses on such a GPU without flash-attn since 2026-11-29
+  (model/varlen_attention.py): PyTorch's variable-length flash kernel over each conversation's own triangle;
 - ``sdpa, one causal sequence``: the row as one sequence (position ids 0..seq-1, no mask; is_causal lets SDPA
   take its flash kernel). Wrong for training (conversations attend to each other): the ceiling the others
   are measured against, the baseline of the ratio column;
 - the optimizer: ``clip_grad_norm_`` and a fused AdamW step over every parameter, as base.Strategy.step.
 
-Each is the mean of ``--iters`` timed repetitions after ``--warmup`` (compilation happens there).
+Each is the mean of ``--iters`` timed repetitions after ``--warmup`` (compilation happens there). Before
+timing, each implementation's loss and gradients are compared with SDPA's (the block-diagonal mask: the
+reference): an implementation that is fast but attends differently shows there.
 """
 
 import argparse
@@ -71,12 +75,15 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--impls", nargs="+", default=["sdpa", "flex_attention"])
+    p.add_argument("--impls", nargs="+", default=["sdpa", "torch_varlen", "flex_attention"])
     p.add_argument("--peak-tflops", type=float, default=989.0)
     a = p.parse_args()
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from workflow_scripts.model import varlen_attention
     from workflow_scripts.train.metrics_logger import flops_per_sequence_fn
+
+    varlen_attention.register()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -102,6 +109,27 @@ def main() -> None:
             model.zero_grad(set_to_none=True)
 
         return run
+
+    def loss_and_grads(impl: str, pos: torch.Tensor):
+        model.set_attn_implementation(impl)
+        with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+            loss = model(input_ids=ids, position_ids=pos, labels=ids).loss
+        loss.backward()
+        grads = torch.cat([t.grad.float().flatten() for t in model.parameters() if t.grad is not None])
+        model.zero_grad(set_to_none=True)
+        return loss.item(), grads
+
+    ref_loss, ref_grads = loss_and_grads("sdpa", positions)
+    for impl in a.impls[1:]:
+        try:
+            loss, grads = loss_and_grads(impl, positions)
+        except Exception as e:  # noqa: BLE001
+            print(f"check {impl}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+            continue
+        rel = ((grads - ref_grads).norm() / ref_grads.norm()).item()
+        print(f"check {impl} against sdpa (block-diagonal mask): loss {loss:.6f} vs {ref_loss:.6f} "
+              f"(|diff| {abs(loss - ref_loss):.2e}), gradients' relative difference {rel:.2e}", flush=True)  # fmt: skip
+    del ref_grads
 
     rows = []
     one_sequence = torch.arange(a.seq, device=device).unsqueeze(0)

@@ -73,8 +73,10 @@ def build_model(work: Path, shape: str, seq: int) -> None:
     Qwen3ForCausalLM(config).save_pretrained(work / "model")
 
 
-def run_ours(work: Path, a, bins_per_step: int, chunked_loss: bool = True) -> dict:
+def run_ours(work: Path, a, bins_per_step: int, chunked_loss: bool = True, attention: str | None = None) -> dict:
+    """train.py on the packed bins; ``attention``: TRAIN_ATTENTION (None: what train.py chooses)."""
     logs = work / ("ours" if chunked_loss else "ours-own-loss")
+    logs = logs.with_name(f"{logs.name}-{attention}") if attention else logs
     cfg = {
         "chunked_loss": chunked_loss,
         "precision": "bf16" if a.device == "cuda" else "fp32", "lr": 1e-4, "micro_batch_size": 1,
@@ -89,6 +91,7 @@ def run_ours(work: Path, a, bins_per_step: int, chunked_loss: bool = True) -> di
         "--log-dir", str(logs), "--checkpoint-root", str(logs / "ckpt"), "--state", str(logs / "state.json"),
     ]  # fmt: skip
     env = os.environ | ({"TRAIN_PROFILE_STEPS": a.profile_steps} if a.profile_steps else {})
+    env |= {"TRAIN_ATTENTION": attention} if attention else {}
     run_logged(cmd, logs.with_suffix(".log"), env)
     if a.profile_steps:  # where the step's time went (workflow_scripts/train/profiler.py)
         print(f"profile of {logs.name}:\n" + (logs / "profile" / "rank0.txt").read_text(), flush=True)
@@ -183,6 +186,7 @@ def main() -> None:
     p.add_argument("--lora", action="store_true", help="LoRA r=16 on q/k/v/o; ours only")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--own-loss-too", action="store_true", help="ours again with training.chunked_loss: false")
+    p.add_argument("--attention-too", help="ours again with this TRAIN_ATTENTION (e.g. sdpa: the baseline of ours)")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--trainer-micro-batch", type=int, default=4, help="the Trainer's examples per forward")
     p.add_argument("--workdir", type=Path, default=None)
@@ -206,6 +210,10 @@ def main() -> None:
     if a.own_loss_too:  # what training.chunked_loss costs in time and saves in memory
         own = run_ours(work, a, a.bins_per_step, chunked_loss=False)
         results.append(("ours, the model's own loss (training.chunked_loss: false)", own))
+        print(f"done: {results[-1]}", flush=True)
+    if a.attention_too:  # the same run with another attention implementation
+        other = run_ours(work, a, a.bins_per_step, attention=a.attention_too)
+        results.append((f"ours, TRAIN_ATTENTION={a.attention_too}", other))
         print(f"done: {results[-1]}", flush=True)
     ratio = None
     if not a.lora and not a.no_trainer:
@@ -234,6 +242,9 @@ def main() -> None:
         print(f"| {name} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | {peak} |")
     if ratio is not None:
         print(f"\nratio ours / Trainer tokens/s: {ratio:.2f}x (target >= 1.3x; MFU target >= 40%)")
+    if a.attention_too:
+        print(f"{ours['attention']} / {a.attention_too}: tokens/s {ours['tokens_per_s'] / other['tokens_per_s']:.3f}x, "
+              f"peak {ours['peak_gb'] or 0:.2f} / {other['peak_gb'] or 0:.2f} GB")  # fmt: skip
     if a.own_loss_too:
         print(f"chunked / own loss: tokens/s {ours['tokens_per_s'] / own['tokens_per_s']:.3f}x, "
               f"peak {ours['peak_gb'] or 0:.2f} / {own['peak_gb'] or 0:.2f} GB")  # fmt: skip

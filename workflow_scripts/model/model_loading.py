@@ -12,10 +12,12 @@ not, starts from the same adapters.
 import hashlib
 import logging
 import math
+import os
 
 import torch
 
 from workflow_scripts.core.pipeline_io import UserError
+from workflow_scripts.model import varlen_attention
 from workflow_scripts.model.weights import READ_BYTES, CheckpointFiles, checkpoint_name
 
 log = logging.getLogger("train")
@@ -24,21 +26,32 @@ log = logging.getLogger("train")
 FLASH_ATTN_MIN_CAPABILITY = (8, 0)  # flash-attn 2 runs on Ampere and newer; T4 (7.5) and V100 (7.0) do not
 
 
-def choose_attention(installed: str | None, capability: tuple[int, int] | None, dtype: torch.dtype) -> tuple[str, str]:
+def choose_attention(installed: str | None, capability: tuple[int, int] | None, dtype: torch.dtype,
+                     varlen: bool = False) -> tuple[str, str]:  # fmt: skip
     """The attention implementation and why: flash-attn 2 where it is installed (``installed``: its
     version), the GPU's compute capability (None: no GPU) is 8.0 or more and training runs in 16 bits;
-    else PyTorch's SDPA. A T4 or V100 with flash-attn installed would fail at the first forward."""
+    else, on such a GPU, PyTorch's own variable-length flash kernel where this torch has it (``varlen``:
+    model/varlen_attention.py, the same packed attention without flash-attn); else PyTorch's SDPA (a
+    masked kernel over each packed row). A T4 or V100 with flash-attn installed would fail at the first
+    forward."""
     if capability is None:
         return "sdpa", "no GPU (flash-attn runs on CUDA only)"
-    if not installed:
-        return "sdpa", "flash-attn not installed"
     cap = ".".join(map(str, capability))
     if tuple(capability) < FLASH_ATTN_MIN_CAPABILITY:
         need = ".".join(map(str, FLASH_ATTN_MIN_CAPABILITY))
-        return "sdpa", f"flash-attn {installed} needs compute capability {need} or more, this GPU has {cap}"
+        what = f"flash-attn {installed}" if installed else "a flash kernel"
+        return "sdpa", f"{what} needs compute capability {need} or more, this GPU has {cap}"
     if dtype not in (torch.float16, torch.bfloat16):
-        return "sdpa", f"flash-attn runs in fp16/bf16 only, training.precision is {str(dtype).removeprefix('torch.')}"
-    return "flash_attention_2", f"flash-attn {installed} on compute capability {cap}"
+        what = "flash-attn" if installed else "a flash kernel"
+        return "sdpa", f"{what} runs in fp16/bf16 only, training.precision is {str(dtype).removeprefix('torch.')}"
+    if installed:
+        return "flash_attention_2", f"flash-attn {installed} on compute capability {cap}"
+    if varlen:
+        return varlen_attention.NAME, f"flash-attn not installed: PyTorch's variable-length flash kernel on {cap}"
+    return "sdpa", "flash-attn not installed"
+
+
+ATTENTION_CHOICES = ("sdpa", varlen_attention.NAME, "flash_attention_2", "flex_attention", "eager")
 
 
 def flash_attn_version() -> str | None:
@@ -52,8 +65,19 @@ def flash_attn_version() -> str | None:
 
 
 def attention_implementation(device: torch.device, dtype: torch.dtype) -> str:
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    impl, reason = choose_attention(flash_attn_version() if capability else None, capability, dtype)
+    """What ``choose_attention`` picks for this device, or ``TRAIN_ATTENTION`` where set (an environment's
+    choice, like flash-attn's installation: it changes no parameter and reruns nothing)."""
+    forced = os.environ.get("TRAIN_ATTENTION")
+    if forced:
+        if forced not in ATTENTION_CHOICES:
+            raise UserError(f"TRAIN_ATTENTION={forced}: not one of {', '.join(ATTENTION_CHOICES)}")
+        impl, reason = forced, "TRAIN_ATTENTION"
+    else:
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        installed = flash_attn_version() if capability else None
+        impl, reason = choose_attention(installed, capability, dtype, varlen_attention.available())
+    if impl == varlen_attention.NAME:
+        varlen_attention.register()
     log.info("attention: %s (%s)", impl, reason)
     return impl
 

@@ -83,13 +83,14 @@ def gpu_report() -> dict:
 def attention_backend(gpu: dict, precision: str) -> dict:
     """The attention implementation training will get on this node's first GPU, and why
     (model_loading.choose_attention: flash-attn 2 needs compute capability 8.0+ and fp16/bf16)."""
+    from workflow_scripts.model import varlen_attention
     from workflow_scripts.model.model_loading import choose_attention, flash_attn_version
     from workflow_scripts.model.weights import DTYPES
 
     gpus = gpu.get("gpus") or []
     capability = tuple(int(v) for v in gpus[0]["capability"].split(".")) if gpus else None
     installed = flash_attn_version() if capability else version("flash-attn")
-    impl, reason = choose_attention(installed, capability, DTYPES[precision])
+    impl, reason = choose_attention(installed, capability, DTYPES[precision], varlen_attention.available())
     return {"attention": impl, "attention_reason": reason}
 
 
