@@ -15,6 +15,7 @@ batching.collate pads, leaves every real token's attention exact). transformers 
 an implementation it does not know, so none is built here.
 """
 
+import functools
 import inspect
 
 import torch
@@ -60,11 +61,12 @@ def offsets_for(position_ids, batch: int, seq: int, device) -> torch.Tensor:
     return _last[1]
 
 
+@functools.cache
 def kernel():
-    """``varlen_attn`` and the keywords this torch's version takes for causal attention and GQA."""
+    """``varlen_attn`` and the keywords this torch's version takes (window_size for causal, enable_gqa)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, sliding_window=None,
@@ -78,20 +80,24 @@ def forward(module, query, key, value, attention_mask, dropout: float = 0.0, sca
         raise ValueError(f"attention torch_varlen has no dropout (the model's is {dropout}); set TRAIN_ATTENTION=sdpa")
     varlen_attn, params = kernel()
     b, hq, s, d = query.shape
-    hkv = key.shape[1]
     dtype = torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(query.device.type) else query.dtype
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"attention torch_varlen runs in bf16/fp16 only, not {dtype}")
-    if hq != hkv and "enable_gqa" not in params:  # an older torch: every query head its own key and value
-        key, value = (t.repeat_interleave(hq // hkv, dim=1) for t in (key, value))
+    gqa = "enable_gqa" in params  # else (an older torch) every query head gets its own key and value
 
-    def flat(t):
-        return t.transpose(1, 2).reshape(b * s, t.shape[1], d).to(dtype)
+    def flat(t, heads: int):
+        """(B, H, S, D) → (B·S, heads, D) in ``dtype``, transposed, cast and repeated (GQA) in one copy."""
+        t = t.transpose(1, 2)
+        if heads != t.shape[2]:
+            t = t.unsqueeze(3).expand(b, s, t.shape[2], heads // t.shape[2], d)
+        return t.to(dtype=dtype, memory_format=torch.contiguous_format).reshape(b * s, heads, d)
 
+    kv_heads = key.shape[1] if gqa else hq
+    q, k, v = flat(query, hq), flat(key, kv_heads), flat(value, kv_heads)
     cu = offsets_for(position_ids, b, s, query.device)
     extra = {"scale": scaling}
-    if "enable_gqa" in params:
-        extra["enable_gqa"] = hq != hkv
+    if gqa:
+        extra["enable_gqa"] = hq != key.shape[1]
     if "window_size" in params:
         extra["window_size"] = (-1 if sliding_window is None else sliding_window - 1, 0)  # (left, 0): causal
     elif "is_causal" in params and sliding_window is None:
@@ -99,5 +105,5 @@ def forward(module, query, key, value, attention_mask, dropout: float = 0.0, sca
     else:
         raise ValueError(f"attention torch_varlen: this torch's varlen_attn takes no causal sliding window "
                          f"({sliding_window}); set TRAIN_ATTENTION=sdpa")  # fmt: skip
-    out = varlen_attn(flat(query), flat(key), flat(value), cu, cu, s, s, **extra)  # s: a bound on every length
+    out = varlen_attn(q, k, v, cu, cu, s, s, **extra)  # s: a bound on every length
     return out.view(b, s, hq, d), None
