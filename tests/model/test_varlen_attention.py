@@ -124,3 +124,11 @@ def test_train_attention_overrides_the_choice(monkeypatch):
         attention_implementation(torch.device("cpu"), torch.float32)
     monkeypatch.delenv("TRAIN_ATTENTION")
     assert attention_implementation(torch.device("cpu"), torch.float32) == "sdpa"
+
+
+def test_the_environment_check_reports_train_attention(monkeypatch):
+    from workflow_scripts.ops import environment
+
+    a100 = {"gpus": [{"name": "NVIDIA A100-SXM4-80GB", "memory_gb": 79.3, "capability": "8.0"}]}
+    monkeypatch.setenv("TRAIN_ATTENTION", "sdpa")
+    assert environment.attention_backend(a100, "bf16") == {"attention": "sdpa", "attention_reason": "TRAIN_ATTENTION"}

@@ -40,9 +40,12 @@ def register() -> None:
 
 
 def cumulative_lengths(position_ids: torch.Tensor | None, batch: int, seq: int, device) -> torch.Tensor:
-    """int32 offsets of each sequence's start in the flattened batch × seq tokens, and the end (N + 1 values)."""
+    """int32 offsets of each sequence's start in the flattened batch × seq tokens, and the end (N + 1 values).
+    Fake position ids (the memory planner's probe) have no values: a sequence a row, the same tensors' sizes."""
+    from torch._subclasses.fake_tensor import is_fake
+
     row_starts = torch.arange(0, batch * seq, seq, device=device)
-    if position_ids is None or tuple(position_ids.shape) != (batch, seq):
+    if position_ids is None or tuple(position_ids.shape) != (batch, seq) or is_fake(position_ids):
         starts = row_starts  # one sequence a row (position ids shared by the rows: arange)
     else:
         starts = torch.cat([row_starts, torch.nonzero(position_ids.reshape(-1) == 0).flatten()]).unique()  # sorted

@@ -87,6 +87,8 @@ def attention_backend(gpu: dict, precision: str) -> dict:
     from workflow_scripts.model.model_loading import choose_attention, flash_attn_version
     from workflow_scripts.model.weights import DTYPES
 
+    if forced := os.environ.get("TRAIN_ATTENTION"):  # what model_loading.attention_implementation will take
+        return {"attention": forced, "attention_reason": "TRAIN_ATTENTION"}
     gpus = gpu.get("gpus") or []
     capability = tuple(int(v) for v in gpus[0]["capability"].split(".")) if gpus else None
     installed = flash_attn_version() if capability else version("flash-attn")

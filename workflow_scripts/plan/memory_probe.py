@@ -18,8 +18,12 @@ Choices and traps:
   meta device makes SDPA store the sequence × sequence matrix. The attention is SDPA, as on a CPU.
 - transformers cannot look into fake position ids, so it always builds the explicit block-diagonal mask
   of packed sequences; real packed bins hold several sequences and get the same mask, so the synthetic
-  bins are two sequences each (padded examples: an attention mask with padding). A GPU with
-  flash-attention needs no mask: the probe is an upper bound there by the mask (micro_batch × S² bytes).
+  bins are two sequences each (padded examples: an attention mask with padding). SDPA keeps what it
+  makes of the mask for the backward, a bf16 bias a layer (layers × micro_batch × S² × 2 bytes: 0.9 GB of
+  23.1 at 4,096 tokens, 14 of 84 GB at 16,384 on an H200, Qwen3-0.6B's 28 layers), which a GPU with
+  flash-attn or torch_varlen (model/varlen_attention.py) does not make: for those the probe runs
+  ``attention="torch_varlen"``, whose fake kernel makes the tensors the real one does (the sequences' starts
+  are not read from fake position ids: a sequence a row, the same sizes).
 - DTensor's sharding propagation runs its own nested fake mode: the trackers skip those shadow tensors
   (torch 2.13's trackers compare the fake mode at entry).
 
@@ -292,21 +296,25 @@ def categories(peak: dict) -> dict:
     return out
 
 
-def measure(config, t: PlanConfig, steps: int = STEPS, mode=None) -> dict:
+def measure(config, t: PlanConfig, steps: int = STEPS, mode=None, attention: str = "sdpa") -> dict:
     """The tracker's peak by category (bytes) over ``steps`` optimizer steps of the planner's config ``t``,
     in the process group that is up: on fake tensors under ``mode`` (a FakeTensorMode), else on real ones
-    (the weights zeros: memory does not depend on them)."""
+    (the weights zeros: memory does not depend on them). ``attention``: sdpa, or torch_varlen for a GPU
+    whose training runs a variable-length flash kernel (its fake kernel: the same tensors, no mask)."""
+    from workflow_scripts.model import varlen_attention
     from workflow_scripts.train.parallel import build_strategy, strategy_for
 
+    if attention == varlen_attention.NAME:
+        varlen_attention.register()
     cfg = train_config(t)
     device = torch.device("cpu")
     files = FakeFiles(checkpoint_shapes(config), "(config.json only)")
     strategy_class = strategy_for(cfg.strategy)
     if mode is None:
-        model = strategy_class.build(config, cfg, "sdpa", files, device)
+        model = strategy_class.build(config, cfg, attention, files, device)
         strategy = build_strategy(cfg, model, device, total_steps=steps)
         return run_steps(strategy, SyntheticData(cfg, t.max_seq_len, config.vocab_size), steps)
-    model = placed_on_fake(strategy_class, mode).build(config, cfg, "sdpa", files, device)
+    model = placed_on_fake(strategy_class, mode).build(config, cfg, attention, files, device)
     # DDP moves the model to its device, where it is: a fake parameter would be swapped for itself
     model.to = lambda *args, **kwargs: model
     with mode, FakeScalars():
@@ -315,8 +323,9 @@ def measure(config, t: PlanConfig, steps: int = STEPS, mode=None) -> dict:
         return run_steps(strategy, SyntheticData(cfg, t.max_seq_len, config.vocab_size), steps)
 
 
-def probe(config, t: PlanConfig, world: int, steps: int = STEPS) -> dict:
-    """Rank 0's peak in training for the planner's config ``t`` at ``world`` ranks, on fake tensors (bytes)."""
+def probe(config, t: PlanConfig, world: int, steps: int = STEPS, attention: str = "sdpa") -> dict:
+    """Rank 0's peak in training for the planner's config ``t`` at ``world`` ranks, on fake tensors (bytes),
+    with the ``attention`` the GPUs run (planned_attention: sdpa or torch_varlen)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from workflow_scripts.train.parallel import STRATEGIES, strategy_for
@@ -327,7 +336,7 @@ def probe(config, t: PlanConfig, world: int, steps: int = STEPS) -> dict:
         raise ValueError(f"training.strategy {t.strategy}: no fake-tensor path (only {runs})")
     start = time.perf_counter()
     with fake_world(world, strategy):
-        peak = measure(config, t, steps, FakeTensorMode(allow_non_fake_inputs=True))
+        peak = measure(config, t, steps, FakeTensorMode(allow_non_fake_inputs=True), attention)
     return {
         "peak_bytes": peak["Total"],
         "activations_peak_bytes": peak[ACTIVATION_PEAK],
@@ -335,5 +344,6 @@ def probe(config, t: PlanConfig, world: int, steps: int = STEPS) -> dict:
         "tracker_categories_bytes": peak,
         "world_size": world,
         "steps": steps,
+        "attention": attention,
         "seconds": round(time.perf_counter() - start, 2),
     }

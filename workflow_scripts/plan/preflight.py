@@ -209,7 +209,20 @@ def estimate(config, n_params: int, t: PlanConfig, world: int, seq_len: int) -> 
     }
 
 
-def probe_memory(model: str, t: PlanConfig, world: int, timeout: float) -> tuple[dict | None, str]:
+VARLEN_KERNELS = ("flash_attention_2", "torch_varlen")  # no mask: the probe runs torch_varlen's fake kernel for both
+
+
+def planned_attention(environment: Path | None) -> str:
+    """The attention the probe runs: torch_varlen where check_environment found that training gets a
+    variable-length flash kernel (flash-attn's or PyTorch's: the same tensors, no sequence × sequence mask),
+    else sdpa (SDPA's mask: an upper bound for those kernels)."""
+    found = json.loads(environment.read_text()).get("attention") if environment else None
+    return "torch_varlen" if found in VARLEN_KERNELS else "sdpa"
+
+
+def probe_memory(
+    model: str, t: PlanConfig, world: int, timeout: float, attention: str = "sdpa"
+) -> tuple[dict | None, str]:
     """memory_probe.py's run of the training step on fake tensors, in a child process (its own fake process
     group, bounded in time): its result and how the GPU memory was estimated, or None and why not."""
     formula = "by the formula (module docstring)"
@@ -219,14 +232,15 @@ def probe_memory(model: str, t: PlanConfig, world: int, timeout: float) -> tuple
         return None, f"{formula}: the fake-tensor probe is off (--probe-timeout 0)"
     with tempfile.TemporaryDirectory() as tmp:
         out, log = Path(tmp) / "probe.json", Path(tmp) / "probe.log"
-        code = forked(functools.partial(run_probe, model, t, world, out, log), timeout)
+        code = forked(functools.partial(run_probe, model, t, world, out, log, attention), timeout)
         if code is None:
             return None, f"{formula}: the fake-tensor probe took over {timeout:.0f} s (--probe-timeout)"
         if code != 0 or not out.exists():
             lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
             return None, f"{formula}: the fake-tensor probe failed ({(lines or ['no output'])[-1][:200]})"
         result = json.loads(out.read_text())
-    return result, f"by the fake-tensor probe of the training step ({result['seconds']:.0f} s), plus stated constants"
+    how = f"by the fake-tensor probe of the training step ({result['seconds']:.0f} s, attention {attention})"
+    return result, f"{how}, plus stated constants"
 
 
 def forked(target, timeout: float) -> int | None:
@@ -245,7 +259,7 @@ def forked(target, timeout: float) -> int | None:
     return child.exitcode
 
 
-def run_probe(model: str, t: PlanConfig, world: int, out: Path, log: Path) -> None:
+def run_probe(model: str, t: PlanConfig, world: int, out: Path, log: Path, attention: str = "sdpa") -> None:
     """memory_probe's run in the forked child, its result in ``out``; its output (and a traceback) in ``log``,
     whose last line says why it failed. One thread: the child needs no parallel kernels, and OpenMP's pool does
     not survive a fork."""
@@ -258,7 +272,7 @@ def run_probe(model: str, t: PlanConfig, world: int, out: Path, log: Path) -> No
     from workflow_scripts.plan.memory_probe import probe
 
     torch.set_num_threads(1)
-    result = probe(load_config(model, t), t, world)
+    result = probe(load_config(model, t), t, world, attention=attention)
     write_json(out, result | {"peak_gb": result["peak_bytes"] / GB})
     print(f"memory_probe: {result['peak_bytes'] / GB:.3f} GiB live per rank ({math.ceil(result['seconds'])} s)")
 
@@ -355,10 +369,11 @@ class Planner:
     """One model's plans: ``plan(t)`` for any training config ``t`` (the job's, or a proposal's), with the
     model's shape, checkpoint file and fake-tensor probes computed once (probes cached by their config)."""
 
-    def __init__(self, model: str, t: PlanConfig, timeout: float, host_memory_mb: int | None):
+    def __init__(self, model: str, t: PlanConfig, timeout: float, host_memory_mb: int | None, attention: str = "sdpa"):
         from workflow_scripts.model.presets import preset_name
 
         self.model, self.timeout, self.host_memory_mb = model, timeout, host_memory_mb
+        self.attention = attention  # planned_attention: what the probe runs
         self.config = load_config(model, t)
         self.n, self.largest_layer = model_to_params(self.config)
         self.largest_file, self.file_source = largest_checkpoint_file(
@@ -377,7 +392,7 @@ class Planner:
             left = self.timeout if self.deadline is None else self.deadline - time.monotonic()
             if self.timeout > 0 and left <= 0:
                 return None, "by the formula (module docstring): the proposals' --probe-timeout is spent"
-            self.probes[key] = probe_memory(self.model, t, world, left)
+            self.probes[key] = probe_memory(self.model, t, world, left, self.attention)
         return self.probes[key]
 
     def layout(self, t: PlanConfig):
@@ -475,7 +490,7 @@ def main(argv=None) -> None:
     t = PlanConfig.from_json(a.config)
     capacity, source = gpu_memory(t.gpu_memory_gb, a.environment)
     t = dataclasses.replace(t, gpu_memory_gb=capacity)
-    planner = Planner(a.model, t, a.probe_timeout, a.host_memory_mb)
+    planner = Planner(a.model, t, a.probe_timeout, a.host_memory_mb, planned_attention(a.environment))
     est = planner.plan(t) | {"gpu_memory_source": source}
     if not est["fits"]:
         planner.set_budget()
