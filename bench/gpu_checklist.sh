@@ -5,7 +5,8 @@
 #
 # 1. the workflow's environment check (workflow_scripts/ops/environment.py): GPU, bf16, the attention backend
 #    training gets and why, bf16 matmul TFLOP/s            -> OUT_DIR/check.json, OUT_DIR/env.log
-# 2. bench/bench_gpu.py: train.py against the HF Trainer, tokens/s and MFU on the Qwen3-0.6B shape
+# 2. bench/bench_gpu.py: train.py against the HF Trainer, tokens/s and MFU on the Qwen3-0.6B shape, and train.py
+#    again with TRAIN_ATTENTION=sdpa (BENCH_GPU_ARGS, default "--attention-too sdpa": the attention's baseline)
 #                                     -> OUT_DIR/bench_gpu.log, bench_gpu_runs.tar.gz (each run's log and metrics)
 # 3. bench/bench_scale.py --part planner --device cuda: the planner against torch.cuda.max_memory_allocated
 #    (plans kept in PLANNER_WORKDIR/plans.jsonl are reused: make them on a CPU machine with --plan-only)
@@ -40,7 +41,7 @@ fi
 echo "bench_gpu start $(date +%T)" >>"$out/device.txt"
 
 if want gpu; then
-    timeout "${GPU_S:-300}" "$py" bench/bench_gpu.py --shape qwen3-0.6b --seq 4096 --steps 30 ${BENCH_GPU_ARGS---own-loss-too} \
+    timeout "${GPU_S:-300}" "$py" bench/bench_gpu.py --shape qwen3-0.6b --seq 4096 --steps 30 ${BENCH_GPU_ARGS---attention-too sdpa} \
         --workdir /tmp/bench_gpu >"$out/bench_gpu.log" 2>&1
     echo "bench_gpu: rc $?"
 fi
