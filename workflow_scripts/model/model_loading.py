@@ -52,6 +52,17 @@ def choose_attention(installed: str | None, capability: tuple[int, int] | None, 
 
 
 ATTENTION_CHOICES = ("sdpa", varlen_attention.NAME, "flash_attention_2", "flex_attention", "eager")
+# the variable-length flash kernels: all bins of a micro-batch in one row, no sequence × sequence mask
+VARLEN_KERNELS = ("flash_attention_2", varlen_attention.NAME)
+
+
+def forced_attention() -> str | None:
+    """``TRAIN_ATTENTION`` where set (an environment's choice, like flash-attn's installation: it changes no
+    parameter and reruns nothing), checked; else None."""
+    forced = os.environ.get("TRAIN_ATTENTION")
+    if forced and forced not in ATTENTION_CHOICES:
+        raise UserError(f"TRAIN_ATTENTION={forced}: not one of {', '.join(ATTENTION_CHOICES)}")
+    return forced or None
 
 
 def flash_attn_version() -> str | None:
@@ -65,12 +76,8 @@ def flash_attn_version() -> str | None:
 
 
 def attention_implementation(device: torch.device, dtype: torch.dtype) -> str:
-    """What ``choose_attention`` picks for this device, or ``TRAIN_ATTENTION`` where set (an environment's
-    choice, like flash-attn's installation: it changes no parameter and reruns nothing)."""
-    forced = os.environ.get("TRAIN_ATTENTION")
-    if forced:
-        if forced not in ATTENTION_CHOICES:
-            raise UserError(f"TRAIN_ATTENTION={forced}: not one of {', '.join(ATTENTION_CHOICES)}")
+    """What ``choose_attention`` picks for this device, or ``TRAIN_ATTENTION`` where set (forced_attention)."""
+    if forced := forced_attention():
         impl, reason = forced, "TRAIN_ATTENTION"
     else:
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None

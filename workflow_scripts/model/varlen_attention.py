@@ -53,15 +53,14 @@ def cumulative_lengths(position_ids: torch.Tensor | None, batch: int, seq: int, 
     return torch.cat([starts, end]).to(torch.int32)
 
 
-_last: list = [None, None]  # (position_ids, its offsets): one model forward asks once per layer with the same tensor
+_last = None  # (position_ids, batch, seq, offsets): a model forward asks once per layer with the same tensor
 
 
 def offsets_for(position_ids, batch: int, seq: int, device) -> torch.Tensor:
-    key = (position_ids, batch, seq)
-    if _last[0] is not None and _last[0][0] is position_ids and _last[0][1:] == (batch, seq):
-        return _last[1]
-    _last[:] = [key, cumulative_lengths(position_ids, batch, seq, device)]
-    return _last[1]
+    global _last
+    if _last is None or _last[0] is not position_ids or _last[1:3] != (batch, seq):
+        _last = (position_ids, batch, seq, cumulative_lengths(position_ids, batch, seq, device))
+    return _last[3]
 
 
 @functools.cache

@@ -84,10 +84,10 @@ def attention_backend(gpu: dict, precision: str) -> dict:
     """The attention implementation training will get on this node's first GPU, and why
     (model_loading.choose_attention: flash-attn 2 needs compute capability 8.0+ and fp16/bf16)."""
     from workflow_scripts.model import varlen_attention
-    from workflow_scripts.model.model_loading import choose_attention, flash_attn_version
+    from workflow_scripts.model.model_loading import choose_attention, flash_attn_version, forced_attention
     from workflow_scripts.model.weights import DTYPES
 
-    if forced := os.environ.get("TRAIN_ATTENTION"):  # what model_loading.attention_implementation will take
+    if forced := forced_attention():  # what model_loading.attention_implementation will take
         return {"attention": forced, "attention_reason": "TRAIN_ATTENTION"}
     gpus = gpu.get("gpus") or []
     capability = tuple(int(v) for v in gpus[0]["capability"].split(".")) if gpus else None

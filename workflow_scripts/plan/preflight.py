@@ -209,15 +209,15 @@ def estimate(config, n_params: int, t: PlanConfig, world: int, seq_len: int) -> 
     }
 
 
-VARLEN_KERNELS = ("flash_attention_2", "torch_varlen")  # no mask: the probe runs torch_varlen's fake kernel for both
-
-
 def planned_attention(environment: Path | None) -> str:
     """The attention the probe runs: torch_varlen where check_environment found that training gets a
     variable-length flash kernel (flash-attn's or PyTorch's: the same tensors, no sequence × sequence mask),
     else sdpa (SDPA's mask: an upper bound for those kernels)."""
+    from workflow_scripts.model import varlen_attention
+    from workflow_scripts.model.model_loading import VARLEN_KERNELS
+
     found = json.loads(environment.read_text()).get("attention") if environment else None
-    return "torch_varlen" if found in VARLEN_KERNELS else "sdpa"
+    return varlen_attention.NAME if found in VARLEN_KERNELS else "sdpa"
 
 
 def probe_memory(

@@ -30,7 +30,7 @@ from workflow_scripts.core.host_memory import map_large_allocations
 from workflow_scripts.core.pipeline_io import UserError, cli, write_json
 from workflow_scripts.core.settings import TrainConfig, for_world, recorded_config
 from workflow_scripts.data.token_store import store_root_for
-from workflow_scripts.model import varlen_attention
+from workflow_scripts.model.model_loading import VARLEN_KERNELS
 from workflow_scripts.train.batching import TrainingData
 from workflow_scripts.train.checkpoint import Checkpointer, run_key, superseded
 from workflow_scripts.train.divergence import DeadModel, NonFiniteStop
@@ -206,7 +206,7 @@ def main(argv=None) -> None:
     dead = DeadModel(cfg.dead_model_steps, vocab, sizes["trainable_parameters"] > 0)  # the dead-model stop
     flops_of = flops_per_sequence_fn(model, sizes["parameters"])
     pad_id = model.config.pad_token_id or 0
-    data.bind(pad_id=pad_id, one_row=attn in ("flash_attention_2", varlen_attention.NAME))
+    data.bind(pad_id=pad_id, one_row=attn in VARLEN_KERNELS)
     strategy = build_strategy(cfg, model, device, data.plan.total_steps)
     evaluator = held_out_evaluator(strategy, a, data, pad_id)
 
