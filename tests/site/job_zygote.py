@@ -287,8 +287,9 @@ def run_job(request: dict, fds: list[int]) -> int:
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(int(threads))  # OpenMP read it when the zygote imported torch
+    if "torch" in sys.modules:  # OpenMP read the variable when the zygote imported torch; a fork's pool is rebuilt
+        torch = sys.modules["torch"]  # by the thread that asks first: this one, before the job starts any (ranks.py)
+        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else torch.get_num_threads())
     script, *args = request["argv"]
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(script)

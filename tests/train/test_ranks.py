@@ -6,8 +6,11 @@ import importlib
 import importlib.util
 import json
 import signal
+import subprocess
+import sys
 
 import pytest
+from conftest import REPO, trainer_env
 
 from workflow_scripts.train import ranks, train
 from workflow_scripts.train.parallel import STRATEGIES
@@ -87,3 +90,13 @@ def test_the_intra_op_threads_follow_omp_num_threads(monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_forked_rank_rebuilds_the_thread_pool_before_its_threads_ask_for_it():
+    """A fork of a process that set torch's thread count, then 8 threads converting tensors as transformers 5 loads a
+    checkpoint: with fresh_thread_pool first, none of 40 forks fails. Without it 7 and 8 of 40 stopped with "Invalid
+    thread pool!" on the development machine, as one of CI's sharded-load ranks did."""
+    cmd = [sys.executable, str(REPO / "tests" / "fork_thread_pool_check.py"), "40", "fresh"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=trainer_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split() == ["0"], proc.stdout

@@ -105,6 +105,22 @@ def fresh_signal_handlers() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def fresh_thread_pool() -> None:
+    """In a forked child: torch's intra-op thread pool rebuilt by this, its only thread. A fork leaves the pool marked
+    corrupt, to be replaced by whichever thread next asks for it; where the parent had set a thread count, every new
+    thread asks (transformers 5 loads a checkpoint's tensors from a thread pool), and one that asks while another
+    replaces it stops the rank with "Invalid thread pool!" (pytorch/pytorch#54752's fork handling, seen in CI)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(torch.get_num_threads())
+
+
+def fresh_child() -> None:
+    """What a forked rank starts with: a new Python's signal handlers and its own thread pool."""
+    fresh_signal_handlers()
+    fresh_thread_pool()
+
+
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run as torchrun
 
@@ -121,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         preload(modules_for(args.training_script, args.training_script_args))
         # the ranks write through this process's streams: unbuffered, as torchrun's `python -u` ranks
         sys.stdout.reconfigure(write_through=True)
-        os.register_at_fork(after_in_child=fresh_signal_handlers)
+        os.register_at_fork(after_in_child=fresh_child)
         argv = ["--run-path", "--start-method", "fork", *argv]
     torchrun.main(argv)
 
