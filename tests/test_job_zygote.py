@@ -151,6 +151,63 @@ def test_the_workflow_scripts_and_one_nodes_launcher_are_forked(tmp_path):
         assert there.stdout.strip() != key(env)
 
 
+SNAKEFILE = """
+rule a:
+    output: "out/{x}.txt"
+    shell: "echo $ZYGOTE_TEST_VALUE {wildcards.x} $PWD > {output}; test {wildcards.x} != bad"
+"""
+
+
+def test_a_jobs_snakemake_runs_in_a_fork_as_its_own_python(zygote, tmp_path):
+    """`python -m snakemake --target-jobs ...` (SLURM's batch and step Snakemakes) through a zygote of the snakemake
+    kind: the same files, exit code and console as alone; a failed job's exit code as Snakemake's."""
+    env = zygote[0]
+    folder = Path(env["JOB_ZYGOTES"])
+    sock = folder / f"{job_zygote.key_of(env, 'snakemake')}.sock"
+    server = subprocess.Popen([str(BIN / "python"), job_zygote.__file__, str(sock), "--snakemake"], env=env)
+    try:
+        wait_for(sock)
+        (tmp_path / "Snakefile").write_text(SNAKEFILE)
+
+        def snakemake(x: str, zygotes: str) -> subprocess.CompletedProcess:
+            cmd = [str(BIN / "python"), "-m", "snakemake", "--target-jobs", f"a:x={x}", "--allowed-rules", "a",
+                   "--cores", "1", "--force", "--nolock", f"out/{x}.txt"]  # fmt: skip
+            return subprocess.run(cmd, env=env | {"JOB_ZYGOTES": zygotes}, cwd=tmp_path, capture_output=True,
+                                  text=True, timeout=120)  # fmt: skip
+
+        forked, alone = snakemake("f", str(folder)), snakemake("g", "")
+        assert forked.returncode == alone.returncode == 0, forked.stderr + alone.stderr
+        assert (tmp_path / "out/f.txt").read_text() == f"a b f {tmp_path}\n"
+        assert (tmp_path / "out/g.txt").read_text() == f"a b g {tmp_path}\n"
+        assert "1 of 1 steps (100%) done" in forked.stderr
+        bad = snakemake("bad", str(folder))
+        assert bad.returncode == 1 and "Error in rule a" in bad.stderr
+        assert (folder / f"{sock.stem}.jobs").exists() is False  # every one of them went to the zygote
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_a_jobs_snakemake_is_forked_unless_it_trains():
+    job = ["python", "-m", "snakemake", "--snakefile", "S", "--target-jobs", "evaluate_model:model=m",
+           "--allowed-rules", "evaluate_model", "--cores", "2"]  # fmt: skip
+    assert job_zygote.snakemake_job_of(job, {}) == job[3:]
+    assert job_zygote.snakemake_job_of(job, {"FORK_LAUNCHERS": "0"}) is None  # a test that signals the job step
+    for rule in job_zygote.NOT_FORKED_RULES:  # a training job's ranks get SLURM's signals as the step's processes
+        training = [rule if a == "evaluate_model" else a for a in job]
+        assert job_zygote.snakemake_job_of(training, {}) is None
+    assert job_zygote.snakemake_job_of(["python", "-m", "snakemake", "--cores", "2"], {}) is None  # a user's own
+    assert job_zygote.snakemake_job_of(["python", "-c", "--target-jobs"], {}) is None
+
+
+def wait_for(path: Path) -> None:
+    for _ in range(300):
+        if path.exists():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no {path}")
+
+
 def wait_for_pid(path: Path) -> int:
     for _ in range(300):
         if path.exists() and path.read_text():

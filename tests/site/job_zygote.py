@@ -25,6 +25,12 @@ then children of the zygote, not of the job's process, with the zygote's command
 ranks by their parent or command line (kill -9 of a rank, SLURM's signals to the ranks of a job step) sets
 FORK_LAUNCHERS=0. launch.py, a joint job's launchers and the ranks a launcher starts as new Pythons (train.py) are not
 forked.
+
+A job's Snakemake (`python -m snakemake --target-jobs ...`: on SLURM, the batch job's and the job step's, two a job,
+~1.9 s of CPU each on the fast machine type, of which ~1.4 s importing Snakemake and its plugins) is forked too, from a
+zygote of its own kind that imported Snakemake (SNAKEMAKE_PRELOAD), except a training job's: its ranks get SLURM's
+signals (the time limit's, scancel's) as processes of the job step, which a fork of the zygote is not
+(NOT_FORKED_RULES). FORK_LAUNCHERS=0 leaves every job's Snakemake alone too.
 """
 
 import contextlib
@@ -64,10 +70,13 @@ PRELOAD += (
     "torch.distributed.run", "torch.distributed.checkpoint", "torch.utils.tensorboard", "psutil", "peft",
     "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer",
 )  # fmt: skip
+# a job's Snakemake: what it imports before it reads the Snakefile (the CLI imports Snakemake and collects its plugins)
+SNAKEMAKE_PRELOAD = ("snakemake.cli", "snakemake.api", "snakemake.dag", "yaml", "jsonschema")
+NOT_FORKED_RULES = ("train_node", "train_joint")  # their Snakemake stays in the job step (the ranks get its signals)
 # forwarded to the forked job (SIGURG: SLURM's warning before a time limit, which only the ranks handle)
 SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGURG")
 IDLE_S = 120
-MAX_ZYGOTES = 5  # a worker's at once (~500 MB resident each, ~350 of it its own)
+MAX_ZYGOTES = 6  # a worker's at once (~500 MB resident each, ~350 of it its own; a Snakemake one ~150)
 STARTED_BY = 3  # the job with a key that starts its zygote (~10 s of CPU): a key of one or two jobs has none
 
 
@@ -85,6 +94,21 @@ def script_of(argv: list[str], environ: dict) -> str | None:
     return path
 
 
+def snakemake_job_of(orig_argv: list[str], environ: dict) -> list[str] | None:
+    """The arguments of the job's Snakemake ``orig_argv`` (sys.orig_argv of a starting Python) runs, if a zygote runs
+    it: `python -m snakemake --target-jobs ...` for a rule not in NOT_FORKED_RULES."""
+    if orig_argv[1:3] != ["-m", "snakemake"] or "--target-jobs" not in orig_argv:
+        return None
+    if environ.get("FORK_LAUNCHERS", "1") == "0":
+        return None
+    args = orig_argv[3:]
+    rules = args[args.index("--allowed-rules") + 1 :] if "--allowed-rules" in args else []
+    rules = rules[: next((i for i, a in enumerate(rules) if a.startswith("-")), len(rules))]
+    if not rules or any(rule in NOT_FORKED_RULES for rule in rules):
+        return None
+    return args
+
+
 def kept(environ: dict) -> list:
     """What a key is made of: the Python, the network namespace (a job of the two-host cluster's host runs in that
     host's network, tests/two_host_cluster.py) and the variables READ_AT_IMPORT."""
@@ -95,34 +119,42 @@ def kept(environ: dict) -> list:
     return [sys.executable, network, sorted((k, v) for k, v in environ.items() if k.startswith(READ_AT_IMPORT))]
 
 
-def key_of(environ: dict) -> str:
+def key_of(environ: dict, kind: str = "jobs") -> str:
+    """The zygote's key: what ``environ`` keeps, and the kind ("jobs": workflow scripts; "snakemake": a job's
+    Snakemake)."""
     import hashlib
     import json
 
-    return hashlib.sha256(json.dumps(kept(environ)).encode()).hexdigest()[:16]
+    made_of = kept(environ) + ([kind] if kind != "jobs" else [])
+    return hashlib.sha256(json.dumps(made_of).encode()).hexdigest()[:16]
 
 
 def delegate() -> None:
     """In a starting Python: if it runs a workflow script and a zygote for its key answers, have the script run in a
     fork of it and exit as that run did; else return (and maybe start a zygote for the next job)."""
     folder = os.environ.get("JOB_ZYGOTES")
-    script = script_of(sys.argv, os.environ) if folder else None
-    if not script:
+    if not folder:
+        return
+    script = script_of(sys.argv, os.environ)
+    snakemake_args = None if script else snakemake_job_of(sys.orig_argv, os.environ)
+    if not script and snakemake_args is None:
         return
     import json
     import signal
     import socket
     from pathlib import Path
 
-    folder, key = Path(folder), key_of(dict(os.environ))
+    kind = "jobs" if script else "snakemake"
+    folder, key = Path(folder), key_of(dict(os.environ), kind)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(str(folder / f"{key}.sock"))
     except OSError:
         conn.close()
-        start_zygote(folder, key, script)
+        start_zygote(folder, key, script or "-m snakemake")
         return
-    request = {"argv": [script, *sys.argv[1:]], "cwd": os.getcwd(), "env": dict(os.environ)}
+    request = {"cwd": os.getcwd(), "env": dict(os.environ)}
+    request |= {"argv": [script, *sys.argv[1:]]} if script else {"module": "snakemake", "argv": snakemake_args}
     socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
     replies = conn.makefile("r")
     child = int(json.loads(replies.readline())["pid"])
@@ -143,12 +175,15 @@ def delegate() -> None:
 
 def start_zygote(folder, key: str, script: str) -> None:
     """The STARTED_BY-th job with ``key`` whose script imports torch or transformers (a light job, a report page,
-    say, runs as fast alone) starts its zygote, once: the .starting file is made exclusively."""
+    say, runs as fast alone), or the STARTED_BY-th job's Snakemake (``script`` "-m snakemake"), starts its zygote,
+    once: the .starting file is made exclusively."""
     import subprocess
 
-    with open(script, "rb") as source:
-        if not any(name in source.read() for name in (b"torch", b"transformers")):
-            return
+    snakemake = script == "-m snakemake"
+    if not snakemake:
+        with open(script, "rb") as source:
+            if not any(name in source.read() for name in (b"torch", b"transformers")):
+                return
 
     seen, starting = folder / f"{key}.seen", folder / f"{key}.starting"
     try:
@@ -158,7 +193,7 @@ def start_zygote(folder, key: str, script: str) -> None:
 
             seen.write_text(json.dumps(kept(dict(os.environ)), indent=0))  # what made the key, to read
         with open(seen.with_suffix(".jobs"), "a") as jobs:
-            jobs.write(f"{sys.argv[0]}\n")
+            jobs.write(f"{script}\n")
         if seen.with_suffix(".jobs").read_text().count("\n") < STARTED_BY:
             return
         if len(list(folder.glob("*.sock"))) >= MAX_ZYGOTES:
@@ -168,7 +203,8 @@ def start_zygote(folder, key: str, script: str) -> None:
         return
     with open(folder / f"{key}.log", "ab") as log:
         subprocess.Popen(
-            [sys.executable, __file__, str(folder / f"{key}.sock")], stdin=subprocess.DEVNULL, stdout=log,
+            [sys.executable, __file__, str(folder / f"{key}.sock"), *(["--snakemake"] if snakemake else [])],
+            stdin=subprocess.DEVNULL, stdout=log,
             stderr=log, start_new_session=True, cwd="/",
         )  # fmt: skip
 
@@ -290,12 +326,21 @@ def run_job(request: dict, fds: list[int]) -> int:
     if "torch" in sys.modules:  # OpenMP read the variable when the zygote imported torch; a fork's pool is rebuilt
         torch = sys.modules["torch"]  # by the thread that asks first: this one, before the job starts any (ranks.py)
         torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else torch.get_num_threads())
-    script, *args = request["argv"]
-    sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(script)
+    if (
+        "module" in request
+    ):  # `python -m module args`: the module's path first in sys.argv (run_module), cwd on sys.path
+        sys.argv = ["-m", *request["argv"]]
+        sys.path[0] = os.getcwd()
+    else:
+        script, *args = request["argv"]
+        sys.argv = [script, *args]
+        sys.path[0] = os.path.dirname(script)
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if "module" in request:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
@@ -320,7 +365,8 @@ def run_job(request: dict, fds: list[int]) -> int:
     return code
 
 
-if __name__ == "__main__":  # job_zygote.py SOCKET [--no-preload (tests/test_job_zygote.py)]
+if __name__ == "__main__":  # job_zygote.py SOCKET [--no-preload (tests/test_job_zygote.py) | --snakemake]
     from pathlib import Path
 
-    serve(Path(sys.argv[1]), () if sys.argv[2:] == ["--no-preload"] else PRELOAD)
+    preloads = {"--no-preload": (), "--snakemake": SNAKEMAKE_PRELOAD}
+    serve(Path(sys.argv[1]), preloads.get(sys.argv[2] if sys.argv[2:] else "", PRELOAD))
