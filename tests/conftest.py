@@ -28,6 +28,12 @@ SITE = REPO / "tests" / "site"
 # the scripts' package, for every command the tests start (the Snakefile sets it for its jobs), and tests/site: its
 # sitecustomize forks the workflow jobs from a Python that imported torch and transformers (site/job_zygote.py)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(SITE), os.environ.get("PYTHONPATH")]))
+# What libraries put in os.environ as they are imported (lm_eval, sklearn and threadpoolctl, DeepSpeed), set up
+# front: a worker's environment, which its commands inherit, then does not change with what its tests have imported,
+# and the jobs of a run keep one zygote key (a new key is a new zygote and three more jobs run alone)
+for _name, _value in (("HF_XET_HIGH_PERFORMANCE", "1"), ("KMP_DUPLICATE_LIB_OK", "True"),
+                      ("PYTORCH_NVML_BASED_CUDA_CHECK", "1")):  # fmt: skip
+    os.environ.setdefault(_name, _value)
 if os.environ.get("FORK_JOBS", "1") != "0":
     os.environ["JOB_ZYGOTES"] = tempfile.mkdtemp(prefix="job-zygotes-")
     (Path(os.environ["JOB_ZYGOTES"]) / "owner").write_text(str(os.getpid()))  # they end when this process has

@@ -158,6 +158,7 @@ rule a:
 """
 
 
+@pytest.mark.e2e
 def test_a_jobs_snakemake_runs_in_a_fork_as_its_own_python(zygote, tmp_path):
     """`python -m snakemake --target-jobs ...` (SLURM's batch and step Snakemakes) through a zygote of the snakemake
     kind: the same files, exit code and console as alone; a failed job's exit code as Snakemake's."""

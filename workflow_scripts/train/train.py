@@ -37,7 +37,7 @@ from workflow_scripts.train.divergence import DeadModel, NonFiniteStop
 from workflow_scripts.train.evaluator import Evaluator
 from workflow_scripts.train.metrics_logger import MetricsLogger, flops_per_sequence_fn
 from workflow_scripts.train.parallel import build_strategy, load_model, strategy_for
-from workflow_scripts.train.preemption import StopSignal
+from workflow_scripts.train.preemption import StopSignal, exit_watchdog
 from workflow_scripts.train.profiler import StepProfiler
 from workflow_scripts.train.step import train_step
 from workflow_scripts.train.trackers import TrackerSettings
@@ -231,8 +231,10 @@ def main(argv=None) -> None:
 
 
 def finish(strategy, a: argparse.Namespace, final: Path, run_record: dict) -> None:
-    """train_state.json (what consolidate_node reads), then a clean exit on every rank."""
+    """train_state.json (what consolidate_node reads), then a clean exit on every rank: one that has not ended
+    2 minutes later says where it hangs and ends itself (exit_watchdog)."""
     cfg = strategy.cfg
+    on_disk = exit_watchdog()
     if dist.get_rank() == 0:
         write_json(a.state, {
             "checkpoint": str(final), "step": run_record["total_steps"], "strategy": cfg.strategy,
@@ -240,6 +242,7 @@ def finish(strategy, a: argparse.Namespace, final: Path, run_record: dict) -> No
             "config": recorded_config(cfg), "plan": run_record, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         })  # fmt: skip
     dist.barrier()
+    on_disk.set()
     dist.destroy_process_group()
     if strategy.hard_exit and multiprocessing.parent_process() is None:
         # Everything is on disk. DeepSpeed's CPU backend can abort in interpreter teardown
