@@ -1,4 +1,4 @@
-"""preemption.exit_watchdog: a rank that hangs after training ended says where, with every thread's stack, and ends
+"""watchdog.exit_watchdog: a rank that hangs after training ended says where, with every thread's stack, and ends
 itself: 0 once everything is on disk (the final barrier passed), else 1."""
 
 import subprocess
@@ -11,7 +11,7 @@ from conftest import REPO
 HANGS = """
 import sys, threading, time
 sys.path.insert(0, {repo!r})
-from workflow_scripts.train.preemption import exit_watchdog
+from workflow_scripts.train.watchdog import exit_watchdog
 
 def stuck_in_teardown():
     time.sleep(600)

@@ -2,5 +2,5 @@
 after the imports where there is no GPU, starts it; launch.py starts one per node for training.mode joint); the rest
 are its parts: batching, checkpoint and manifest
 (checksummed, resumable on another world size), evaluator (held-out loss during training), metrics_logger and
-trackers, preemption, divergence, trainer_lock, chunked_loss. parallel/ holds the strategies, one module each.
+trackers, preemption, watchdog, divergence, trainer_lock, chunked_loss. parallel/ holds the strategies, one module each.
 """

@@ -12,13 +12,11 @@ Rank 0 writes `preempted.json` before the checkpoint: the rule maps torchrun's p
 back to 75 by it, and the job that resumes from that step records it as `resumed_after`.
 """
 
-import faulthandler
 import json
 import logging
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +27,6 @@ from workflow_scripts.core.pipeline_io import write_json
 
 log = logging.getLogger("train")
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed on a stop signal; a retry resumes
-EXIT_WATCHDOG_S = 120  # a rank still alive this long after training ended says where it hangs, and ends
 
 
 def die_with_parent() -> None:
@@ -46,32 +43,6 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
     if os.getppid() == 1:  # the parent was gone before the call
         os.kill(os.getpid(), signal.SIGTERM)
-
-
-def exit_watchdog(seconds: float = EXIT_WATCHDOG_S) -> threading.Event:
-    """Armed once training has ended and its last checkpoint is committed: a rank still alive ``seconds`` later prints
-    one line and every thread's stack, then ends itself, with 0 once the returned event is set (every rank passed the
-    final barrier: everything is on disk), else 1 (its retry resumes from that checkpoint). A hang in the process
-    group's teardown or at interpreter exit (a non-daemon thread, a native pool) would otherwise hold the job and its
-    GPUs until the time limit: CI saw a resumed run's ranks alive 10 minutes after their train_state.json. A hang
-    that holds the GIL gets faulthandler's own timer, 30 s later, which dumps and exits 1."""
-    done = threading.Event()
-    rank = os.environ.get("RANK", "0")
-
-    def fire() -> None:
-        code = 0 if done.is_set() else 1
-        where = "after the final barrier: everything is on disk" if code == 0 else "before the final barrier"
-        print(f"train: rank {rank} still running {seconds:.0f} s after training ended ({where}); its threads follow, "
-              f"then exit {code}", file=sys.stderr, flush=True)  # fmt: skip
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        os._exit(code)
-
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True  # never waited for at exit
-    timer.start()
-    faulthandler.dump_traceback_later(seconds + 30, exit=True)
-    return done
 
 
 class StopSignal:

@@ -37,11 +37,12 @@ from workflow_scripts.train.divergence import DeadModel, NonFiniteStop
 from workflow_scripts.train.evaluator import Evaluator
 from workflow_scripts.train.metrics_logger import MetricsLogger, flops_per_sequence_fn
 from workflow_scripts.train.parallel import build_strategy, load_model, strategy_for
-from workflow_scripts.train.preemption import StopSignal, exit_watchdog
+from workflow_scripts.train.preemption import StopSignal
 from workflow_scripts.train.profiler import StepProfiler
 from workflow_scripts.train.step import train_step
 from workflow_scripts.train.trackers import TrackerSettings
 from workflow_scripts.train.trainer_lock import one_trainer
+from workflow_scripts.train.watchdog import exit_watchdog
 
 log = logging.getLogger("train")
 
