@@ -42,7 +42,7 @@ from workflow_scripts.train.profiler import StepProfiler
 from workflow_scripts.train.step import train_step
 from workflow_scripts.train.trackers import TrackerSettings
 from workflow_scripts.train.trainer_lock import one_trainer
-from workflow_scripts.train.watchdog import exit_watchdog
+from workflow_scripts.train.watchdog import exit_watchdog, keep_until_exit
 
 log = logging.getLogger("train")
 
@@ -229,6 +229,7 @@ def main(argv=None) -> None:
     final = ckpt.save(data.plan.total_steps)
     metrics.close()
     finish(strategy, a, final, run_record)
+    keep_until_exit(locals())  # a forked rank ends in torchrun's code (os._exit): its objects are never torn down
 
 
 def finish(strategy, a: argparse.Namespace, final: Path, run_record: dict) -> None:
@@ -245,13 +246,16 @@ def finish(strategy, a: argparse.Namespace, final: Path, run_record: dict) -> No
     dist.barrier()
     on_disk.set()
     dist.destroy_process_group()
-    if strategy.hard_exit and multiprocessing.parent_process() is None:
-        # Everything is on disk. DeepSpeed's CPU backend can abort in interpreter teardown
-        # ("terminate called without an active exception"), which would fail a finished job. A rank that
-        # ranks.py forked returns to torchrun's code instead, which reports it done and ends it by os._exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if multiprocessing.parent_process() is None:
+        # A new Python (torchrun's own start: GPUs, TRAIN_FORK_RANKS=0). Everything is on disk: end here, not in
+        # interpreter teardown, where DeepSpeed's CPU backend can abort ("terminate called without an active
+        # exception") and a process group's destructor, run with the GIL held, can wait on a thread that waits for
+        # the GIL (a forked DDP rank hung there in a loaded test run, its stacks dumped by exit_watchdog). A rank
+        # that ranks.py forked returns to torchrun's code, which reports it done and ends it by os._exit; main()
+        # keeps its objects alive until then (keep_until_exit).
         logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
         os._exit(0)
 
 

@@ -9,6 +9,15 @@ import sys
 import threading
 
 EXIT_WATCHDOG_S = 120  # a rank still alive this long after training ended says where it hangs, and ends
+_KEPT: list = []  # keep_until_exit's
+
+
+def keep_until_exit(objects) -> None:
+    """Keep ``objects`` (a finished rank's model, optimizer, process group, data) referenced until the process ends by
+    os._exit, so that none of their destructors runs: a forked rank returns to torchrun's code, and tearing down a
+    DDP rank's objects there, with the GIL held, once waited on a thread that waited for the GIL (the job's stacks,
+    dumped by exit_watchdog: the main thread at main()'s return, a native thread with no Python frame)."""
+    _KEPT.append(objects)
 
 
 def exit_watchdog(seconds: float = EXIT_WATCHDOG_S) -> threading.Event:

@@ -141,7 +141,6 @@ class Strategy:
     model: torch.nn.Module
     scaler = None  # a GradScaler with fp16
     skipped = 0  # optimizer steps fp16 skipped for overflowing gradients
-    hard_exit = False  # end the process with os._exit once everything is on disk
     # what its ranks import beside ranks.RANK_IMPORTS (ranks.py imports them once, before it forks the ranks)
     rank_imports: tuple[str, ...] = ()
     offloads = True  # training.offload applies

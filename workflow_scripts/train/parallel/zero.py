@@ -86,7 +86,6 @@ def offload_ratio_error(stage: int, offload: str, ratio: float) -> str | None:
 
 
 class DeepSpeedStrategy(Strategy):
-    hard_exit = True  # DeepSpeed's CPU backend can abort in interpreter teardown (a finished job would fail)
     # DeepSpeed, and the module its optimizer check imports, which compiles Muon with torch.compile at import
     # (torch._inductor: 1.3 s a process once torch and transformers are imported, timed on the 2-core machine)
     rank_imports = (
