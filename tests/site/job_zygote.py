@@ -326,9 +326,8 @@ def run_job(request: dict, fds: list[int]) -> int:
     if "torch" in sys.modules:  # OpenMP read the variable when the zygote imported torch; a fork's pool is rebuilt
         torch = sys.modules["torch"]  # by the thread that asks first: this one, before the job starts any (ranks.py)
         torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else torch.get_num_threads())
-    if (
-        "module" in request
-    ):  # `python -m module args`: the module's path first in sys.argv (run_module), cwd on sys.path
+    module = request.get("module")  # `python -m module args`: the module's path first in sys.argv, cwd on sys.path
+    if module:
         sys.argv = ["-m", *request["argv"]]
         sys.path[0] = os.getcwd()
     else:
@@ -337,8 +336,8 @@ def run_job(request: dict, fds: list[int]) -> int:
         sys.path[0] = os.path.dirname(script)
     code = 0
     try:
-        if "module" in request:
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
