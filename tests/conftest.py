@@ -35,7 +35,7 @@ for _name, _value in (("HF_XET_HIGH_PERFORMANCE", "1"), ("KMP_DUPLICATE_LIB_OK",
                       ("PYTORCH_NVML_BASED_CUDA_CHECK", "1")):  # fmt: skip
     os.environ.setdefault(_name, _value)
 if os.environ.get("FORK_JOBS", "1") != "0":
-    os.environ["JOB_ZYGOTES"] = tempfile.mkdtemp(prefix="job-zygotes-")
+    os.environ["JOB_ZYGOTES"] = tempfile.mkdtemp(prefix=f"job-zygotes-{os.environ.get('PYTEST_XDIST_WORKER', 'gw')}-")
     (Path(os.environ["JOB_ZYGOTES"]) / "owner").write_text(str(os.getpid()))  # they end when this process has
     atexit.register(shutil.rmtree, os.environ["JOB_ZYGOTES"], True)
 # DeepSpeed's CPU ops (cpu_adam, built the first time a test offloads) compiled without debug info: the same code
@@ -139,15 +139,22 @@ def status(workdir: Path, run: str, env: dict | None = None) -> str:
     return proc.stdout
 
 
+def run_snakemake(
+    cmd: list[str], env: dict | None = None, cwd: Path | None = None, timeout: float = 1200
+) -> subprocess.CompletedProcess:
+    """``cmd`` (a `snakemake` command line) as subprocess.run(capture_output=True, text=True) runs it, forked from a
+    Python that imported Snakemake once (snakemake_fork.py) where its environment lets it."""
+    env, cwd = env or tool_env(), cwd or Path.cwd()
+    if FORKED_SNAKEMAKE.forkable(env):
+        return FORKED_SNAKEMAKE.run(cmd, env, cwd, timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+
+
 def snakemake(
     workdir: Path, config: dict, *args: str, check: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """Run the repo's Snakefile in ``workdir`` with ``config`` written to workdir/config.yaml."""
-    cmd, env = snakemake_cmd(workdir, config, *args), env or tool_env()
-    if FORKED_SNAKEMAKE.forkable(env):  # the same command, without importing Snakemake again (snakemake_fork.py)
-        proc = FORKED_SNAKEMAKE.run(cmd, env, Path.cwd(), timeout=1200)
-    else:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    proc = run_snakemake(snakemake_cmd(workdir, config, *args), env)
     if check and proc.returncode != 0:
         raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{job_logs(workdir)}")
     return proc
@@ -373,6 +380,23 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} takes a SLURM cluster: add its file to CLUSTER_FILES")
 
 
+# TEST_TIMELINE=<file>: a line per test start and end (time, worker, id), to attribute a suite's processes to its
+# tests (docs/benchmarks/test-suite.md)
+TIMELINE = os.environ.get("TEST_TIMELINE")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if TIMELINE:
+        with open(TIMELINE, "a") as f:
+            f.write(f"{time.time():.1f} start {os.environ.get('PYTEST_XDIST_WORKER', 'gw')} {nodeid}\n")
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if TIMELINE:
+        with open(TIMELINE, "a") as f:
+            f.write(f"{time.time():.1f} end {os.environ.get('PYTEST_XDIST_WORKER', 'gw')} {nodeid}\n")
+
+
 @pytest.fixture(scope="session")
 def tiny_dry_run(tmp_path_factory) -> subprocess.CompletedProcess:
     """`snakemake -n -p` of tiny_config("t") (per node), run once for the tests that only read its plan: each
@@ -539,7 +563,9 @@ def slurm_env(cluster) -> dict:
     """The tests' environment for Snakemake, pointed at a throwaway cluster and its partition, polling it every
     second (POLL_EVERY_SECOND on PYTHONPATH)."""
     env = cluster.client_env(tool_env()) | {"SLURM_PARTITION": cluster.partition}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(POLL_EVERY_SECOND), env.get("PYTHONPATH")) if p)
+    paths = env.get("PYTHONPATH", "").split(os.pathsep)
+    if str(POLL_EVERY_SECOND) not in paths:  # (it is, as conftest set it: the command's Snakemake can be forked)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(POLL_EVERY_SECOND), *paths) if p)
     return env
 
 

@@ -14,7 +14,7 @@ import subprocess
 import pandas as pd
 import pytest
 import yaml
-from conftest import BIN, DEMO_CSV, REPO, job_logs, tiny_config, tool_env
+from conftest import BIN, DEMO_CSV, REPO, job_logs, run_snakemake, tiny_config, tool_env
 
 NAMES = "Ava Ben Cora Dev Elif Finn Gia Hugo Ines Jon Kira Liam Mona Nils Oda Pia Quin Rosa Sami Tess Uma Vik Wren Xia"
 NAMES += " Yuri"
@@ -86,8 +86,7 @@ def space_run(tmp_path_factory, demo_assets):
     cmd = [str(BIN / "snakemake"), "-s", str(checkout / "Snakefile"), "-d", str(work),
            "--configfile", str(work / "config.yaml"), "--cores", "2"]  # fmt: skip
     # every model's evaluation and the decontamination
-    proc = subprocess.run([*cmd, "results/g/eval/summary.csv"], capture_output=True, text=True, env=tool_env(),
-                          cwd=tmp / "a b", timeout=1500)  # fmt: skip
+    proc = run_snakemake([*cmd, "results/g/eval/summary.csv"], cwd=tmp / "a b", timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:] + job_logs(work)
     return tmp, checkout, work, model, cmd, (folder, test, contaminated)
 

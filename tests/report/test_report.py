@@ -4,7 +4,6 @@ import json
 import math
 import os
 import re
-import subprocess
 
 import pytest
 from conftest import REPO
@@ -111,7 +110,7 @@ def test_leaderboard_names_the_best_model_per_metric_against_base():
 def test_landing_page_shows_the_leaderboard_and_the_plots(tmp_path):
     """Snakemake's report renders report/workflow.rst with the leaderboard page's body in it: the text (wrapped,
     not in a fixed box) and the plots embedded."""
-    from conftest import BIN
+    from conftest import BIN, run_snakemake
     from yaml import safe_load
 
     from workflow_scripts.core.settings import validated
@@ -131,8 +130,8 @@ def test_landing_page_shows_the_leaderboard_and_the_plots(tmp_path):
         " --images plot.png --output {output} --title board')\n"
     )
     for args in (["--cores", "1"], ["--report", "report.html"]):
-        proc = subprocess.run([str(BIN / "snakemake"), *args], cwd=tmp_path, capture_output=True, text=True,
-                              env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})  # fmt: skip
+        env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+        proc = run_snakemake([str(BIN / "snakemake"), *args], env, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-2000:]
     html = (tmp_path / "report.html").read_text()
     page = json.loads(re.search(r"var workflow_desc = (\".*\");", html).group(1))

@@ -32,6 +32,7 @@ from conftest import (
     copy_of_run,
     job_logs,
     planned_jobs,
+    run_snakemake,
     snakemake,
     tiny_config,
     tool_env,
@@ -372,7 +373,7 @@ def submit_example(
     cmd = [str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "-d", str(workdir)]
     cmd += [str(REPO / a) if a.startswith(("profiles/", "config/")) else a for a in argv[1:]]
 
-    dry = subprocess.run([*cmd, "-n"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    dry = run_snakemake([*cmd, "-n"], env, cwd=REPO, timeout=300)
     assert dry.returncode == 0, dry.stderr[-3000:]
     outputs = planned_outputs(dry.stdout + dry.stderr)
     assert TRAIN_RULES & set(outputs), (dry.stdout + dry.stderr)[-3000:]
@@ -387,10 +388,7 @@ def submit_example(
     fast = ["--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1"]
     fast += ["--seconds-between-status-checks", "1", "--latency-wait", "1", "--retries", "0"]
     start = time.monotonic()
-    proc = subprocess.run(
-        [*cmd, *fast, "--forcerun", *submitted_rules],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=600,
-    )  # fmt: skip
+    proc = run_snakemake([*cmd, *fast, "--forcerun", *submitted_rules], env, cwd=REPO, timeout=600)
     print(f"{name}: {time.monotonic() - start:.0f} s through the fake SLURM")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:] + job_logs(workdir)
     calls = [json.loads(line) for line in log.read_text().splitlines()]

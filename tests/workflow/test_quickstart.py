@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import BIN, DEMO_CSV, PROFILES, REPO, job_logs, slurm_env, submissions, tiny_config
+from conftest import BIN, DEMO_CSV, PROFILES, REPO, job_logs, run_snakemake, slurm_env, submissions, tiny_config
 from hub_server import HubServer, tiny_chat_model
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
@@ -113,6 +113,5 @@ def test_the_readme_quickstart_reaches_a_report_and_retrains_one_node(slurm_clus
     assert report.stat().st_mtime > (root / "train" / "node1" / "train_state.json").stat().st_mtime
     assert summary.stat().st_mtime > (node0 / "train_state.json").stat().st_mtime
     # and then nothing is stale
-    dry = subprocess.run([str(BIN / "snakemake"), "-n", "--configfile", "my.yaml", *PROFILES], cwd=clone, env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    dry = run_snakemake([str(BIN / "snakemake"), "-n", "--configfile", "my.yaml", *PROFILES], env, clone, 600)
     assert dry.returncode == 0 and "Nothing to be done" in dry.stdout + dry.stderr, (dry.stdout + dry.stderr)[-3000:]

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import BIN, REPO, planned_jobs, snakemake, tiny_config, tool_env
+from conftest import BIN, REPO, planned_jobs, run_snakemake, snakemake, tiny_config, tool_env
 
 # what a checkout is, for the copy (no results, no venv)
 CHECKOUT = ("Snakefile", "rules", "workflow_scripts", "config", "profiles", "report", "envs", "resources")
@@ -22,7 +22,7 @@ def dry_run(snakefile: Path, workdir: Path, *args: str, env: dict | None = None)
     """``snakemake -n`` of ``snakefile`` in ``workdir`` with the config the run was made with (workdir/config.yaml)."""
     cmd = [str(BIN / "snakemake"), "-s", str(snakefile), "-d", str(workdir), "--configfile",
            str(workdir / "config.yaml"), "--cores", "2", "-n", *args]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, env=env or tool_env(), timeout=600)
+    return run_snakemake(cmd, env, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_a_rewritten_plan_resumes_training_from_its_checkpoint(moved):
     target = "results/t/train/node0/train_state.json"
     cmd = [str(BIN / "snakemake"), "-s", str(snakefile), "-d", str(workdir), "--configfile",
            str(workdir / "config.yaml"), "--cores", "2", target]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
+    proc = run_snakemake(cmd, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads((workdir / "results" / "t" / "plan" / "memory.json").read_text())
     assert plan["gpu_memory_gb"] == 40 and plan["gpu_memory_source"] == "training.gpu_memory_gb"
