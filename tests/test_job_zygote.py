@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import BIN, SITE, tool_env
@@ -217,20 +218,41 @@ def wait_for_pid(path: Path) -> int:
     raise AssertionError("the job did not start")
 
 
-def test_the_third_job_that_imports_torch_starts_a_zygote_and_light_jobs_do_not_count(tmp_path, monkeypatch):
+def test_the_first_job_that_imports_torch_starts_a_zygote_and_light_jobs_do_not_count(tmp_path, monkeypatch):
     (tmp_path / "light.py").write_text("print('a page')\n")
     (tmp_path / "heavy.py").write_text("import torch\n")
     folder = tmp_path / "zygotes"
     started = []
-    monkeypatch.setattr("subprocess.Popen", lambda argv, **_: started.append(argv))
+    monkeypatch.setattr("subprocess.Popen", lambda argv, **_: started.append(argv) or SimpleNamespace(pid=os.getpid()))
     for _ in range(5):
-        job_zygote.start_zygote(folder, "k", str(tmp_path / "light.py"))
+        assert not job_zygote.start_zygote(folder, "k", str(tmp_path / "light.py"))
     assert not (folder / "k.jobs").exists() and not started
-    for _ in range(job_zygote.STARTED_BY - 1):
-        job_zygote.start_zygote(folder, "k", str(tmp_path / "heavy.py"))
-    assert not started
-    job_zygote.start_zygote(folder, "k", str(tmp_path / "heavy.py"))
-    job_zygote.start_zygote(folder, "k", str(tmp_path / "heavy.py"))  # once: k.starting is there
+    assert job_zygote.STARTED_BY == 1
+    assert job_zygote.start_zygote(folder, "k", str(tmp_path / "heavy.py"))  # started: wait for it
+    assert job_zygote.start_zygote(folder, "k", str(tmp_path / "heavy.py"))  # once (k.starting is there): wait
     assert started == [[sys.executable, job_zygote.__file__, str(folder / "k.sock")]]
+    assert (folder / "k.starting").read_text() == str(os.getpid())
     # the launchers' modules are the zygote's too: a run's launchers fork from the zygote its data jobs started
     assert {"torch.distributed.run", "deepspeed", "peft"} <= set(job_zygote.PRELOAD)
+
+
+def test_a_job_waits_for_its_keys_starting_zygote_and_not_for_a_dead_one(tmp_path):
+    import socket
+    import threading
+
+    folder = tmp_path / "zygotes"
+    folder.mkdir()
+    assert job_zygote.connect(folder, "k", wait_s=30) is None  # none starting: at once
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (folder / "k.starting").write_text(str(dead.pid))
+    start = time.monotonic()
+    assert job_zygote.connect(folder, "k", wait_s=30) is None and time.monotonic() - start < 5
+    (folder / "k.starting").write_text(str(os.getpid()))  # alive: its socket comes after its imports
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    timer = threading.Timer(0.5, lambda: (listener.bind(str(folder / "k.sock")), listener.listen(1)))
+    timer.start()
+    conn = job_zygote.connect(folder, "k", wait_s=30)
+    assert conn is not None
+    conn.close()
+    listener.close()

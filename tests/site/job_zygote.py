@@ -12,8 +12,9 @@ How it is wired: tests/site/ is on the tests' PYTHONPATH (conftest, for every co
 this pytest worker; sitecustomize.py calls `delegate()` as a job's Python starts. A zygote is keyed by the Python
 the environment a job's imports could read (READ_AT_IMPORT: not SLURM's variables, the thread counts, TMPDIR) and
 the network namespace:
-the third job with a key that imports torch or transformers starts one (the first two run as they would without this
-file), and it answers once it has imported; until then, and for any key without one, a job runs in its own Python.
+the first job with a key that imports torch or transformers starts one, and waits for it with every job of the key that
+comes while it imports (its imports take what the job's own would); a job of a key without one (MAX_ZYGOTES), or whose
+zygote did not answer within WAIT_S, runs in its own Python.
 FORK_JOBS=0 when pytest starts (JOB_ZYGOTES unset) turns it off. A zygote ends when the pytest worker that owns its
 folder has ended, or after 2 idle minutes; a worker has at most MAX_ZYGOTES at once.
 
@@ -77,7 +78,8 @@ NOT_FORKED_RULES = ("train_node", "train_joint")  # their Snakemake stays in the
 SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGURG")
 IDLE_S = 120
 MAX_ZYGOTES = 6  # a worker's at once (~500 MB resident each, ~350 of it its own; a Snakemake one ~150)
-STARTED_BY = 3  # the job with a key that starts its zygote (~10 s of CPU): a key of one or two jobs has none
+STARTED_BY = 1  # the job with a key that starts its zygote (~5 s of CPU on the fast machine type, a job alone ~4)
+WAIT_S = 120  # a job waits for its key's starting zygote this long at most, then runs alone
 
 
 def script_of(argv: list[str], environ: dict) -> str | None:
@@ -146,12 +148,10 @@ def delegate() -> None:
 
     kind = "jobs" if script else "snakemake"
     folder, key = Path(folder), key_of(dict(os.environ), kind)
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.connect(str(folder / f"{key}.sock"))
-    except OSError:
-        conn.close()
-        start_zygote(folder, key, script or "-m snakemake")
+    conn = connect(folder, key)
+    if conn is None and start_zygote(folder, key, script or "-m snakemake"):
+        conn = connect(folder, key, wait_s=WAIT_S)  # its imports take what this Python's would
+    if conn is None:
         return
     request = {"cwd": os.getcwd(), "env": dict(os.environ)}
     request |= {"argv": [script, *sys.argv[1:]]} if script else {"module": "snakemake", "argv": snakemake_args}
@@ -173,17 +173,49 @@ def delegate() -> None:
     os._exit(code)
 
 
-def start_zygote(folder, key: str, script: str) -> None:
+def connect(folder, key: str, wait_s: float = 0):
+    """A connection to ``key``'s zygote, or None: none answers (within ``wait_s``, while one is starting)."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(str(folder / f"{key}.sock"))
+            return conn
+        except OSError:
+            conn.close()
+        if time.monotonic() >= deadline or not starting(folder, key):
+            return None
+        time.sleep(0.05)
+
+
+def starting(folder, key: str) -> bool:
+    """Whether ``key``'s zygote is alive (starting, or serving): the pid its .starting file names runs."""
+    try:
+        text = (folder / f"{key}.starting").read_text()
+        if not text:  # made, its pid not written yet
+            return True
+        pid = int(text)
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def start_zygote(folder, key: str, script: str) -> bool:
     """The STARTED_BY-th job with ``key`` whose script imports torch or transformers (a light job, a report page,
     say, runs as fast alone), or the STARTED_BY-th job's Snakemake (``script`` "-m snakemake"), starts its zygote,
-    once: the .starting file is made exclusively."""
+    once: the .starting file is made exclusively. Whether a zygote for ``key`` is starting now, for this job to wait
+    for."""
     import subprocess
 
     snakemake = script == "-m snakemake"
     if not snakemake:
         with open(script, "rb") as source:
             if not any(name in source.read() for name in (b"torch", b"transformers")):
-                return
+                return False
 
     seen, starting = folder / f"{key}.seen", folder / f"{key}.starting"
     try:
@@ -195,18 +227,23 @@ def start_zygote(folder, key: str, script: str) -> None:
         with open(seen.with_suffix(".jobs"), "a") as jobs:
             jobs.write(f"{script}\n")
         if seen.with_suffix(".jobs").read_text().count("\n") < STARTED_BY:
-            return
+            return False
         if len(list(folder.glob("*.sock"))) >= MAX_ZYGOTES:
-            return
-        os.close(os.open(starting, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return False
+        made = os.open(starting, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:  # another job of the key started it
+        return True
     except OSError:
-        return
+        return False
     with open(folder / f"{key}.log", "ab") as log:
-        subprocess.Popen(
+        zygote = subprocess.Popen(
             [sys.executable, __file__, str(folder / f"{key}.sock"), *(["--snakemake"] if snakemake else [])],
             stdin=subprocess.DEVNULL, stdout=log,
             stderr=log, start_new_session=True, cwd="/",
         )  # fmt: skip
+    os.write(made, str(zygote.pid).encode())
+    os.close(made)
+    return True
 
 
 def serve(sock_path, preload: tuple[str, ...] = PRELOAD) -> None:
