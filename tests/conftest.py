@@ -25,6 +25,10 @@ from snakemake_fork import ForkedSnakemake
 
 REPO = Path(__file__).resolve().parents[1]
 SITE = REPO / "tests" / "site"
+# bytecode written, whatever the environment says (PYTHONDONTWRITEBYTECODE, as in some containers): the suite's
+# Pythons and forks then compile the checkout's modules and the tests' assertion rewrites once, not each time
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 # the scripts' package, for every command the tests start (the Snakefile sets it for its jobs), and tests/site: its
 # sitecustomize forks the workflow jobs from a Python that imported torch and transformers (site/job_zygote.py)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(SITE), os.environ.get("PYTHONPATH")]))
