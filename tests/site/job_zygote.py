@@ -8,15 +8,16 @@ directory, environment, standard streams and arguments, with the interpreter's e
 the job's own process, which stays the job (Snakemake, the shell and SLURM see and signal it; it forwards what it
 gets to the child's process group, and the child is killed when that process dies). Only the imports are shared.
 
-How it is wired: tests/site/ is on the tests' PYTHONPATH (conftest, for every command), JOB_ZYGOTES naming a folder of
-this pytest worker; sitecustomize.py calls `delegate()` as a job's Python starts. A zygote is keyed by the Python
+How it is wired: tests/site/ is on the tests' PYTHONPATH (conftest, for every command), JOB_ZYGOTES naming the suite's
+folder; sitecustomize.py calls `delegate()` as a job's Python starts. A zygote is keyed by the Python
 the environment a job's imports could read (READ_AT_IMPORT: not SLURM's variables, the thread counts, TMPDIR) and
 the network namespace:
 the first job with a key that imports torch or transformers starts one, and waits for it with every job of the key that
 comes while it imports (its imports take what the job's own would); a job of a key without one (MAX_ZYGOTES), or whose
 zygote did not answer within WAIT_S, runs in its own Python.
-FORK_JOBS=0 when pytest starts (JOB_ZYGOTES unset) turns it off. A zygote ends when the pytest worker that owns its
-folder has ended, or after 2 idle minutes; a worker has at most MAX_ZYGOTES at once.
+FORK_JOBS=0 when pytest starts (JOB_ZYGOTES unset) turns it off. The folder is the suite's (pytest's main process made
+it; its workers share the zygotes). A zygote ends when the process that owns its folder has ended, or after 2 idle
+minutes; there are at most MAX_ZYGOTES at once.
 
 The trainer's launcher (ranks.py, torchrun, whose ranks it forks after importing what they import: ~11 s of CPU a
 start), and check_ranks.py (the same for a test's own rank script), are forked too when they run one node's ranks
@@ -77,7 +78,7 @@ NOT_FORKED_RULES = ("train_node", "train_joint")  # their Snakemake stays in the
 # forwarded to the forked job (SIGURG: SLURM's warning before a time limit, which only the ranks handle)
 SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGURG")
 IDLE_S = 120
-MAX_ZYGOTES = 6  # a worker's at once (~500 MB resident each, ~350 of it its own; a Snakemake one ~150)
+MAX_ZYGOTES = 10  # at once (~500 MB resident each, ~350 of it its own; a Snakemake one ~150)
 STARTED_BY = 1  # the job with a key that starts its zygote (~5 s of CPU on the fast machine type, a job alone ~4)
 WAIT_S = 120  # a job waits for its key's starting zygote this long at most, then runs alone
 
