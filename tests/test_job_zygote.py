@@ -248,6 +248,11 @@ def test_a_job_waits_for_its_keys_starting_zygote_and_not_for_a_dead_one(tmp_pat
     (folder / "k.starting").write_text(str(dead.pid))
     start = time.monotonic()
     assert job_zygote.connect(folder, "k", wait_s=30) is None and time.monotonic() - start < 5
+    (folder / "k.starting").write_text("")  # made long ago, its pid never written (its job died in between)
+    os.utime(folder / "k.starting", (time.time() - 60, time.time() - 60))
+    assert not job_zygote.starting(folder, "k")
+    (folder / "k.starting").write_text("")  # just made
+    assert job_zygote.starting(folder, "k")
     (folder / "k.starting").write_text(str(os.getpid()))  # alive: its socket comes after its imports
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     timer = threading.Timer(0.5, lambda: (listener.bind(str(folder / "k.sock")), listener.listen(1)))

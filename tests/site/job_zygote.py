@@ -194,10 +194,13 @@ def connect(folder, key: str, wait_s: float = 0):
 
 def starting(folder, key: str) -> bool:
     """Whether ``key``'s zygote is alive (starting, or serving): the pid its .starting file names runs."""
+    import time
+
     try:
-        text = (folder / f"{key}.starting").read_text()
-        if not text:  # made, its pid not written yet
-            return True
+        marker = folder / f"{key}.starting"
+        text = marker.read_text()
+        if not text:  # made, its pid not written yet (or never: its job died in between)
+            return time.time() - marker.stat().st_mtime < 10
         pid = int(text)
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
@@ -218,7 +221,7 @@ def start_zygote(folder, key: str, script: str) -> bool:
             if not any(name in source.read() for name in (b"torch", b"transformers")):
                 return False
 
-    seen, starting = folder / f"{key}.seen", folder / f"{key}.starting"
+    seen, marker = folder / f"{key}.seen", folder / f"{key}.starting"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         if not seen.exists():
@@ -231,7 +234,7 @@ def start_zygote(folder, key: str, script: str) -> bool:
             return False
         if len(list(folder.glob("*.sock"))) >= MAX_ZYGOTES:
             return False
-        made = os.open(starting, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        made = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:  # another job of the key started it
         return True
     except OSError:
