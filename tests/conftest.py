@@ -1,14 +1,12 @@
 """Shared fixtures: the demo model and tokenized shards built once, a Snakemake runner, the trainer's
 command line, one local end-to-end run, and the throwaway SLURM clusters (one host, two hosts)."""
 
-import atexit
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,34 +20,13 @@ from scheduling import (  # noqa: F401 (the scheduler's hooks, registered with t
     run_group,
 )
 from snakemake_fork import ForkedSnakemake
+from suite_env import (  # noqa: F401 (the timeline's hooks, registered with this conftest)
+    REPO,
+    SITE,
+    pytest_runtest_logfinish,
+    pytest_runtest_logstart,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-SITE = REPO / "tests" / "site"
-# bytecode written, whatever the environment says (PYTHONDONTWRITEBYTECODE, as in some containers): the suite's
-# Pythons and forks then compile the checkout's modules and the tests' assertion rewrites once, not each time
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-sys.dont_write_bytecode = False
-# the scripts' package, for every command the tests start (the Snakefile sets it for its jobs), and tests/site: its
-# sitecustomize forks the workflow jobs from a Python that imported torch and transformers (site/job_zygote.py)
-# (once: a pytest-xdist worker, which inherits the variable, imports this file again; the Snakefile's jobs get it
-# deduplicated (pipeline_io.module_env), and a test's own command must have the same, the zygotes' key)
-_paths = [str(REPO), str(SITE), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(filter(None, _paths)))
-# What libraries put in os.environ as they are imported (lm_eval, sklearn and threadpoolctl, DeepSpeed), set up
-# front: a worker's environment, which its commands inherit, then does not change with what its tests have imported,
-# and the jobs of a run keep one zygote key (a new key is a new zygote)
-for _name, _value in (("HF_XET_HIGH_PERFORMANCE", "1"), ("KMP_DUPLICATE_LIB_OK", "True"),
-                      ("PYTORCH_NVML_BASED_CUDA_CHECK", "1")):  # fmt: skip
-    os.environ.setdefault(_name, _value)
-# the job zygotes' folder: one for the suite, made by pytest's main process (pytest-xdist's workers inherit it), so a
-# key's zygote serves every worker's jobs
-_inherited = os.environ.get("PYTEST_XDIST_WORKER") and "JOB_ZYGOTES" in os.environ
-if os.environ.get("FORK_JOBS", "1") != "0" and not _inherited:
-    os.environ["JOB_ZYGOTES"] = tempfile.mkdtemp(prefix="job-zygotes-")
-    (Path(os.environ["JOB_ZYGOTES"]) / "owner").write_text(str(os.getpid()))  # they end when this process has
-    atexit.register(shutil.rmtree, os.environ["JOB_ZYGOTES"], True)
-# DeepSpeed's CPU ops (cpu_adam, built the first time a test offloads) compiled without debug info: the same code
-os.environ.setdefault("CXX", str(REPO / "tests" / "site" / "g++-without-debug-info"))
 BIN = Path(sys.executable).parent
 DEMO_CSV = REPO / "resources" / "demo" / "instructions.csv"
 FORKED_SNAKEMAKE = ForkedSnakemake(BIN / "python")
@@ -388,23 +365,6 @@ def pytest_collection_modifyitems(config, items):
                 raise pytest.UsageError(f"{item.nodeid} takes the {fixture} fixture: mark it @pytest.mark.{marker}")
         if fixtures & {"slurm_cluster", "two_hosts"} and run_group(item.nodeid) != CLUSTERS:
             raise pytest.UsageError(f"{item.nodeid} takes a SLURM cluster: add its file to CLUSTER_FILES")
-
-
-# TEST_TIMELINE=<file>: a line per test start and end (time, worker, id), to attribute a suite's processes to its
-# tests (docs/benchmarks/test-suite.md)
-TIMELINE = os.environ.get("TEST_TIMELINE")
-
-
-def pytest_runtest_logstart(nodeid, location):
-    if TIMELINE:
-        with open(TIMELINE, "a") as f:
-            f.write(f"{time.time():.1f} start {os.environ.get('PYTEST_XDIST_WORKER', 'gw')} {nodeid}\n")
-
-
-def pytest_runtest_logfinish(nodeid, location):
-    if TIMELINE:
-        with open(TIMELINE, "a") as f:
-            f.write(f"{time.time():.1f} end {os.environ.get('PYTEST_XDIST_WORKER', 'gw')} {nodeid}\n")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """The tests' Snakemake polls the throwaway SLURM cluster every second; the tests' workflow jobs are forked from a
-Python that imported torch once (job_zygote.py). conftest puts this folder on every test command's PYTHONPATH.
+Python that imported torch once (job_zygote.py). tests/suite_env.py puts this folder on every test command's PYTHONPATH.
 
 Why: snakemake-executor-plugin-slurm waits 10 s longer before each status check that finds no job finished (up
 to 180 s; no setting changes the step), so on the test cluster a job of a minute was seen finished up to ~40 s
