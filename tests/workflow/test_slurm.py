@@ -140,9 +140,27 @@ def test_rerunning_one_nodes_training_submits_one_job(slurm_cluster, slurm_run):
     assert (train / "node0" / "train_state.json").stat().st_mtime_ns == untouched
 
 
+# A Ctrl-C that lands while the plugin's status check holds the submitted jobs out of the executor's list cancels
+# none (the upstream race docs/slurm.md describes; a check just after submitting can take seconds, its rate limiter
+# and its retries for jobs squeue does not list yet): such an attempt is made again, up to this many in all
+SIGINT_ATTEMPTS = 3
+
+
 def test_sigint_cancels_the_slurm_jobs(slurm_cluster, ddp_run, tmp_path):
+    for attempt in range(SIGINT_ATTEMPTS):
+        states, returncode, failure = sigint_once(slurm_cluster, ddp_run, tmp_path / f"attempt{attempt}")
+        if "CANCELLED" in states:
+            break
+    assert "CANCELLED" in states, failure
+    assert returncode != 0
+
+
+def sigint_once(slurm_cluster, ddp_run, tmp_path) -> tuple[set, int, tuple]:
+    """A SLURM run of the demo, its Ctrl-C once a training job runs: the states of its jobs, Snakemake's exit code,
+    and what a failure shows."""
     # the finished local run without its training and what comes of it (Snakemake makes no missing file that no
     # target needs): the SLURM run submits the training jobs first
+    tmp_path.mkdir(parents=True)
     workdir = copy_of_run(ddp_run[0], tmp_path / "work", drop=("train", "checkpoints", "models", "eval"))
     # training that lasts until it is cancelled (the demo's 12 steps can be done, job and all, between the check
     # below and the SIGINT)
@@ -171,8 +189,7 @@ def test_sigint_cancels_the_slurm_jobs(slurm_cluster, ddp_run, tmp_path):
             jobs = slurm_cluster.jobs(name=run_id(text))
             if not any(j["state"] == "RUNNING" and j["comment"].startswith("rule_train") for j in jobs):
                 return None
-            # and no status check of Snakemake's in flight: while one is, the executor interface holds the jobs
-            # out of its active list, and a Ctrl-C then cancels none (an upstream race, docs/slurm.md)
+            # and no status check of Snakemake's in flight (its squeue: the race above)
             return None if status_check_running(proc.pid) else run_id(text)
 
         rid = slurm_cluster.wait_for(all_submitted_and_one_running, timeout=180, what="a running SLURM job")
@@ -180,8 +197,7 @@ def test_sigint_cancels_the_slurm_jobs(slurm_cluster, ddp_run, tmp_path):
         proc.wait(timeout=120)
         slurm_cluster.wait_for(lambda: not slurm_cluster.jobs(), timeout=60, what="an empty squeue after SIGINT")
         states = {j["state"] for j in slurm_cluster.jobs(all_states=True, name=rid)}
-        assert "CANCELLED" in states, (states, log.read_text()[-3000:], job_logs(workdir))
-        assert proc.returncode != 0
+        return states, proc.returncode, (states, log.read_text()[-3000:], job_logs(workdir))
     finally:
         if proc.poll() is None:
             proc.kill()
