@@ -43,12 +43,14 @@ TIMELINE = os.environ.get("TEST_TIMELINE")
 
 
 def pytest_runtest_logstart(nodeid, location):
-    if TIMELINE:
-        with open(TIMELINE, "a") as f:
-            f.write(f"{time.time():.1f} start {os.environ.get('PYTEST_XDIST_WORKER', 'gw')} {nodeid}\n")
+    timeline("start", nodeid)
 
 
 def pytest_runtest_logfinish(nodeid, location):
+    timeline("end", nodeid)
+
+
+def timeline(event: str, nodeid: str) -> None:
     if TIMELINE:
         with open(TIMELINE, "a") as f:
-            f.write(f"{time.time():.1f} end {os.environ.get('PYTEST_XDIST_WORKER', 'gw')} {nodeid}\n")
+            f.write(f"{time.time():.1f} {event} {os.environ.get('PYTEST_XDIST_WORKER', 'gw')} {nodeid}\n")
